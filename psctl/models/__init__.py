@@ -1,0 +1,51 @@
+"""Built-in training programs, importable by name from a cluster spec.
+
+Each module (``psctl.models.softmax``, ``psctl.models.mlp``, ``psctl.models.wide_embedding``) exposes
+``build(args, data, seed)`` returning a :class:`psctl.runtime.program.Program`, with hand-written numpy
+backward passes so the runtime needs nothing beyond numpy. Data sources live in :mod:`psctl.models.data`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from psctl.runtime.program import EmbeddingRows, Params
+
+MODELS = ("psctl.models.softmax", "psctl.models.mlp", "psctl.models.wide_embedding")
+
+
+def resolve_args(program: str, args: Mapping[str, Any], defaults: Mapping[str, int | None]) -> dict[str, int]:
+    """Positive-integer args with defaults filled in; unknown keys are refused so typos do not pass silently.
+
+    A default of ``None`` means "could not be inferred from the data config": the user must give it.
+    """
+    unknown = sorted(set(args) - set(defaults))
+    if unknown:
+        raise ValueError(
+            f"unknown arg(s) {', '.join(map(repr, unknown))} for {program}; valid args: {', '.join(sorted(defaults))}"
+        )
+    resolved = {}
+    for key, default in defaults.items():
+        value = args.get(key, default)
+        if value is None:
+            raise ValueError(f"{program} needs args.{key}: it cannot be inferred from the data config")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"args.{key} for {program} must be a positive integer, got {value!r}")
+        resolved[key] = int(value)
+    return resolved
+
+
+def dense(params: Params, name: str) -> np.ndarray:
+    """A dense variable from ``params`` (a clear error if the runtime handed rows instead)."""
+    value = params[name]
+    if isinstance(value, EmbeddingRows):
+        raise TypeError(f"variable {name!r} is dense but was given as embedding rows")
+    return np.asarray(value)
+
+
+def compute_dtype(param: np.ndarray) -> np.dtype:
+    """float32 for float32 (or narrower) params; float64 when the caller checks gradients in float64."""
+    return np.result_type(param.dtype, np.float32)

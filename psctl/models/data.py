@@ -1,0 +1,326 @@
+"""Data sources for the built-in programs: deterministic, shardable, resumable batches.
+
+A worker's input is a pure function of (data config, seed, split, shard, position), so a restarted worker
+resumes exactly where its last step left off, and every role that builds the same program sees the same
+examples. Nothing here depends on wall-clock time or on process state beyond caches.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: The names a data config may give as ``name``; the user's own files are given by ``path`` instead.
+DATA_SOURCES = ("digits", "synthetic_classification", "synthetic_embedding")
+SPLITS = ("train", "test")
+TEST_FRACTION = 0.2
+#: The train/test split ignores the run's seed, so the test set stays the same from run to run.
+_SPLIT_SEED = 0x5EED5
+_SEED_MASK = (1 << 64) - 1
+
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "digits": {},
+    "synthetic_classification": {"num_examples": 10000, "num_features": 784, "num_classes": 10, "noise": 0.1},
+    "synthetic_embedding": {"num_examples": 20000, "vocab_size": 100000, "ids_per_example": 10, "zipf": 0.0},
+    ".npz": {"x": "x", "y": "y"},
+    ".csv": {"label_column": -1, "skip_header": False, "delimiter": ","},
+}
+
+
+@dataclass(eq=False)
+class ArrayDataset:
+    """An endless, epoch-shuffled stream over in-memory arrays; batch ``k`` is a pure function of ``k``.
+
+    The stream is the concatenation of one permutation of the examples per epoch (derived from
+    ``(seed, epoch)``); batch ``k`` of size ``bs`` is elements ``[k*bs, (k+1)*bs)`` of that stream, so
+    consecutive batches cover every example exactly once per epoch and none is skipped at epoch boundaries.
+    """
+
+    x: np.ndarray
+    y: np.ndarray
+    seed: int
+    #: len(x); a plain attribute rather than a property because the Dataset protocol declares it so.
+    num_examples: int = field(init=False)
+    _perms: dict[int, np.ndarray] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.x) != len(self.y):
+            raise ValueError(f"x has {len(self.x)} examples but y has {len(self.y)}")
+        if len(self.x) == 0:
+            raise ValueError("a dataset needs at least one example")
+        self.num_examples = len(self.x)
+
+    def batch(self, position: int, batch_size: int) -> dict[str, np.ndarray]:
+        """Batch number ``position`` of the stream (``{"x": ..., "y": ...}``)."""
+        if position < 0:
+            raise ValueError(f"batch position must be >= 0, got {position}")
+        if batch_size < 1:
+            raise ValueError(f"batch size must be >= 1, got {batch_size}")
+        n = self.num_examples
+        start, stop = position * batch_size, (position + 1) * batch_size
+        parts = []
+        while start < stop:
+            epoch, offset = divmod(start, n)
+            take = min(stop - start, n - offset)
+            parts.append(self.epoch_order(epoch)[offset : offset + take])
+            start += take
+        idx = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return {"x": self.x[idx], "y": self.y[idx]}
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The order in which ``epoch`` visits the examples (cached: consecutive batches share it)."""
+        order = self._perms.get(epoch)
+        if order is None:
+            rng = np.random.default_rng([self.seed & _SEED_MASK, epoch])
+            order = rng.permutation(self.num_examples)
+            if len(self._perms) >= 2:
+                self._perms.pop(next(iter(self._perms)))
+            self._perms[epoch] = order
+        return order
+
+
+@dataclass(frozen=True)
+class DataShape:
+    """What a model can infer from a data config without the user repeating it in ``args``."""
+
+    num_features: int | None
+    num_classes: int | None
+    vocab_size: int | None
+
+
+def load_dataset(data: Mapping[str, Any], *, split: str, shard: int, num_shards: int, seed: int) -> ArrayDataset:
+    """The examples of ``split`` that belong to ``shard``: every ``num_shards``-th one of the split."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}")
+    if not _is_int(num_shards) or num_shards < 1:
+        raise ValueError(f"num_shards must be an integer >= 1, got {num_shards!r}")
+    if not _is_int(shard) or not 0 <= shard < num_shards:
+        raise ValueError(f"shard index {shard!r} is out of range: use 0..{num_shards - 1}")
+    x, y = _source_arrays(data, seed)
+    idx = _split_indices(len(x), split)[shard::num_shards]
+    if len(idx) == 0:
+        raise ValueError(
+            f"shard {shard} of {num_shards} of the {split} split is empty (the split has "
+            f"{len(_split_indices(len(x), split))} examples): use fewer shards or more data"
+        )
+    return ArrayDataset(x[idx], y[idx], seed)
+
+
+def data_shape(data: Mapping[str, Any], seed: int) -> DataShape:
+    """Features, classes and vocabulary size implied by a data config (files are read to find out)."""
+    kind, opts = _parse(data)
+    if kind == "digits":
+        return DataShape(64, 10, None)
+    if kind == "synthetic_classification":
+        return DataShape(opts["num_features"], opts["num_classes"], None)
+    if kind == "synthetic_embedding":
+        return DataShape(opts["ids_per_example"], 2, opts["vocab_size"])
+    x, y = _source_arrays(data, seed)
+    num_classes = int(y.max()) + 1 if y.dtype.kind == "i" else None
+    vocab_size = int(x.max()) + 1 if x.dtype.kind == "i" else None
+    return DataShape(int(np.prod(x.shape[1:])), num_classes, vocab_size)
+
+
+def _source_arrays(data: Mapping[str, Any], seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """All examples of a source (before the split), cached so build() and dataset() read a file once."""
+    kind, opts = _parse(data)
+    stamp: tuple[str, int, int] | None = None
+    if kind.startswith("."):
+        path = Path(opts["path"]).expanduser()
+        if not path.is_file():
+            raise ValueError(f"data file {opts['path']!r} does not exist: check data.path")
+        stat = path.stat()
+        stamp = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    seed_key = seed & _SEED_MASK if kind.startswith("synthetic") else 0
+    return _load(kind, tuple(sorted(opts.items())), seed_key, stamp)
+
+
+@functools.lru_cache(maxsize=4)
+def _load(
+    kind: str, items: tuple[tuple[str, Any], ...], seed: int, stamp: tuple[str, int, int] | None
+) -> tuple[np.ndarray, np.ndarray]:
+    opts = dict(items)
+    if kind == "digits":
+        x, y = _digits()
+    elif kind == "synthetic_classification":
+        x, y = _synthetic_classification(opts, seed)
+    elif kind == "synthetic_embedding":
+        x, y = _synthetic_embedding(opts, seed)
+    elif kind == ".npz":
+        x, y = _read_npz(opts)
+    else:
+        x, y = _read_csv(opts)
+    x, y = _as_examples(x, y, opts.get("path", kind))
+    x.flags.writeable = False  # shared by every caller through the cache
+    y.flags.writeable = False
+    return x, y
+
+
+def _parse(data: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Validate a data config: (source kind, options with defaults filled in)."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"data config must be a mapping, got {type(data).__name__}")
+    if "name" in data and "path" in data:
+        raise ValueError("data config gives both 'name' and 'path': give one")
+    if "name" in data:
+        kind = data["name"]
+        if kind not in DATA_SOURCES:
+            raise ValueError(f"unknown data source {kind!r}: use one of {', '.join(DATA_SOURCES)} or give 'path'")
+        given = {k: v for k, v in data.items() if k != "name"}
+    elif "path" in data:
+        if not isinstance(data["path"], (str, Path)):
+            raise ValueError(f"data.path must be a file name, got {data['path']!r}")
+        kind = Path(data["path"]).suffix.lower()
+        if kind not in (".npz", ".csv"):
+            raise ValueError(f"data file {str(data['path'])!r} must end in .npz or .csv")
+        given = {k: v for k, v in data.items() if k != "path"}
+    else:
+        raise ValueError(
+            f"data config needs 'name' (one of {', '.join(DATA_SOURCES)}) or 'path' (an .npz or .csv file)"
+        )
+    defaults = _DEFAULTS[kind]
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        valid = ", ".join(sorted(defaults)) or "none"
+        source = kind if "name" in data else f"{kind} files"
+        raise ValueError(f"unknown data key(s) {', '.join(map(repr, unknown))} for {source}; valid: {valid}")
+    opts = {**defaults, **given}
+    _check_options(kind, opts)
+    if "path" in data:
+        opts["path"] = str(data["path"])
+    return kind, opts
+
+
+def _check_options(kind: str, opts: dict[str, Any]) -> None:
+    minimums = {"num_examples": 1, "num_features": 1, "num_classes": 2, "vocab_size": 1, "ids_per_example": 1}
+    for key, minimum in minimums.items():
+        if key in opts and (not _is_int(opts[key]) or opts[key] < minimum):
+            raise ValueError(f"data.{key} must be an integer >= {minimum}, got {opts[key]!r}")
+    for key in ("noise", "zipf"):
+        if key in opts and (not _is_number(opts[key]) or opts[key] < 0):
+            raise ValueError(f"data.{key} must be a number >= 0, got {opts[key]!r}")
+    if kind == "synthetic_embedding" and 0 < opts["zipf"] <= 1:
+        raise ValueError(f"data.zipf must be 0 (uniform ids) or > 1 (Zipf exponent), got {opts['zipf']!r}")
+    for key in ("x", "y", "delimiter"):
+        if key in opts and not isinstance(opts[key], str):
+            raise ValueError(f"data.{key} must be a string, got {opts[key]!r}")
+    if "label_column" in opts and not _is_int(opts["label_column"]):
+        raise ValueError(f"data.label_column must be an integer, got {opts['label_column']!r}")
+    if "skip_header" in opts and not isinstance(opts["skip_header"], bool):
+        raise ValueError(f"data.skip_header must be true or false, got {opts['skip_header']!r}")
+
+
+def _split_indices(n: int, split: str) -> np.ndarray:
+    order = np.random.default_rng(_SPLIT_SEED).permutation(n)
+    n_test = round(n * TEST_FRACTION)
+    return np.sort(order[:n_test] if split == "test" else order[n_test:])
+
+
+def _digits() -> tuple[np.ndarray, np.ndarray]:
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise ValueError("the digits data set ships with scikit-learn: pip install 'psctl[datasets]'") from None
+    digits = load_digits()
+    return (digits.data / 16.0).astype(np.float32), digits.target.astype(np.int64)
+
+
+def _synthetic_classification(opts: dict[str, Any], seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Gaussian inputs labelled by a random linear teacher, so a linear model can learn them."""
+    rng = np.random.default_rng([seed, 1])
+    n, f, c = opts["num_examples"], opts["num_features"], opts["num_classes"]
+    teacher = rng.standard_normal((f, c), dtype=np.float32)
+    x = rng.standard_normal((n, f), dtype=np.float32)
+    logits = x @ teacher / np.float32(np.sqrt(f))  # unit-scale logits, so `noise` is relative to signal
+    logits += np.float32(opts["noise"]) * rng.standard_normal((n, c), dtype=np.float32)
+    return x, logits.argmax(axis=1).astype(np.int64)
+
+
+def _synthetic_embedding(opts: dict[str, Any], seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Id lists labelled by a hidden per-id weight: y = mean(w_true[ids]) > 0."""
+    rng = np.random.default_rng([seed, 2])
+    n, vocab, k, zipf = opts["num_examples"], opts["vocab_size"], opts["ids_per_example"], opts["zipf"]
+    if zipf:
+        ids = np.minimum(rng.zipf(float(zipf), size=(n, k)) - 1, vocab - 1).astype(np.int64)
+    else:
+        ids = rng.integers(0, vocab, size=(n, k), dtype=np.int64)
+    w_true = rng.standard_normal(vocab)
+    return ids, (w_true[ids].mean(axis=1) > 0).astype(np.int64)
+
+
+def _read_npz(opts: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    path = opts["path"]
+    try:
+        with np.load(Path(path).expanduser(), allow_pickle=False) as arrays:
+            names = list(arrays.files)
+            if opts["x"] in names and opts["y"] in names:
+                return arrays[opts["x"]], arrays[opts["y"]]
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile) as e:
+        raise ValueError(f"cannot read {path} as .npz: {_one_line(e)}") from None
+    missing = next(opts[k] for k in ("x", "y") if opts[k] not in names)
+    have = ", ".join(names) or "none"
+    raise ValueError(f"{path} has no array {missing!r} (it has {have}): set data.x / data.y")
+
+
+def _read_csv(opts: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    path = opts["path"]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an empty file warns; it is reported below instead
+            table = np.loadtxt(
+                Path(path).expanduser(),
+                delimiter=opts["delimiter"],
+                skiprows=1 if opts["skip_header"] else 0,
+                ndmin=2,
+                dtype=np.float64,
+            )
+    except ValueError as e:
+        hint = "" if opts["skip_header"] else "; set skip_header: true if the first line is a header"
+        raise ValueError(f"cannot read {path} as CSV numbers: {_one_line(e)}{hint}") from None
+    if table.size == 0:
+        raise ValueError(f"{path} has no rows of data")
+    cols = table.shape[1]
+    if cols < 2:
+        raise ValueError(f"{path} needs at least two columns (features and a label), found {cols}")
+    col = opts["label_column"]
+    if not -cols <= col < cols:
+        raise ValueError(f"data.label_column {col} is out of range for {path}, which has {cols} columns")
+    return np.delete(table, col, axis=1), table[:, col]
+
+
+def _as_examples(x: np.ndarray, y: np.ndarray, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Common dtypes and shapes: x float32 features (or int64 ids), y int64 labels when integral."""
+    if x.ndim == 0 or y.ndim == 0:
+        raise ValueError(f"{where}: x and y must be arrays of examples, not scalars")
+    if len(x) != len(y):
+        raise ValueError(f"{where}: x has {len(x)} examples but y has {len(y)}")
+    if len(x) == 0:
+        raise ValueError(f"{where} has no examples")
+    x = x.reshape(len(x), -1)
+    y = y.reshape(len(y)) if y.ndim == 2 and y.shape[1] == 1 else y
+    x = x.astype(np.int64) if x.dtype.kind in "iu" else x.astype(np.float32)
+    if y.dtype.kind in "biu" or (y.dtype.kind == "f" and np.all(np.isfinite(y)) and np.all(y == np.round(y))):
+        y = y.astype(np.int64)
+    elif y.dtype.kind == "f":
+        y = y.astype(np.float32)
+    return np.ascontiguousarray(x), np.ascontiguousarray(y)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

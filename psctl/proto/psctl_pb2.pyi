@@ -1,0 +1,272 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DENSE: _ClassVar[Kind]
+    IDS: _ClassVar[Kind]
+    ROWS: _ClassVar[Kind]
+DENSE: Kind
+IDS: Kind
+ROWS: Kind
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data", "offset")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    offset: int
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class NamedTensor(_message.Message):
+    __slots__ = ("name", "kind", "tensor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: Kind
+    tensor: Tensor
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[Kind, str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class VariableSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "full_shape", "row_offset", "initializer", "init_scale", "seed")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    FULL_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ROW_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZER_FIELD_NUMBER: _ClassVar[int]
+    INIT_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    full_shape: _containers.RepeatedScalarFieldContainer[int]
+    row_offset: int
+    initializer: str
+    init_scale: float
+    seed: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., full_shape: _Optional[_Iterable[int]] = ..., row_offset: _Optional[int] = ..., initializer: _Optional[str] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class OptimizerConfig(_message.Message):
+    __slots__ = ("name", "learning_rate", "params")
+    class ParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    learning_rate: float
+    params: _containers.ScalarMap[str, float]
+    def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., params: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class InitRequest(_message.Message):
+    __slots__ = ("variables", "optimizer", "cluster_id")
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    variables: _containers.RepeatedCompositeFieldContainer[VariableSpec]
+    optimizer: OptimizerConfig
+    cluster_id: str
+    def __init__(self, variables: _Optional[_Iterable[_Union[VariableSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., cluster_id: _Optional[str] = ...) -> None: ...
+
+class InitResponse(_message.Message):
+    __slots__ = ("already_initialized", "global_step")
+    ALREADY_INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    already_initialized: bool
+    global_step: int
+    def __init__(self, already_initialized: _Optional[bool] = ..., global_step: _Optional[int] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[NamedTensor]
+    def __init__(self, entries: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ...) -> None: ...
+
+class PullResponse(_message.Message):
+    __slots__ = ("entries", "global_step")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[NamedTensor]
+    global_step: int
+    def __init__(self, entries: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., global_step: _Optional[int] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("step_id", "task", "incarnation", "entries", "increment_global_step", "local_step", "shard", "position")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    INCREMENT_GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    task: str
+    incarnation: int
+    entries: _containers.RepeatedCompositeFieldContainer[NamedTensor]
+    increment_global_step: bool
+    local_step: int
+    shard: int
+    position: int
+    def __init__(self, step_id: _Optional[int] = ..., task: _Optional[str] = ..., incarnation: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., increment_global_step: _Optional[bool] = ..., local_step: _Optional[int] = ..., shard: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("applied", "global_step", "stale")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    applied: bool
+    global_step: int
+    stale: bool
+    def __init__(self, applied: _Optional[bool] = ..., global_step: _Optional[int] = ..., stale: _Optional[bool] = ...) -> None: ...
+
+class PushChunk(_message.Message):
+    __slots__ = ("part",)
+    PART_FIELD_NUMBER: _ClassVar[int]
+    part: PushRequest
+    def __init__(self, part: _Optional[_Union[PushRequest, _Mapping]] = ...) -> None: ...
+
+class PullChunk(_message.Message):
+    __slots__ = ("part",)
+    PART_FIELD_NUMBER: _ClassVar[int]
+    part: PullResponse
+    def __init__(self, part: _Optional[_Union[PullResponse, _Mapping]] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("include_step_ids",)
+    INCLUDE_STEP_IDS_FIELD_NUMBER: _ClassVar[int]
+    include_step_ids: bool
+    def __init__(self, include_step_ids: _Optional[bool] = ...) -> None: ...
+
+class VariableInfo(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StateResponse(_message.Message):
+    __slots__ = ("global_step", "variables", "applied_updates", "duplicate_updates", "fenced_updates", "initialized", "applied_step_ids", "shard_positions")
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    FENCED_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_STEP_IDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    global_step: int
+    variables: _containers.RepeatedCompositeFieldContainer[VariableInfo]
+    applied_updates: int
+    duplicate_updates: int
+    fenced_updates: int
+    initialized: bool
+    applied_step_ids: _containers.RepeatedScalarFieldContainer[int]
+    shard_positions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, global_step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., applied_updates: _Optional[int] = ..., duplicate_updates: _Optional[int] = ..., fenced_updates: _Optional[int] = ..., initialized: _Optional[bool] = ..., applied_step_ids: _Optional[_Iterable[int]] = ..., shard_positions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("step_id", "shard", "position", "function")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    shard: int
+    position: int
+    function: str
+    def __init__(self, step_id: _Optional[int] = ..., shard: _Optional[int] = ..., position: _Optional[int] = ..., function: _Optional[str] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("loss", "examples", "metrics", "compute_seconds", "step_seconds", "global_step", "applied")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    loss: float
+    examples: int
+    metrics: _containers.ScalarMap[str, float]
+    compute_seconds: float
+    step_seconds: float
+    global_step: int
+    applied: bool
+    def __init__(self, loss: _Optional[float] = ..., examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., compute_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., global_step: _Optional[int] = ..., applied: _Optional[bool] = ...) -> None: ...
+
+class PingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PingResponse(_message.Message):
+    __slots__ = ("incarnation", "task")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    incarnation: int
+    task: str
+    def __init__(self, incarnation: _Optional[int] = ..., task: _Optional[str] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("task", "incarnation", "pid", "global_step", "local_step", "loss", "steps_per_second", "rss_bytes", "status", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    task: str
+    incarnation: int
+    pid: int
+    global_step: int
+    local_step: int
+    loss: float
+    steps_per_second: float
+    rss_bytes: int
+    status: str
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, task: _Optional[str] = ..., incarnation: _Optional[int] = ..., pid: _Optional[int] = ..., global_step: _Optional[int] = ..., local_step: _Optional[int] = ..., loss: _Optional[float] = ..., steps_per_second: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., status: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("fenced",)
+    FENCED_FIELD_NUMBER: _ClassVar[int]
+    fenced: bool
+    def __init__(self, fenced: _Optional[bool] = ...) -> None: ...

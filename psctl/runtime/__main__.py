@@ -1,0 +1,127 @@
+"""``python -m psctl.runtime``: run this process's role, as the environment describes it.
+
+Exit codes: 0 done (or stopped by SIGTERM), 1 unexpected failure, 2 bad configuration (permanent: restarting
+cannot help), 3 training failed (a non-retryable error in the program; also permanent).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+from psctl.runtime.cluster import ClusterConfigError, ClusterInfo, from_env
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_CONFIG = 2
+EXIT_TRAINING_FAILED = 3
+
+
+def _serve(info: ClusterInfo, stop: threading.Event) -> int:
+    from psctl.runtime.rpc import make_server
+
+    server, _port = make_server(info.bind_address(), info.tls)
+    if info.task_type == "ps":
+        from psctl.proto import psctl_pb2_grpc as pb_grpc
+        from psctl.runtime.ps import ParameterServerServicer, VariableStore
+
+        pb_grpc.add_ParameterServerServicer_to_server(
+            ParameterServerServicer(VariableStore(cluster_id=info.cluster_id)), server
+        )
+    else:
+        from psctl.proto import psctl_pb2_grpc as pb_grpc
+        from psctl.runtime.config import TrainingConfig
+        from psctl.runtime.model import ShardedModel
+        from psctl.runtime.program import ProgramRef, load_program
+        from psctl.runtime.ps_client import PsClient
+        from psctl.runtime.worker import WorkerServicer
+
+        cfg = TrainingConfig.from_dict(info.training)
+        program = load_program(ProgramRef(cfg.program, cfg.args, cfg.data, cfg.seed))
+        model = ShardedModel(program, len(info.ps), cfg.partitioner)
+        servicer = WorkerServicer(
+            model,
+            PsClient(info.ps, tls=info.tls),
+            task=info.task,
+            incarnation=info.incarnation or int(time.time() * 1000),
+            batch_size=cfg.batch_size,
+            num_shards=len(info.workers),
+        )
+        pb_grpc.add_WorkerServicer_to_server(servicer, server)
+    server.start()
+    logging.info("%s serving on %s (incarnation %d)", info.task, info.address, info.incarnation)
+    stop.wait()
+    server.stop(grace=2).wait()
+    logging.info("%s stopped", info.task)
+    return EXIT_OK
+
+
+def _chief(info: ClusterInfo, stop: threading.Event) -> int:
+    from psctl.runtime.chief import Chief, Interrupted
+    from psctl.runtime.coordinator import CancelledError, PsUnavailableError, StepError
+
+    chief = Chief(info, stop=stop)
+    try:
+        chief.run()
+    except StepError as exc:
+        logging.error("training failed: %s", exc)
+        return EXIT_TRAINING_FAILED
+    except Interrupted as exc:
+        logging.info("%s", exc)
+        return EXIT_OK
+    except (PsUnavailableError, CancelledError) as exc:
+        logging.error("training interrupted: %s", exc)
+        return EXIT_FAILURE
+    finally:
+        chief.close()
+    return EXIT_OK
+
+
+def main() -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout, force=True
+    )
+    try:
+        info = from_env()
+    except ClusterConfigError as exc:
+        print(f"psctl.runtime: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        logging.info("%s received %s: stopping", info.task, signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    logging.info("%s starting (pid %d)", info.task, os.getpid())
+    heartbeat = None
+    if info.supervisor:
+        from psctl.runtime.heartbeat import Heartbeater
+
+        heartbeat = Heartbeater(info)
+        heartbeat.start()
+    try:
+        if info.task_type == "chief":
+            return _chief(info, stop)
+        if info.task_type in ("ps", "worker"):
+            return _serve(info, stop)
+        if info.task_type == "evaluator":
+            from psctl.runtime.evaluator import run_evaluator
+
+            return run_evaluator(info, stop)
+        return EXIT_CONFIG
+    except (ValueError, ImportError) as exc:
+        logging.error("%s: configuration error: %s", info.task, exc)
+        return EXIT_CONFIG
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

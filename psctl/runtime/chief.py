@@ -1,0 +1,136 @@
+"""The chief: creates the variables, schedules every training step, logs metrics, evaluates at the end.
+
+It keeps no training state of its own that matters: the global step and each data shard's position live
+on ps 0, so a restarted chief reads them back and carries on without losing or repeating a step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from psctl.runtime.cluster import ClusterInfo
+from psctl.runtime.config import TrainingConfig
+from psctl.runtime.coordinator import Closure, ClusterCoordinator
+from psctl.runtime.evaluation import evaluate_split
+from psctl.runtime.metrics import MetricsFile, TrainingMeter
+from psctl.runtime.model import ShardedModel
+from psctl.runtime.program import ProgramRef, load_program
+from psctl.runtime.ps_client import PsClient
+
+log = logging.getLogger("psctl.chief")
+
+#: Step ids of different chief incarnations never collide: the incarnation is the high part.
+STEP_ID_STRIDE = 1 << 40
+
+
+class Interrupted(Exception):
+    """The chief was asked to stop (SIGTERM) before training finished."""
+
+
+class Chief:
+    def __init__(self, info: ClusterInfo, *, stop: threading.Event | None = None, ready_timeout: float = 120.0) -> None:
+        self.info = info
+        self.config = TrainingConfig.from_dict(info.training)
+        self.stop = stop or threading.Event()
+        self.ready_timeout = ready_timeout
+        cfg = self.config
+        self.program = load_program(ProgramRef(cfg.program, cfg.args, cfg.data, cfg.seed))
+        self.model = ShardedModel(self.program, len(info.ps), cfg.partitioner)
+        self.ps = PsClient(info.ps, tls=info.tls)
+        self.meter = TrainingMeter()
+        run_dir = Path(info.run_dir)
+        self.metrics = MetricsFile(run_dir / "metrics.jsonl")
+        self.result_path = run_dir / "result.json"
+        self.start_step = 0
+        self._reporting_done = threading.Event()
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.config
+        log.info("waiting for %d ps", len(self.info.ps))
+        self.ps.wait_ready(self.ready_timeout)
+        replies = self.ps.init(self.model.shard_specs(cfg.seed), cfg.optimizer_proto(), self.info.cluster_id)
+        state = self.ps.state(0)
+        self.start_step = state.global_step
+        if replies[0].already_initialized:
+            log.info("ps already hold the variables: resuming at global step %d", self.start_step)
+        cursors = {i: p + 1 for i, p in enumerate(state.shard_positions) if p >= 0}
+        remaining = max(0, cfg.steps - self.start_step)
+        log.info(
+            "training %s: %d variables over %d ps, %d workers, %d steps to go (mode %s)",
+            cfg.program, len(self.model.layouts), len(self.info.ps), len(self.info.workers), remaining, cfg.mode,
+        )
+        coordinator = ClusterCoordinator(
+            self.info.workers,
+            tls=self.info.tls,
+            step_id_base=self.info.incarnation * STEP_ID_STRIDE,
+            cursors=cursors,
+            step_timeout=cfg.step_timeout or None,
+            on_result=self._on_result,
+            on_worker_event=lambda message: log.warning("%s", message),
+        )
+        reporter = threading.Thread(target=self._report_loop, name="metrics", daemon=True)
+        reporter.start()
+        started = time.monotonic()
+        try:
+            window = 2 * len(self.info.workers) + 2
+            for _ in range(remaining):
+                if self.stop.is_set():
+                    break
+                coordinator.wait_below(window)
+                coordinator.schedule("train")
+            coordinator.join()
+        finally:
+            coordinator.shutdown()
+            self._reporting_done.set()
+            reporter.join(timeout=5)
+        if self.stop.is_set():
+            raise Interrupted(f"stopped at global step {self.ps.state(0).global_step} of {cfg.steps}")
+        metrics, global_step = evaluate_split(self.model, self.ps)
+        seconds = time.monotonic() - started
+        result = {
+            "global_step": global_step,
+            "steps_this_run": global_step - self.start_step,
+            "seconds": round(seconds, 3),
+            "retried_steps": coordinator.retries,
+            "metrics": metrics,
+            "checkpoint": None,
+        }
+        self._report(final=True)
+        self.metrics.write({"time": time.time(), "event": "final", **result})
+        tmp = self.result_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=2))
+        os.replace(tmp, self.result_path)
+        log.info(
+            "training done: global step %d, %s",
+            global_step,
+            ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "examples"),
+        )
+        return result
+
+    def _on_result(self, closure: Closure, response: Any, worker: int) -> None:
+        if closure.function == "train":
+            self.meter.record(loss=response.loss, examples=response.examples, global_step=response.global_step)
+
+    def _report(self, *, final: bool = False) -> None:
+        report = self.meter.report()
+        record = {"time": time.time(), "event": "progress", **report}
+        self.metrics.write(record)
+        if not final:
+            log.info(
+                "step %d loss %.4f %.1f steps/s %.0f examples/s",
+                report["global_step"], report["loss"], report["steps_per_sec"], report["examples_per_sec"],
+            )
+
+    def _report_loop(self) -> None:
+        while not self._reporting_done.wait(self.config.log_every_seconds):
+            self._report()
+
+    def close(self) -> None:
+        self.ps.close()
+        self.metrics.close()

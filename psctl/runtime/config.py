@@ -1,0 +1,48 @@
+"""The training section of a cluster spec, as the runtime receives it (JSON in PSCTL_CLUSTER).
+
+The launcher validates the spec with line numbers and fills its defaults; this class only gives the
+runtime typed access, with the same defaults for a runtime started by hand from TF_CONFIG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from psctl.proto import psctl_pb2 as pb
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    program: str = "psctl.models.mlp"
+    args: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=lambda: {"name": "digits"})
+    batch_size: int = 100
+    optimizer: dict[str, Any] = field(default_factory=lambda: {"name": "adam", "learning_rate": 0.01})
+    mode: str = "async"
+    replicas_to_aggregate: int | None = None
+    total_replicas: int | None = None
+    staleness: int | None = None
+    steps: int = 1000
+    seed: int = 0
+    partitioner: dict[str, Any] | None = None
+    checkpoint: dict[str, Any] | None = None
+    log_every_seconds: float = 1.0
+    eval_every_steps: int = 0
+    #: Seconds a step may run before it is re-scheduled on another worker (0: no deadline).
+    step_timeout: float = 0.0
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> TrainingConfig:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown training keys {unknown}; known: {sorted(known)}")
+        return cls(**{k: v for k, v in raw.items() if v is not None or k in ("partitioner", "checkpoint")})
+
+    def optimizer_proto(self) -> pb.OptimizerConfig:
+        opt = dict(self.optimizer)
+        name = str(opt.pop("name", "adam"))
+        lr = float(opt.pop("learning_rate", 0.01))
+        return pb.OptimizerConfig(name=name, learning_rate=lr, params={k: float(v) for k, v in opt.items()})

@@ -1,0 +1,327 @@
+"""The coordinator: TensorFlow's ClusterCoordinator API (schedule / join / done / fetch) over gRPC.
+
+One thread per worker takes closures from a shared queue and runs them one at a time on its worker.
+
+What differs from TensorFlow, on purpose:
+- A training closure is bound to a data position (shard, batch index) the first time a worker takes it, and
+  keeps that binding through retries. A step re-run elsewhere after its worker died consumes exactly the batch
+  the dead worker would have; the shard's cursor is never rewound, so nothing is repeated or skipped.
+- A closure keeps its step id through retries; the PS applies a step id at most once, so a retried closure
+  never double-applies (TensorFlow's closures run at least once and can).
+
+Worker failures (UNAVAILABLE, CANCELLED, DEADLINE_EXCEEDED, a fenced worker) put the closure back at the
+front of the queue and mark the worker dead; its thread probes it until a process answers again (the same
+address, usually a new incarnation) and then gives it work again. Any other error is not retryable: queued
+closures are cancelled and ``join()`` raises it, naming the worker and the cause.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from psctl.proto import psctl_pb2 as pb
+from psctl.proto import psctl_pb2_grpc as pb_grpc
+from psctl.runtime.cluster import TlsFiles
+from psctl.runtime.rpc import make_channel
+
+log = logging.getLogger("psctl.coordinator")
+
+_WORKER_LOST = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.PERMISSION_DENIED,  # a fenced zombie: its replacement will answer at the same address
+}
+
+
+class StepError(Exception):
+    """A closure failed in a way that retrying elsewhere cannot fix."""
+
+    def __init__(self, task: str, cause: str) -> None:
+        super().__init__(f"{task}: {cause}")
+        self.task = task
+        self.cause = cause
+
+
+class CancelledError(Exception):
+    """The closure was cancelled because another one failed; schedule it again."""
+
+
+class PsUnavailableError(Exception):
+    """A PS stayed unreachable longer than the coordinator was allowed to wait."""
+
+
+class RemoteValue:
+    """The future result of a scheduled closure."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def _set(self, value: Any) -> None:
+        self._value = value
+        self._event.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def fetch(self, timeout: float | None = None) -> Any:
+        if not self._event.wait(timeout):
+            raise TimeoutError("the closure has not finished")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+@dataclass
+class Closure:
+    function: str
+    step_id: int
+    remote: RemoteValue
+    shard: int | None = None
+    position: int | None = None
+    attempts: int = 0
+    tried_on: list[int] = field(default_factory=list)
+
+
+@dataclass
+class WorkerState:
+    index: int
+    address: str
+    alive: bool = True
+    incarnation: int | None = None
+    steps: int = 0
+    failures: int = 0
+
+
+ResultCallback = Callable[[Closure, pb.StepResponse, int], None]
+
+
+class ClusterCoordinator:
+    def __init__(
+        self,
+        workers: Sequence[str],
+        *,
+        tls: TlsFiles | None = None,
+        step_id_base: int = 0,
+        cursors: dict[int, int] | None = None,
+        step_timeout: float | None = None,
+        worker_wait: float = 3600.0,
+        ps_wait: float = 300.0,
+        probe_interval: float = 0.5,
+        on_result: ResultCallback | None = None,
+        on_worker_event: Callable[[str], None] | None = None,
+    ) -> None:
+        self.workers = [WorkerState(i, a) for i, a in enumerate(workers)]
+        self._channels = [make_channel(a, tls) for a in workers]
+        self._stubs = [pb_grpc.WorkerStub(c) for c in self._channels]
+        self._next_step_id = step_id_base
+        self.cursors: dict[int, int] = {i: 0 for i in range(len(workers))}
+        self.cursors.update(cursors or {})
+        self.step_timeout = step_timeout
+        self.worker_wait = worker_wait
+        self.ps_wait = ps_wait
+        self.probe_interval = probe_interval
+        self.on_result = on_result
+        self.on_worker_event = on_worker_event or (lambda message: log.warning("%s", message))
+        self.retries = 0
+        self._queue: collections.deque[Closure] = collections.deque()
+        self._inflight = 0
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._stopping = threading.Event()
+        self._ps_down_since: float | None = None
+        self._threads = [
+            threading.Thread(target=self._run_worker, args=(w,), name=f"coord-worker-{w.index}", daemon=True)
+            for w in self.workers
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # -- TensorFlow's API ---------------------------------------------------------------------------------
+    def schedule(
+        self, function: str = "train", *, shard: int | None = None, position: int | None = None
+    ) -> RemoteValue:
+        """Queue a step; returns at once. The data position is bound when a worker takes it, unless given."""
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            self._next_step_id += 1
+            closure = Closure(function, self._next_step_id, RemoteValue(), shard, position)
+            self._queue.append(closure)
+            self._cond.notify_all()
+            return closure.remote
+
+    def done(self) -> bool:
+        """True when nothing is queued or running; raises (and clears) a non-retryable error."""
+        with self._cond:
+            self._raise_error()
+            return not self._queue and self._inflight == 0
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._inflight:
+                if self._error is not None:
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"{len(self._queue)} queued and {self._inflight} running steps remain")
+                self._cond.wait(timeout=0.5 if remaining is None else min(0.5, remaining))
+            self._raise_error()
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue) + self._inflight
+
+    def wait_below(self, limit: int) -> None:
+        """Block until fewer than ``limit`` closures are pending (keeps the queue short), or an error."""
+        with self._cond:
+            while len(self._queue) + self._inflight >= limit and self._error is None:
+                self._cond.wait(timeout=0.5)
+            self._raise_error()
+
+    @staticmethod
+    def fetch(values: Any) -> Any:
+        if isinstance(values, RemoteValue):
+            return values.fetch()
+        if isinstance(values, (list, tuple)):
+            return type(values)(ClusterCoordinator.fetch(v) for v in values)
+        return values
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        with self._cond:
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        for channel in self._channels:
+            channel.close()
+
+    # -- internals ------------------------------------------------------------------------------------
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Record a non-retryable error and cancel everything queued (caller holds the lock)."""
+        self._error = error
+        while self._queue:
+            self._queue.popleft().remote._fail(CancelledError("cancelled, please reschedule"))
+        self._cond.notify_all()
+
+    def _take(self) -> Closure | None:
+        with self._cond:
+            while not self._queue and not self._stopping.is_set():
+                self._cond.wait(timeout=0.5)
+            if self._stopping.is_set():
+                return None
+            self._inflight += 1
+            return self._queue.popleft()
+
+    def _finish(self, closure: Closure, *, requeue: bool = False, error: BaseException | None = None) -> None:
+        with self._cond:
+            self._inflight -= 1
+            if requeue:
+                self.retries += 1
+                self._queue.appendleft(closure)
+            if error is not None:
+                closure.remote._fail(error)
+                if self._error is None:
+                    self._fail_all(error)
+            self._cond.notify_all()
+
+    def _probe(self, worker: WorkerState) -> bool:
+        try:
+            reply = self._stubs[worker.index].Ping(pb.PingRequest(), timeout=max(1.0, self.probe_interval * 2))
+        except grpc.RpcError:
+            return False
+        if worker.incarnation is not None and reply.incarnation != worker.incarnation:
+            self.on_worker_event(f"worker:{worker.index} is back as a new process (incarnation {reply.incarnation})")
+        worker.incarnation = reply.incarnation
+        return True
+
+    def _wait_for_worker(self, worker: WorkerState) -> bool:
+        deadline = time.monotonic() + self.worker_wait
+        while not self._stopping.is_set() and time.monotonic() < deadline:
+            if self._probe(worker):
+                worker.alive = True
+                return True
+            self._stopping.wait(self.probe_interval)
+        return False
+
+    def _run_worker(self, worker: WorkerState) -> None:
+        stub = self._stubs[worker.index]
+        while not self._stopping.is_set():
+            if not worker.alive and not self._wait_for_worker(worker):
+                if not self._stopping.is_set():
+                    self.on_worker_event(f"worker:{worker.index} did not come back within {self.worker_wait:.0f}s")
+                return
+            closure = self._take()
+            if closure is None:
+                return
+            if closure.function == "train" and closure.shard is None:
+                closure.shard = worker.index
+                with self._cond:
+                    closure.position = self.cursors[worker.index]
+                    self.cursors[worker.index] += 1
+            closure.attempts += 1
+            closure.tried_on.append(worker.index)
+            request = pb.StepRequest(
+                step_id=closure.step_id,
+                shard=closure.shard if closure.shard is not None else worker.index,
+                position=closure.position or 0,
+                function=closure.function,
+            )
+            try:
+                response = stub.RunStep(request, timeout=self.step_timeout)
+            except grpc.RpcError as exc:
+                self._on_rpc_error(worker, closure, exc)
+                continue
+            worker.steps += 1
+            with self._cond:
+                self._ps_down_since = None
+            if self.on_result is not None:
+                self.on_result(closure, response, worker.index)
+            closure.remote._set(response)
+            self._finish(closure)
+
+    def _on_rpc_error(self, worker: WorkerState, closure: Closure, exc: grpc.RpcError) -> None:
+        code, details = exc.code(), exc.details() or ""  # type: ignore[attr-defined]
+        if code in _WORKER_LOST:
+            worker.alive = False
+            worker.failures += 1
+            self.on_worker_event(
+                f"worker:{worker.index} lost ({code.name}: {details.strip()[:200]}); "
+                f"step {closure.step_id} goes back on the queue"
+            )
+            self._finish(closure, requeue=True)
+            return
+        if code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith("ps unavailable"):
+            with self._cond:
+                now = time.monotonic()
+                if self._ps_down_since is None:
+                    self._ps_down_since = now
+                    self.on_worker_event(f"{details}; pausing until it is back")
+                waited = now - self._ps_down_since
+            if waited > self.ps_wait:
+                self._finish(closure, error=PsUnavailableError(f"{details} for {waited:.0f}s"))
+            else:
+                self._finish(closure, requeue=True)
+                self._stopping.wait(self.probe_interval)
+            return
+        self._finish(closure, error=StepError(f"worker:{worker.index}", f"{code.name}: {details}"))

@@ -1,0 +1,99 @@
+"""Heartbeats from a role to its supervisor: liveness plus progress, at a steady interval.
+
+Best effort by design: a role never depends on its supervisor (if the supervisor is gone, training goes on),
+so a failed heartbeat is retried at the next tick and never raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from psctl.proto import psctl_pb2 as pb
+from psctl.proto import psctl_pb2_grpc as pb_grpc
+from psctl.runtime.cluster import ClusterInfo
+from psctl.runtime.rpc import make_channel
+
+log = logging.getLogger("psctl.heartbeat")
+
+
+@dataclass
+class Progress:
+    """What a role reports; updated by the role, read by the heartbeat thread."""
+
+    global_step: int = 0
+    local_step: int = 0
+    loss: float = float("nan")
+    steps_per_second: float = 0.0
+    status: str = "starting"
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+#: The process's current progress; roles update it in place.
+PROGRESS = Progress()
+
+
+def _rss() -> int:
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class Heartbeater:
+    def __init__(
+        self,
+        info: ClusterInfo,
+        *,
+        interval: float | None = None,
+        progress: Progress = PROGRESS,
+        on_fenced: Callable[[], None] | None = None,
+    ) -> None:
+        self.info = info
+        supervision = info.training.get("_supervision", {}) if isinstance(info.training, dict) else {}
+        self.interval = interval or float(os.environ.get("PSCTL_HEARTBEAT_INTERVAL", supervision.get("interval", 1.0)))
+        self.progress = progress
+        self.on_fenced = on_fenced or (lambda: os._exit(0))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> None:
+        if not self._thread.is_alive():
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        assert self.info.supervisor is not None
+        channel = make_channel(self.info.supervisor, self.info.tls)
+        stub = pb_grpc.SupervisorStub(channel)
+        while not self._stop.is_set():
+            p = self.progress
+            request = pb.HeartbeatRequest(
+                task=self.info.task,
+                incarnation=self.info.incarnation,
+                pid=os.getpid(),
+                global_step=p.global_step,
+                local_step=p.local_step,
+                loss=p.loss,
+                steps_per_second=p.steps_per_second,
+                rss_bytes=_rss(),
+                status=p.status,
+                metrics=p.metrics,
+            )
+            try:
+                reply = stub.Heartbeat(request, timeout=max(1.0, self.interval))
+                if reply.fenced:
+                    log.error("%s incarnation %d was replaced: exiting", self.info.task, self.info.incarnation)
+                    self.on_fenced()
+            except grpc.RpcError:
+                pass
+            self._stop.wait(self.interval)
+        channel.close()

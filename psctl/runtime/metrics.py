@@ -1,0 +1,88 @@
+"""Training metrics: a rate meter, and a JSON-lines writer that status and plots read later."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+
+class MetricsFile:
+    """Appends one JSON object per line, flushed each time (a crash loses at most the line being written)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: TextIO = self.path.open("a", encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def write(self, record: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        line = json.dumps(clean, sort_keys=True)
+        with self._lock:
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Every complete record of a metrics file (a torn last line is skipped)."""
+    records = []
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class TrainingMeter:
+    """Counts steps and examples and reports rates over the last reporting interval."""
+
+    def __init__(self, *, get_time: Callable[[], float] = time.monotonic) -> None:
+        self._time = get_time
+        self._lock = threading.Lock()
+        self.steps = 0
+        self.examples = 0
+        self.global_step = 0
+        self.loss = float("nan")
+        self._loss_sum = 0.0
+        self._loss_n = 0
+        self._mark = (get_time(), 0, 0)
+
+    def record(self, *, loss: float, examples: int, global_step: int) -> None:
+        with self._lock:
+            self.steps += 1
+            self.examples += examples
+            self.global_step = max(self.global_step, global_step)
+            self._loss_sum += loss
+            self._loss_n += 1
+
+    def report(self) -> dict[str, float]:
+        """Rates and mean loss since the previous report."""
+        with self._lock:
+            now = self._time()
+            then, steps, examples = self._mark
+            elapsed = max(now - then, 1e-9)
+            if self._loss_n:
+                self.loss = self._loss_sum / self._loss_n
+            out = {
+                "global_step": self.global_step,
+                "loss": self.loss,
+                "steps_per_sec": (self.steps - steps) / elapsed,
+                "examples_per_sec": (self.examples - examples) / elapsed,
+            }
+            self._mark = (now, self.steps, self.examples)
+            self._loss_sum, self._loss_n = 0.0, 0
+            return out

@@ -1,0 +1,136 @@
+"""A program's variables laid out over the parameter servers: what to pull, and where each gradient goes.
+
+Chief, workers and the evaluator compute the same layout from the same program and configuration (it is a
+pure function of them), so no layout ever travels over the network.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from psctl.proto import psctl_pb2 as pb
+from psctl.runtime.program import EmbeddingRows, Grads, Params, Program, SparseGrad
+from psctl.runtime.strategy import (
+    VariableLayout,
+    partitioner_from_config,
+    plan_layout,
+    route_ids,
+    shard_slices_for_global,
+    stitch_rows,
+)
+from psctl.runtime.wire import DENSE, IDS, ROWS, Entry
+
+PerPs = dict[int, list[Entry]]
+
+
+class ShardedModel:
+    def __init__(self, program: Program, num_ps: int, partitioner: Mapping[str, Any] | None = None) -> None:
+        self.program = program
+        self.num_ps = num_ps
+        self.layouts: dict[str, VariableLayout] = plan_layout(
+            program.variables(), num_ps, partitioner_from_config(partitioner)
+        )
+
+    # -- creation -------------------------------------------------------------------------------------
+    def shard_specs(self, seed: int) -> dict[int, list[pb.VariableSpec]]:
+        """The VariableSpecs each PS creates; initial values depend on the seed, not on the sharding."""
+        out: dict[int, list[pb.VariableSpec]] = {i: [] for i in range(self.num_ps)}
+        for layout in self.layouts.values():
+            var = layout.variable
+            var_seed = (seed * 1_000_003 + zlib.crc32(var.name.encode())) % (1 << 63)
+            for shard in layout.shards:
+                out[shard.ps].append(
+                    pb.VariableSpec(
+                        name=shard.name,
+                        dtype=var.dtype,
+                        shape=list(shard.shape),
+                        full_shape=list(var.shape),
+                        row_offset=shard.row_offset,
+                        initializer=var.initializer,
+                        init_scale=var.init_scale,
+                        seed=var_seed,
+                    )
+                )
+        return out
+
+    # -- pulls ----------------------------------------------------------------------------------------
+    def pull_plan(self, embedding_ids: Mapping[str, np.ndarray] | None = None, *, full: bool = False) -> PerPs:
+        """What to ask each PS for: whole shards of dense variables, and the rows of embeddings a batch needs.
+
+        ``full=True`` pulls embeddings whole too (evaluation, export, checkpoints).
+        """
+        plan: PerPs = {i: [] for i in range(self.num_ps)}
+        empty = np.zeros(0, dtype=np.float32)
+        for name, layout in self.layouts.items():
+            if layout.variable.embedding and not full:
+                ids = (embedding_ids or {}).get(name)
+                if ids is None:
+                    continue
+                for shard, _positions, local in route_ids(layout, np.asarray(ids, dtype=np.int64)):
+                    plan[shard.ps].append(Entry(shard.name, IDS, local.astype(np.int64, copy=False)))
+            else:
+                for shard in layout.shards:
+                    plan[shard.ps].append(Entry(shard.name, DENSE, empty))
+        return plan
+
+    def pull_bytes(self, plan: PerPs) -> dict[int, int]:
+        """Expected response size per PS, to choose between the unary and the streaming rpc."""
+        sizes: dict[str, int] = {}
+        for layout in self.layouts.values():
+            itemsize = np.dtype(layout.variable.dtype).itemsize
+            for shard in layout.shards:
+                sizes[shard.name] = itemsize * int(np.prod(shard.shape[1:], dtype=np.int64))
+                sizes[shard.name + "#all"] = itemsize * int(np.prod(shard.shape, dtype=np.int64))
+        return {
+            ps: sum(sizes[e.name + "#all"] if e.kind == DENSE else sizes[e.name] * len(e.array) for e in entries)
+            for ps, entries in plan.items()
+        }
+
+    def assemble(
+        self, embedding_ids: Mapping[str, np.ndarray] | None, pulled: Mapping[int, Sequence[Entry]]
+    ) -> Params:
+        """Join pulled shards into whole variables, and embedding rows into EmbeddingRows."""
+        by_name: dict[tuple[str, int], np.ndarray] = {}
+        for entries in pulled.values():
+            for entry in entries:
+                by_name[(entry.name, entry.kind)] = entry.array
+        params: dict[str, np.ndarray | EmbeddingRows] = {}
+        for name, layout in self.layouts.items():
+            if layout.variable.embedding and (embedding_ids or {}).get(name) is not None:
+                ids = np.asarray(embedding_ids[name], dtype=np.int64)  # type: ignore[index]
+                routed = route_ids(layout, ids)
+                rows = [by_name[(shard.name, ROWS)] for shard, _p, _l in routed]
+                params[name] = EmbeddingRows(ids=ids, rows=stitch_rows(layout, ids, routed, rows))
+            elif all((s.name, DENSE) in by_name for s in layout.shards):
+                parts = [by_name[(s.name, DENSE)] for s in layout.shards]
+                params[name] = parts[0] if len(parts) == 1 else layout.join(parts)
+        return params
+
+    # -- pushes ---------------------------------------------------------------------------------------
+    def push_plan(self, grads: Grads) -> PerPs:
+        plan: PerPs = {i: [] for i in range(self.num_ps)}
+        for name, grad in grads.items():
+            layout = self.layouts.get(name)
+            if layout is None:
+                raise ValueError(f"the program returned a gradient for unknown variable {name!r}")
+            dtype = np.dtype(layout.variable.dtype)
+            if isinstance(grad, SparseGrad):
+                ids = np.asarray(grad.ids, dtype=np.int64)
+                values = np.asarray(grad.values, dtype=dtype)
+                for shard, local, rows in shard_slices_for_global(layout, ids, values):
+                    plan[shard.ps].append(Entry(shard.name, IDS, np.asarray(local, dtype=np.int64)))
+                    plan[shard.ps].append(Entry(shard.name, ROWS, np.ascontiguousarray(rows, dtype=dtype)))
+            else:
+                grad = np.asarray(grad, dtype=dtype)
+                if grad.shape != layout.variable.shape:
+                    raise ValueError(
+                        f"gradient for {name!r} has shape {grad.shape}, the variable is {layout.variable.shape}"
+                    )
+                parts = [grad] if len(layout.shards) == 1 else layout.split(grad)
+                for shard, part in zip(layout.shards, parts, strict=True):
+                    plan[shard.ps].append(Entry(shard.name, DENSE, np.ascontiguousarray(part)))
+        return plan

@@ -1,0 +1,308 @@
+"""Optimizers that run on the parameter server, beside the variable shards they update.
+
+The PS holds each shard and its optimizer slots and applies pushed gradients in place, so the update
+rules here are the whole optimizer: they follow the TensorFlow/Keras conventions (``ApplyMomentum``,
+``ApplyAdagrad``, ``ApplyAdam`` and their lazy ``Sparse`` forms) so that a model trained under psctl
+behaves like the same model trained with TF's parameter-server strategy.
+
+Every update is computed into temporaries first and only then written back, and every argument is
+checked before that: a bad push raises ``ValueError`` and leaves the variable and its slots exactly as
+they were, so one malformed request cannot corrupt a shard. Arithmetic is done in the variable's dtype
+(hyperparameters are cast to it), so a float32 shard stays float32 and costs float32 bandwidth.
+
+Per-variable scalar state (Adam's step count ``t``) lives in the slots dict as a 0-d array, so that
+checkpointing the slots captures the optimizer's whole state.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import ClassVar
+
+import numpy as np
+
+__all__ = [
+    "OPTIMIZERS",
+    "SGD",
+    "Adagrad",
+    "Adam",
+    "Momentum",
+    "Optimizer",
+    "make_optimizer",
+]
+
+Slots = dict[str, np.ndarray]
+
+
+class Optimizer(ABC):
+    """An update rule plus the per-variable state (slots) it needs.
+
+    ``slot_names`` lists every key ``create_slots`` returns; those also in ``scalar_slot_names`` are
+    0-d per-variable state, the others have the variable's shape and dtype and are updated row by row
+    by ``apply_sparse``.
+    """
+
+    name: ClassVar[str]
+    slot_names: ClassVar[tuple[str, ...]] = ()
+    scalar_slot_names: ClassVar[tuple[str, ...]] = ()
+    #: Hyperparameters accepted by make_optimizer's ``params`` (besides learning_rate), with defaults.
+    param_defaults: ClassVar[Mapping[str, float]] = {}
+
+    def __init__(self, learning_rate: float) -> None:
+        self.learning_rate = _check_range(
+            "learning_rate", learning_rate, "a finite number > 0", lambda x: x > 0
+        )
+
+    # -- public API ---------------------------------------------------------------------------------
+
+    def create_slots(self, var: np.ndarray) -> Slots:
+        """Fresh slots for ``var``: row slots zero-filled (or the rule's initial value), scalars 0."""
+        _check_float_var(var)
+        slots: Slots = {}
+        for key in self.slot_names:
+            if key in self.scalar_slot_names:
+                slots[key] = np.zeros((), dtype=np.int64)
+            else:
+                slots[key] = np.full(var.shape, self._slot_initial_value(key), dtype=var.dtype)
+        return slots
+
+    def apply_dense(self, var: np.ndarray, grad: np.ndarray, slots: Slots) -> None:
+        """Apply the whole-variable gradient ``grad`` to ``var`` and ``slots`` in place."""
+        grad = np.asarray(grad)
+        self._check_var_and_slots(var, slots)
+        _check_grad_dtype(grad)
+        if grad.shape != var.shape:
+            raise ValueError(f"gradient shape {grad.shape} does not match variable shape {var.shape}")
+        new_var, new_slots = self._update(var, grad.astype(var.dtype, copy=False), slots)
+        np.copyto(var, new_var)
+        for key in self.slot_names:
+            np.copyto(slots[key], new_slots[key])
+
+    def apply_sparse(self, var: np.ndarray, rows: np.ndarray, grad_rows: np.ndarray, slots: Slots) -> None:
+        """Apply a row-sparse gradient: only ``var[rows]`` and the slots' same rows change.
+
+        This is TF's "lazy" sparse form: rows absent from the batch keep their slots untouched (their
+        momentum does not decay), while scalar state such as Adam's ``t`` advances once per call.
+        Duplicate entries in ``rows`` are summed first, so each row is updated exactly once.
+        """
+        rows = np.asarray(rows)
+        grad_rows = np.asarray(grad_rows)
+        self._check_var_and_slots(var, slots)
+        if var.ndim == 0:
+            raise ValueError("apply_sparse needs a variable with at least one dimension (rows)")
+        _check_grad_dtype(grad_rows)
+        if rows.ndim != 1 or rows.dtype.kind not in "iu":
+            raise ValueError(f"rows must be a 1-D integer array, got dtype {rows.dtype} shape {rows.shape}")
+        expected = (rows.shape[0], *var.shape[1:])
+        if grad_rows.shape != expected:
+            raise ValueError(
+                f"gradient rows shape {grad_rows.shape} does not match {expected} "
+                f"({rows.shape[0]} rows of a variable of shape {var.shape})"
+            )
+        num_rows = var.shape[0]
+        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
+            bad = rows[(rows < 0) | (rows >= num_rows)]
+            raise ValueError(f"row index {int(bad[0])} out of range for a variable with {num_rows} rows")
+
+        unique, inverse = np.unique(rows, return_inverse=True)
+        grad_rows = grad_rows.astype(var.dtype, copy=False)
+        summed = np.zeros((unique.shape[0], *var.shape[1:]), dtype=var.dtype)
+        if unique.shape[0] == rows.shape[0]:
+            summed[inverse.reshape(-1)] = grad_rows
+        else:
+            np.add.at(summed, inverse.reshape(-1), grad_rows)
+
+        sub_slots = {
+            key: (slots[key] if key in self.scalar_slot_names else slots[key][unique])
+            for key in self.slot_names
+        }
+        new_var, new_slots = self._update(var[unique], summed, sub_slots)
+        var[unique] = new_var
+        for key in self.slot_names:
+            if key in self.scalar_slot_names:
+                np.copyto(slots[key], new_slots[key])
+            else:
+                slots[key][unique] = new_slots[key]
+
+    def config(self) -> dict[str, float]:
+        """The hyperparameters in effect (defaults included), for logs."""
+        return {
+            "learning_rate": self.learning_rate,
+            **{k: float(getattr(self, k)) for k in self.param_defaults},
+        }
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({args})"
+
+    # -- for subclasses -----------------------------------------------------------------------------
+
+    @abstractmethod
+    def _update(
+        self, var: np.ndarray, grad: np.ndarray, slots: Mapping[str, np.ndarray]
+    ) -> tuple[np.ndarray, Slots]:
+        """The rule, side-effect free: new values of ``var`` and of every slot, given same-shape inputs.
+
+        ``var``, ``grad`` and the row slots are the whole variable (dense) or its gathered rows (sparse),
+        all in the variable's dtype; scalar slots are passed as is. Must not modify its arguments.
+        """
+
+    def _slot_initial_value(self, key: str) -> float:
+        return 0.0
+
+    # -- checks -------------------------------------------------------------------------------------
+
+    def _check_var_and_slots(self, var: np.ndarray, slots: Mapping[str, np.ndarray]) -> None:
+        _check_float_var(var)
+        if not var.flags.writeable:
+            raise ValueError("variable is read-only; optimizers update it in place")
+        missing = [k for k in self.slot_names if k not in slots]
+        if missing:
+            raise ValueError(
+                f"{self.name} slots missing {', '.join(missing)} (create them with create_slots)"
+            )
+        for key in self.slot_names:
+            slot = slots[key]
+            if not isinstance(slot, np.ndarray):
+                raise ValueError(f"slot {key!r} must be a numpy array, got {type(slot).__name__}")
+            if key in self.scalar_slot_names:
+                want_shape, want_dtype = (), np.dtype(np.int64)
+            else:
+                want_shape, want_dtype = var.shape, var.dtype
+            if slot.shape != want_shape or slot.dtype != want_dtype:
+                raise ValueError(
+                    f"slot {key!r} has shape {slot.shape} dtype {slot.dtype}, expected shape {want_shape} "
+                    f"dtype {want_dtype}"
+                )
+            if not slot.flags.writeable:
+                raise ValueError(f"slot {key!r} is read-only; optimizers update it in place")
+
+
+class SGD(Optimizer):
+    """Plain gradient descent: ``var -= lr * g``."""
+
+    name = "sgd"
+
+    def _update(
+        self, var: np.ndarray, grad: np.ndarray, slots: Mapping[str, np.ndarray]
+    ) -> tuple[np.ndarray, Slots]:
+        return var - var.dtype.type(self.learning_rate) * grad, {}
+
+
+class Momentum(Optimizer):
+    """Heavy-ball momentum as TF's ApplyMomentum: the accumulator is not scaled by (1 - momentum)."""
+
+    name = "momentum"
+    slot_names = ("accum",)
+    param_defaults: ClassVar[Mapping[str, float]] = {"momentum": 0.9, "nesterov": 0.0}
+
+    def __init__(self, learning_rate: float, momentum: float = 0.9, nesterov: float | bool = False) -> None:
+        super().__init__(learning_rate)
+        self.momentum = _check_range("momentum", momentum, "a finite number >= 0", lambda x: x >= 0)
+        flag = _check_range("nesterov", nesterov, "0 or 1", lambda x: x in (0.0, 1.0))
+        self.nesterov = flag == 1.0
+
+    def _update(
+        self, var: np.ndarray, grad: np.ndarray, slots: Mapping[str, np.ndarray]
+    ) -> tuple[np.ndarray, Slots]:
+        c = var.dtype.type
+        lr, mu = c(self.learning_rate), c(self.momentum)
+        accum = mu * slots["accum"] + grad
+        step = grad + mu * accum if self.nesterov else accum
+        return var - lr * step, {"accum": accum}
+
+
+class Adagrad(Optimizer):
+    """Adagrad as Keras: ``accum += g²; var -= lr * g / (sqrt(accum) + epsilon)``."""
+
+    name = "adagrad"
+    slot_names = ("accum",)
+    param_defaults: ClassVar[Mapping[str, float]] = {"initial_accumulator": 0.1, "epsilon": 1e-7}
+
+    def __init__(self, learning_rate: float, initial_accumulator: float = 0.1, epsilon: float = 1e-7) -> None:
+        super().__init__(learning_rate)
+        self.initial_accumulator = _check_range(
+            "initial_accumulator", initial_accumulator, "a finite number >= 0", lambda x: x >= 0
+        )
+        self.epsilon = _check_range("epsilon", epsilon, "a finite number > 0", lambda x: x > 0)
+
+    def _slot_initial_value(self, key: str) -> float:
+        return self.initial_accumulator
+
+    def _update(
+        self, var: np.ndarray, grad: np.ndarray, slots: Mapping[str, np.ndarray]
+    ) -> tuple[np.ndarray, Slots]:
+        c = var.dtype.type
+        accum = slots["accum"] + grad * grad
+        return var - c(self.learning_rate) * grad / (np.sqrt(accum) + c(self.epsilon)), {"accum": accum}
+
+
+class Adam(Optimizer):
+    """Adam as TF's ApplyAdam: bias correction folded into the step size, epsilon added after sqrt."""
+
+    name = "adam"
+    slot_names = ("m", "v", "t")
+    scalar_slot_names = ("t",)
+    param_defaults: ClassVar[Mapping[str, float]] = {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-7}
+
+    def __init__(
+        self, learning_rate: float, beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-7
+    ) -> None:
+        super().__init__(learning_rate)
+        self.beta1 = _check_range("beta1", beta1, "in [0, 1)", lambda x: 0 <= x < 1)
+        self.beta2 = _check_range("beta2", beta2, "in [0, 1)", lambda x: 0 <= x < 1)
+        self.epsilon = _check_range("epsilon", epsilon, "a finite number > 0", lambda x: x > 0)
+
+    def _update(
+        self, var: np.ndarray, grad: np.ndarray, slots: Mapping[str, np.ndarray]
+    ) -> tuple[np.ndarray, Slots]:
+        c = var.dtype.type
+        b1, b2 = self.beta1, self.beta2
+        t = int(slots["t"]) + 1
+        # Bias correction in float64 (b ** t underflows gracefully to 0), then cast to the var's dtype.
+        lr_t = self.learning_rate * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
+        m = c(b1) * slots["m"] + c(1.0 - b1) * grad
+        v = c(b2) * slots["v"] + c(1.0 - b2) * (grad * grad)
+        new_var = var - c(lr_t) * m / (np.sqrt(v) + c(self.epsilon))
+        return new_var, {"m": m, "v": v, "t": np.asarray(t, dtype=np.int64)}
+
+
+_CLASSES: dict[str, type[Optimizer]] = {cls.name: cls for cls in (SGD, Momentum, Adagrad, Adam)}
+OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adagrad", "adam")
+
+
+def make_optimizer(name: str, learning_rate: float, params: Mapping[str, float] | None = None) -> Optimizer:
+    """Build an optimizer from its wire form (name, learning rate, string→float params)."""
+    cls = _CLASSES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
+    params = dict(params or {})
+    for key in params:
+        if key not in cls.param_defaults:
+            valid = ", ".join(cls.param_defaults) or "(none)"
+            raise ValueError(f"unknown parameter {key!r} for optimizer {name!r}; valid: {valid}")
+    return cls(learning_rate, **params)
+
+
+def _check_range(what: str, value: object, allowed: str, ok: Callable[[float], bool]) -> float:
+    """``value`` as a float if it is a finite real number satisfying ``ok``; else a ValueError."""
+    try:
+        x = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be {allowed}, got {value!r}") from None
+    if isinstance(value, (str, bytes)) or not math.isfinite(x) or not ok(x):
+        raise ValueError(f"{what} must be {allowed}, got {value!r}")
+    return x
+
+
+def _check_float_var(var: object) -> None:
+    if not isinstance(var, np.ndarray) or var.dtype.kind != "f":
+        desc = f"dtype {var.dtype}" if isinstance(var, np.ndarray) else type(var).__name__
+        raise ValueError(f"variable must be a floating-point numpy array, got {desc}")
+
+
+def _check_grad_dtype(grad: np.ndarray) -> None:
+    if grad.dtype.kind not in "fiu":
+        raise ValueError(f"gradient must be a real numeric array, got dtype {grad.dtype}")

@@ -1,0 +1,125 @@
+"""The interface between psctl's runtime and a training program (DESIGN.md §5).
+
+No code travels over the network: every role imports the same program module by name and calls its
+``build(args, data, seed)``. A program describes its variables, the embedding ids each batch needs, and
+computes its loss and gradients with numpy (or anything that returns numpy arrays).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+Batch = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class VariableDef:
+    """A model variable as the program declares it (the whole variable, before partitioning)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    #: Initializer name understood by psctl.runtime.initializers.
+    initializer: str = "glorot_uniform"
+    #: Scale for the initializer (e.g. stddev of "normal"); 0 selects the initializer's default.
+    init_scale: float = 0.0
+    #: An embedding is read and updated by rows: only the rows a batch needs travel.
+    embedding: bool = False
+
+
+@dataclass
+class EmbeddingRows:
+    """The rows of an embedding that one batch needs: ``rows[i]`` is row ``ids[i]`` of the table."""
+
+    ids: np.ndarray  # int64, unique, sorted
+    rows: np.ndarray  # (len(ids), *shape[1:])
+
+    def positions(self, batch_ids: np.ndarray) -> np.ndarray:
+        """Index into ``rows`` for each id in ``batch_ids`` (which must all be in ``ids``)."""
+        return np.searchsorted(self.ids, batch_ids)
+
+
+@dataclass
+class SparseGrad:
+    """A row-sparse gradient: ``values[i]`` is the gradient of row ``ids[i]`` (ids unique)."""
+
+    ids: np.ndarray  # int64
+    values: np.ndarray  # (len(ids), *shape[1:])
+
+
+Params = Mapping[str, np.ndarray | EmbeddingRows]
+Grads = dict[str, np.ndarray | SparseGrad]
+
+
+class Dataset(Protocol):
+    """A deterministic sequence of batches: the same position always gives the same batch.
+
+    Determinism is what lets a restarted worker resume its input exactly where its last step left off.
+    """
+
+    num_examples: int
+
+    def batch(self, position: int, batch_size: int) -> Batch: ...
+
+
+class Program(Protocol):
+    def variables(self) -> list[VariableDef]: ...
+
+    def embedding_ids(self, batch: Batch) -> dict[str, np.ndarray]:
+        """Unique sorted int64 ids each embedding variable needs for this batch ({} if none)."""
+        ...
+
+    def loss_and_grads(self, params: Params, batch: Batch) -> tuple[float, Grads]: ...
+
+    def evaluate(self, params: Params, batch: Batch) -> dict[str, float]:
+        """Mean metrics over the batch; must include "loss" (and e.g. "accuracy")."""
+        ...
+
+    def dataset(self, split: str, shard: int, num_shards: int) -> Dataset:
+        """The examples of ``split`` ("train" or "test") that belong to ``shard`` of ``num_shards``."""
+        ...
+
+
+@dataclass
+class ProgramRef:
+    """Where to find a program: a module name (``psctl.models.mlp``) or a path to a .py file."""
+
+    program: str
+    args: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+
+def load_program(ref: ProgramRef) -> Program:
+    """Import the program module and call its ``build(args, data, seed)``."""
+    module = _import(ref.program)
+    build = getattr(module, "build", None)
+    if build is None:
+        raise ValueError(f"program {ref.program!r} has no build(args, data, seed) function")
+    return build(dict(ref.args), dict(ref.data), ref.seed)  # type: ignore[no-any-return]
+
+
+def _import(program: str) -> Any:
+    if program.endswith(".py") or "/" in program:
+        path = Path(program).expanduser().resolve()
+        if not path.is_file():
+            raise ValueError(f"program file {program!r} does not exist")
+        name = f"psctl_user_program_{path.stem}"
+        if name in sys.modules:
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"cannot import program file {program!r}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+    return importlib.import_module(program)

@@ -1,0 +1,324 @@
+"""The parameter server: variable shards, their optimizer slots, and at-most-once updates.
+
+Every request is validated in full before anything changes, so a bad one (wrong name, dtype, shape, ids out
+of range, non-finite gradient, fenced incarnation) is refused and leaves the PS exactly as it was.
+
+Reads are not locked against concurrent updates (asynchronous training tolerates a read that sees part of
+an update, as TensorFlow's does); updates to one shard are serialised by that shard's lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from psctl.proto import psctl_pb2 as pb
+from psctl.proto import psctl_pb2_grpc as pb_grpc
+from psctl.runtime import wire
+from psctl.runtime.initializers import initialize
+from psctl.runtime.optimizers import Optimizer, make_optimizer
+from psctl.runtime.wire import DENSE, IDS, ROWS, Entry, WireError
+
+#: Step ids this far below the newest one seen count as applied; older retries are refused as duplicates.
+#: Bounds the memory of the at-most-once check; retries are never anywhere near this old.
+DEDUPE_WINDOW = 1_000_000
+
+
+class FencedError(Exception):
+    """A push from an incarnation older than one already seen from the same task."""
+
+
+class NotInitializedError(Exception):
+    pass
+
+
+@dataclass
+class Shard:
+    spec: pb.VariableSpec
+    value: np.ndarray
+    slots: dict[str, np.ndarray]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def rows(self) -> int:
+        return self.value.shape[0] if self.value.ndim else 0
+
+
+@dataclass(frozen=True)
+class PushOutcome:
+    applied: bool
+    global_step: int
+
+
+def _spec_key(spec: pb.VariableSpec) -> tuple[object, ...]:
+    return (spec.name, spec.dtype, tuple(spec.shape))
+
+
+class VariableStore:
+    """The state of one PS. Thread-safe; every public method validates before it mutates."""
+
+    def __init__(self, *, cluster_id: str = "psctl") -> None:
+        self.cluster_id = cluster_id
+        self._shards: dict[str, Shard] = {}
+        self._optimizer: Optimizer | None = None
+        self._lock = threading.Lock()  # guards step ids, counters, incarnations, init
+        self._applied: set[int] = set()
+        self._applied_log: list[int] = []
+        self._newest_step = 0
+        self._incarnations: dict[str, int] = {}
+        self.global_step = 0
+        self.shard_positions: dict[int, int] = {}
+        self.applied_updates = 0
+        self.duplicate_updates = 0
+        self.fenced_updates = 0
+
+    # -- set-up ---------------------------------------------------------------------------------------
+    @property
+    def initialized(self) -> bool:
+        return self._optimizer is not None
+
+    def init(self, specs: Sequence[pb.VariableSpec], optimizer: pb.OptimizerConfig) -> bool:
+        """Create the shards; True if exactly these already existed (a restarted chief)."""
+        with self._lock:
+            if self._optimizer is not None:
+                if sorted(map(_spec_key, specs)) != sorted(map(_spec_key, (s.spec for s in self._shards.values()))):
+                    raise ValueError("this PS already holds different variables; restart it to re-create them")
+                return True
+            opt = make_optimizer(optimizer.name, optimizer.learning_rate, dict(optimizer.params))
+            shards: dict[str, Shard] = {}
+            for spec in specs:
+                if spec.name in shards:
+                    raise ValueError(f"variable {spec.name!r} given twice")
+                if spec.dtype not in ("float16", "float32", "float64"):
+                    raise ValueError(f"variable {spec.name!r}: trainable variables must be float, got {spec.dtype}")
+                value = initialize(
+                    spec.initializer or "zeros",
+                    tuple(spec.shape),
+                    spec.dtype,
+                    full_shape=tuple(spec.full_shape) or tuple(spec.shape),
+                    row_offset=spec.row_offset,
+                    seed=spec.seed,
+                    scale=spec.init_scale,
+                )
+                shards[spec.name] = Shard(spec, value, opt.create_slots(value))
+            self._shards, self._optimizer = shards, opt
+            return False
+
+    def _shard(self, name: str) -> Shard:
+        if self._optimizer is None:
+            raise NotInitializedError("this PS has no variables yet (the chief has not initialised it)")
+        shard = self._shards.get(name)
+        if shard is None:
+            raise WireError(f"unknown variable {name!r} on this PS")
+        return shard
+
+    # -- reads ----------------------------------------------------------------------------------------
+    def pull(self, entries: Sequence[Entry]) -> list[Entry]:
+        out: list[Entry] = []
+        for entry in entries:
+            shard = self._shard(entry.name)
+            if entry.kind == DENSE:
+                out.append(Entry(entry.name, DENSE, shard.value))
+            elif entry.kind == IDS:
+                rows = _check_ids(entry, shard)
+                out.append(Entry(entry.name, ROWS, shard.value[rows]))
+            else:
+                raise WireError(f"pull of {entry.name!r}: only DENSE names and IDS can be asked for")
+        return out
+
+    # -- updates --------------------------------------------------------------------------------------
+    def push(self, request: pb.PushRequest, entries: Sequence[Entry]) -> PushOutcome:
+        updates = self._validate_update(entries)
+        with self._lock:
+            if request.step_id == 0:
+                raise WireError("step_id must be non-zero")
+            seen = self._incarnations.get(request.task)
+            if seen is not None and request.incarnation < seen:
+                self.fenced_updates += 1
+                raise FencedError(
+                    f"{request.task} incarnation {request.incarnation} was replaced by incarnation {seen}"
+                )
+            self._incarnations[request.task] = request.incarnation
+            step = int(request.step_id)
+            if step in self._applied or step <= self._newest_step - DEDUPE_WINDOW:
+                self.duplicate_updates += 1
+                return PushOutcome(False, self.global_step)
+            self._applied.add(step)
+            self._applied_log.append(step)
+            if step > self._newest_step:
+                self._newest_step = step
+                floor = step - DEDUPE_WINDOW
+                if len(self._applied) > 2 * DEDUPE_WINDOW:
+                    self._applied = {s for s in self._applied if s > floor}
+        assert self._optimizer is not None
+        for shard, rows, grad in updates:
+            with shard.lock:
+                if rows is None:
+                    self._optimizer.apply_dense(shard.value, grad, shard.slots)
+                else:
+                    self._optimizer.apply_sparse(shard.value, rows, grad, shard.slots)
+        with self._lock:
+            self.applied_updates += 1
+            if request.increment_global_step:
+                self.global_step += 1
+            if request.position >= 0 and request.shard >= 0:
+                prev = self.shard_positions.get(request.shard, -1)
+                self.shard_positions[request.shard] = max(prev, int(request.position))
+            return PushOutcome(True, self.global_step)
+
+    def _validate_update(
+        self, entries: Sequence[Entry]
+    ) -> list[tuple[Shard, np.ndarray | None, np.ndarray]]:
+        dense: dict[str, Entry] = {}
+        ids: dict[str, Entry] = {}
+        rows: dict[str, Entry] = {}
+        for entry in entries:
+            target = {DENSE: dense, IDS: ids, ROWS: rows}.get(entry.kind)
+            if target is None:
+                raise WireError(f"entry {entry.name!r}: unknown kind")
+            if entry.name in target:
+                raise WireError(f"gradient for {entry.name!r} given twice")
+            target[entry.name] = entry
+        if set(ids) != set(rows):
+            raise WireError(f"sparse gradients need IDS and ROWS for each variable: {sorted(set(ids) ^ set(rows))}")
+        updates: list[tuple[Shard, np.ndarray | None, np.ndarray]] = []
+        for name, entry in dense.items():
+            shard = self._shard(name)
+            _check_values(entry, shard, shard.value.shape)
+            updates.append((shard, None, entry.array))
+        for name, id_entry in ids.items():
+            shard = self._shard(name)
+            local = _check_ids(id_entry, shard)
+            _check_values(rows[name], shard, (len(local), *shard.value.shape[1:]))
+            updates.append((shard, local, rows[name].array))
+        return updates
+
+    # -- inspection -----------------------------------------------------------------------------------
+    def state(self, *, include_step_ids: bool = False) -> pb.StateResponse:
+        with self._lock:
+            positions = [self.shard_positions.get(i, -1) for i in range(max(self.shard_positions, default=-1) + 1)]
+            return pb.StateResponse(
+                global_step=self.global_step,
+                variables=[
+                    pb.VariableInfo(name=s.spec.name, dtype=s.spec.dtype, shape=list(s.spec.shape))
+                    for s in self._shards.values()
+                ],
+                applied_updates=self.applied_updates,
+                duplicate_updates=self.duplicate_updates,
+                fenced_updates=self.fenced_updates,
+                initialized=self.initialized,
+                applied_step_ids=list(self._applied_log) if include_step_ids else [],
+                shard_positions=positions,
+            )
+
+
+def _check_ids(entry: Entry, shard: Shard) -> np.ndarray:
+    ids = entry.array
+    if ids.dtype.kind not in "iu" or ids.ndim != 1:
+        raise WireError(f"ids for {entry.name!r} must be a 1-d integer array, got {ids.dtype} {ids.shape}")
+    if shard.value.ndim == 0:
+        raise WireError(f"{entry.name!r} is a scalar and has no rows")
+    if ids.size and (ids.min() < 0 or ids.max() >= shard.rows):
+        bad = ids[(ids < 0) | (ids >= shard.rows)][0]
+        raise WireError(f"row id {int(bad)} out of range for {entry.name!r} (rows 0..{shard.rows - 1})")
+    return ids.astype(np.int64, copy=False)
+
+
+def _check_values(entry: Entry, shard: Shard, shape: tuple[int, ...]) -> None:
+    array = entry.array
+    if array.dtype != shard.value.dtype:
+        raise WireError(f"gradient for {entry.name!r} is {array.dtype}, the variable is {shard.value.dtype}")
+    if array.shape != shape:
+        raise WireError(f"gradient for {entry.name!r} has shape {array.shape}, expected {shape}")
+    if not np.isfinite(array).all():
+        raise WireError(f"gradient for {entry.name!r} contains NaN or infinity; refused (the variable is unchanged)")
+
+
+class ParameterServerServicer(pb_grpc.ParameterServerServicer):
+    """gRPC front of a VariableStore: decodes, maps errors to status codes, encodes."""
+
+    def __init__(self, store: VariableStore) -> None:
+        self.store = store
+
+    def _abort(self, context: grpc.ServicerContext, exc: Exception) -> None:
+        if isinstance(exc, FencedError):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        if isinstance(exc, NotInitializedError):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def Init(self, request: pb.InitRequest, context: grpc.ServicerContext) -> pb.InitResponse:
+        if request.cluster_id and request.cluster_id != self.store.cluster_id:
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"this PS belongs to cluster {self.store.cluster_id!r}, not {request.cluster_id!r}",
+            )
+        try:
+            already = self.store.init(list(request.variables), request.optimizer)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION if "already" in str(exc) else
+                          grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.InitResponse(already_initialized=already, global_step=self.store.global_step)
+
+    def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> list[Entry]:
+        try:
+            return self.store.pull(wire.decode_entries(request.entries))
+        except (ValueError, NotInitializedError) as exc:
+            self._abort(context, exc)
+            raise
+
+    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullResponse:
+        entries = self._pull(request, context)
+        response = pb.PullResponse(global_step=self.store.global_step)
+        wire.add_entries(response.entries, entries)
+        return response
+
+    def PullStream(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.PullChunk]:
+        entries = self._pull(request, context)
+        for i, group in enumerate(wire.iter_chunks(entries)):
+            chunk = pb.PullChunk()
+            if i == 0:
+                chunk.part.global_step = self.store.global_step
+            chunk.part.entries.extend(group)
+            yield chunk
+
+    def _push(self, request: pb.PushRequest, entries: list[Entry], context: grpc.ServicerContext) -> pb.PushResponse:
+        try:
+            outcome = self.store.push(request, entries)
+        except (ValueError, FencedError, NotInitializedError) as exc:
+            self._abort(context, exc)
+            raise
+        return pb.PushResponse(applied=outcome.applied, global_step=outcome.global_step)
+
+    def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushResponse:
+        try:
+            entries = wire.decode_entries(request.entries)
+        except WireError as exc:
+            self._abort(context, exc)
+            raise
+        return self._push(request, entries, context)
+
+    def PushStream(self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext) -> pb.PushResponse:
+        header: pb.PushRequest | None = None
+        assembler = wire.Assembler()
+        try:
+            for chunk in request_iterator:
+                if header is None:
+                    header = pb.PushRequest()
+                    header.CopyFrom(chunk.part)
+                    del header.entries[:]
+                assembler.add(chunk.part.entries)
+            if header is None:
+                raise WireError("empty push stream")
+            entries = assembler.entries()
+        except WireError as exc:
+            self._abort(context, exc)
+            raise
+        return self._push(header, entries, context)
+
+    def GetState(self, request: pb.StateRequest, context: grpc.ServicerContext) -> pb.StateResponse:
+        return self.store.state(include_step_ids=request.include_step_ids)

@@ -1,0 +1,44 @@
+"""gRPC channels and servers for every role, plaintext or mutual TLS, with one set of options."""
+
+from __future__ import annotations
+
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from psctl.runtime.cluster import TlsFiles
+from psctl.runtime.wire import grpc_options
+
+#: Every role certificate carries this DNS name, so a role can verify a peer known only by IP:port.
+TLS_SERVER_NAME = "psctl-role"
+
+
+def _read(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+def make_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
+    options = [*grpc_options(), ("grpc.enable_retries", 0)]
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=_read(tls.ca), private_key=_read(tls.key), certificate_chain=_read(tls.cert)
+    )
+    options.append(("grpc.ssl_target_name_override", TLS_SERVER_NAME))
+    return grpc.secure_channel(address, creds, options=options)
+
+
+def make_server(bind: str, tls: TlsFiles | None = None, *, max_workers: int = 16) -> tuple[grpc.Server, int]:
+    """A server listening on ``bind``; returns it (not started) and the port it got."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=grpc_options())
+    if tls is None:
+        port = server.add_insecure_port(bind)
+    else:
+        creds = grpc.ssl_server_credentials(
+            [(_read(tls.key), _read(tls.cert))], root_certificates=_read(tls.ca), require_client_auth=True
+        )
+        port = server.add_secure_port(bind, creds)
+    if port == 0:
+        raise OSError(f"cannot listen on {bind}: address in use or not available")
+    return server, port

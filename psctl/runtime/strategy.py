@@ -1,0 +1,311 @@
+"""Placement and partitioning of variables over parameter servers, as TensorFlow's ParameterServerStrategy.
+
+The arithmetic matches TensorFlow exactly (partitioner shard counts, the "div" row split, round-robin
+placement, id -> (shard, row)), so a model sharded by psctl lands where a TensorFlow user would expect.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from psctl.runtime.program import VariableDef
+
+
+class Partitioner(Protocol):
+    """Returns the shard count along axis 0 as ``[n, 1, 1, ...]`` (one entry per dimension)."""
+
+    def __call__(self, shape: tuple[int, ...], dtype: str | np.dtype) -> list[int]: ...
+
+
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _element_bytes(dtype: str | np.dtype, bytes_per_string: int) -> int:
+    """Strings have no fixed size, so (like TensorFlow) they are counted as ``bytes_per_string``."""
+    if isinstance(dtype, str) and dtype in ("string", "str", "bytes"):
+        return bytes_per_string
+    dt = np.dtype(dtype)
+    return bytes_per_string if dt.kind in "USO" else dt.itemsize
+
+
+def _result(shape: tuple[int, ...], n: int) -> list[int]:
+    if len(shape) < 1:
+        raise ValueError("a partitioner splits axis 0; a scalar has none")
+    return [n] + [1] * (len(shape) - 1)
+
+
+@dataclass(frozen=True)
+class FixedShards:
+    """``min(num_shards, shape[0])`` shards whatever the size (TensorFlow's FixedShardsPartitioner)."""
+
+    num_shards: int
+
+    def __post_init__(self) -> None:
+        _positive("num_shards", self.num_shards)
+
+    def __call__(self, shape: tuple[int, ...], dtype: str | np.dtype) -> list[int]:
+        return _result(shape, min(self.num_shards, shape[0]) if shape else 1)
+
+
+@dataclass(frozen=True)
+class MinSize:
+    """As many shards of at least ~``min_shard_bytes`` as fit, capped at ``max_shards``.
+
+    Because TensorFlow rounds the count up, a shard can end up smaller than ``min_shard_bytes``.
+    """
+
+    min_shard_bytes: int = 256 << 10
+    max_shards: int = 1
+    bytes_per_string: int = 16
+
+    def __post_init__(self) -> None:
+        _positive("min_shard_bytes", self.min_shard_bytes)
+        _positive("max_shards", self.max_shards)
+        _positive("bytes_per_string", self.bytes_per_string)
+
+    def __call__(self, shape: tuple[int, ...], dtype: str | np.dtype) -> list[int]:
+        if not shape:
+            return _result(shape, 1)
+        total = math.prod(shape) * _element_bytes(dtype, self.bytes_per_string)
+        partitions = total / self.min_shard_bytes
+        return _result(shape, max(1, min(shape[0], self.max_shards, math.ceil(partitions))))
+
+
+@dataclass(frozen=True)
+class MaxSize:
+    """The fewest shards of at most ``max_shard_bytes``; a row larger than the cap still gets one shard."""
+
+    max_shard_bytes: int
+    max_shards: int | None = None
+    bytes_per_string: int = 16
+
+    def __post_init__(self) -> None:
+        _positive("max_shard_bytes", self.max_shard_bytes)
+        if self.max_shards is not None:
+            _positive("max_shards", self.max_shards)
+        _positive("bytes_per_string", self.bytes_per_string)
+
+    def __call__(self, shape: tuple[int, ...], dtype: str | np.dtype) -> list[int]:
+        if not shape:
+            return _result(shape, 1)
+        d0 = shape[0]
+        bytes_per_slice = 1.0 * (math.prod(shape) / d0) * _element_bytes(dtype, self.bytes_per_string) if d0 else 0.0
+        if bytes_per_slice == 0:  # no bytes at all: TensorFlow divides by zero; one shard is the sane answer
+            return _result(shape, 1)
+        slices_per_shard = max(1, math.floor(self.max_shard_bytes / bytes_per_slice))
+        n = int(math.ceil(1.0 * d0 / slices_per_shard))
+        if self.max_shards:
+            n = min(self.max_shards, n)
+        return _result(shape, n)
+
+
+_CONFIG_KINDS: dict[str, tuple[type, tuple[str, ...]]] = {
+    "fixed": (FixedShards, ("num_shards",)),
+    "min_size": (MinSize, ("min_shard_bytes", "max_shards", "bytes_per_string")),
+    "max_size": (MaxSize, ("max_shard_bytes", "max_shards", "bytes_per_string")),
+}
+
+
+def partitioner_from_config(cfg: Mapping[str, Any] | None) -> Partitioner | None:
+    """Build a partitioner from its spec form, e.g. ``{"kind": "fixed", "num_shards": 2}``; None -> None."""
+    if cfg is None:
+        return None
+    kinds = ", ".join(sorted(_CONFIG_KINDS))
+    kind = cfg.get("kind")
+    if kind not in _CONFIG_KINDS:
+        raise ValueError(f"unknown partitioner kind {kind!r}; valid kinds: {kinds}")
+    cls, keys = _CONFIG_KINDS[kind]
+    kwargs = {k: v for k, v in cfg.items() if k != "kind"}
+    unknown = sorted(set(kwargs) - set(keys))
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r} for partitioner {kind!r}; valid keys: kind, {', '.join(keys)}")
+    try:
+        return cls(**kwargs)  # type: ignore[no-any-return]
+    except TypeError as e:  # a required argument is missing
+        raise ValueError(f"partitioner {kind!r} needs {keys[0]!r}: {e}") from None
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard: rows ``row_offset .. row_offset + shape[0]`` of ``variable``, held by ps ``ps``."""
+
+    name: str
+    variable: str
+    index: int
+    ps: int
+    row_offset: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class VariableLayout:
+    """How one variable is cut into contiguous row ranges (TensorFlow's div split) and placed."""
+
+    variable: VariableDef
+    shards: tuple[ShardInfo, ...]
+
+    def __post_init__(self) -> None:
+        # The id arithmetic in locate() is only right for the div split: refuse anything else up front.
+        shape = tuple(self.variable.shape)
+        n = len(self.shards)
+        if n < 1 or (n > 1 and (not shape or shape[0] < n)):
+            raise ValueError(f"variable {self.variable.name!r} of shape {shape} cannot have {n} shards")
+        offset = 0
+        for i, s in enumerate(self.shards):
+            rows = (shape[0] // n + (i < shape[0] % n)) if shape else 0
+            expect = (rows, *shape[1:]) if shape else ()
+            if s.index != i or s.row_offset != offset or tuple(s.shape) != expect:
+                raise ValueError(f"shard {s.name!r} does not follow the div split of {self.variable.name!r}")
+            offset += rows
+
+    @property
+    def num_rows(self) -> int:
+        """Rows along axis 0 (0 for a scalar, which has no rows to look up)."""
+        return self.variable.shape[0] if self.variable.shape else 0
+
+    @property
+    def partitioned(self) -> bool:
+        return len(self.shards) > 1
+
+    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Shard index and local row of every id (same shape as ``ids``), by TensorFlow's div arithmetic."""
+        ids = np.asarray(ids)
+        if not self.variable.shape:
+            raise ValueError(f"variable {self.variable.name!r} is a scalar; it has no rows to look up")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"ids for {self.variable.name!r} must be integers, got dtype {ids.dtype}")
+        d0 = self.num_rows
+        bad = (ids < 0) | (ids >= d0)
+        if bad.any():
+            first = ids.reshape(-1)[int(np.argmax(bad.reshape(-1)))]
+            raise ValueError(f"id {int(first)} is out of range for {self.variable.name!r}: valid ids are [0, {d0})")
+        ids = ids.astype(np.int64, copy=False)
+        n = len(self.shards)
+        base, extra = d0 // n, d0 % n
+        shard = np.maximum(ids // (base + 1), (ids - extra) // base)
+        row = np.where(shard < extra, ids % (base + 1), (ids - extra) % base)
+        return shard, row
+
+    def split(self, full: np.ndarray) -> list[np.ndarray]:
+        """The shards' parts of a whole-variable array, as views along axis 0."""
+        full = np.asarray(full)
+        if full.shape != tuple(self.variable.shape):
+            raise ValueError(f"{self.variable.name!r} has shape {self.variable.shape}, got {full.shape}")
+        if not full.shape:
+            return [full]
+        return [full[s.row_offset : s.row_offset + s.shape[0]] for s in self.shards]
+
+    def join(self, parts: Sequence[np.ndarray]) -> np.ndarray:
+        """The whole variable from its shards' parts (a new array)."""
+        if len(parts) != len(self.shards):
+            raise ValueError(f"{self.variable.name!r} has {len(self.shards)} shards, got {len(parts)} parts")
+        for s, p in zip(self.shards, parts):
+            if np.shape(p) != tuple(s.shape):
+                raise ValueError(f"shard {s.name!r} has shape {s.shape}, got {np.shape(p)}")
+        if not self.variable.shape:
+            return np.array(parts[0])
+        return np.concatenate([np.asarray(p) for p in parts], axis=0)
+
+
+def plan_layout(
+    variables: Sequence[VariableDef], num_ps: int, partitioner: Partitioner | None
+) -> dict[str, VariableLayout]:
+    """Partition and place every variable, in creation order, exactly as ParameterServerStrategy does."""
+    if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 1:
+        raise ValueError(f"num_ps must be an integer >= 1, got {num_ps!r}")
+    layouts: dict[str, VariableLayout] = {}
+    counter = 0  # one counter over plain variables and shards alike
+    for var in variables:
+        if var.name in layouts:
+            raise ValueError(f"variable {var.name!r} is defined twice")
+        shape = tuple(var.shape)
+        n = _num_shards(var, partitioner) if shape and partitioner is not None else 1
+        if n == 1:
+            shards = (ShardInfo(var.name, var.name, 0, counter % num_ps, 0, shape),)
+            counter += 1
+        else:
+            base, extra = shape[0] // n, shape[0] % n
+            parts, offset = [], 0
+            for i in range(n):
+                rows = base + (i < extra)
+                parts.append(ShardInfo(f"{var.name}/part_{i}", var.name, i, counter % num_ps, offset, (rows, *shape[1:])))
+                counter += 1
+                offset += rows
+            shards = tuple(parts)
+        layouts[var.name] = VariableLayout(var, shards)
+    return layouts
+
+
+def _num_shards(var: VariableDef, partitioner: Partitioner) -> int:
+    shape = tuple(var.shape)
+    result = list(partitioner(shape, var.dtype))
+    if (
+        len(result) != len(shape)
+        or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in result)
+        or result[0] < 1
+        or any(x != 1 for x in result[1:])
+    ):
+        raise ValueError(
+            f"partitioner gave {result} for {var.name!r} of shape {shape}: expected [n, 1, ...] with n >= 1"
+        )
+    n = int(result[0])
+    return 1 if n == 1 else max(1, min(n, shape[0]))
+
+
+Routed = list[tuple[ShardInfo, np.ndarray, np.ndarray]]
+
+
+def route_ids(layout: VariableLayout, ids: np.ndarray) -> Routed:
+    """For each shard holding some of ``ids``: (shard, flat positions in ``ids``, local rows), so a worker
+    can send one gather per shard in parallel. Duplicates are kept: rows align with positions."""
+    shard, row = layout.locate(ids)
+    shard, row = shard.reshape(-1), row.reshape(-1)
+    order = np.argsort(shard, kind="stable")
+    counts = np.bincount(shard, minlength=len(layout.shards))
+    routed: Routed = []
+    start = 0
+    for info, count in zip(layout.shards, counts.tolist()):
+        if count:
+            positions = order[start : start + count]
+            routed.append((info, positions, row[positions]))
+        start += count
+    return routed
+
+
+def stitch_rows(
+    layout: VariableLayout, ids: np.ndarray, routed: Routed, rows_per_shard: Sequence[np.ndarray]
+) -> np.ndarray:
+    """The gathered rows back in ``ids`` order: shape ``ids.shape + variable.shape[1:]``."""
+    ids = np.asarray(ids)
+    if len(routed) != len(rows_per_shard):
+        raise ValueError(f"{len(routed)} shards were asked but {len(rows_per_shard)} answered")
+    tail = tuple(layout.variable.shape[1:])
+    dtype = np.result_type(*rows_per_shard) if rows_per_shard else np.dtype(layout.variable.dtype)
+    out = np.empty((ids.size, *tail), dtype=dtype)
+    for (info, positions, _), rows in zip(routed, rows_per_shard):
+        if np.shape(rows) != (len(positions), *tail):
+            raise ValueError(f"shard {info.name!r} answered shape {np.shape(rows)}, expected {(len(positions), *tail)}")
+        out[positions] = rows
+    return out.reshape(ids.shape + tail)
+
+
+def shard_slices_for_global(
+    layout: VariableLayout, ids: np.ndarray, values: np.ndarray
+) -> list[tuple[ShardInfo, np.ndarray, np.ndarray]]:
+    """Split a row-sparse gradient (unique 1-d ``ids``, ``values[i]`` for row ``ids[i]``) among shards:
+    (shard, local rows, their values) for every shard it touches."""
+    ids, values = np.asarray(ids), np.asarray(values)
+    if ids.ndim != 1:
+        raise ValueError(f"sparse gradient ids must be 1-d, got shape {ids.shape}")
+    if values.shape != (len(ids), *layout.variable.shape[1:]):
+        raise ValueError(f"values of shape {values.shape} do not match {len(ids)} rows of {layout.variable.shape}")
+    if np.unique(ids).size != ids.size:
+        raise ValueError(f"sparse gradient ids for {layout.variable.name!r} must be unique")
+    return [(info, rows, values[positions]) for info, positions, rows in route_ids(layout, ids)]

@@ -1,0 +1,198 @@
+"""numpy arrays <-> protobuf, with validation, and chunking for large transfers.
+
+An array travels as its raw C-order little-endian bytes plus dtype and shape; it is decoded with
+``np.frombuffer`` (no pickle, no copy when it arrived whole). Arrays larger than a chunk are split into
+pieces carrying their byte offset, and an :class:`Assembler` puts them back together, checking that the
+pieces are in order, of one dtype and shape, and cover the array exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from psctl.proto import psctl_pb2 as pb
+
+#: dtypes accepted on the wire. Strings and objects never travel (no pickle).
+DTYPES = frozenset(
+    {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+     "float16", "float32", "float64"}
+)
+#: Largest array accepted (bytes): far above any sane shard, far below what could exhaust memory by accident.
+MAX_ARRAY_BYTES = 8 << 30
+MAX_RANK = 8
+#: Size of each piece of a streamed array. 4 MiB keeps per-message overhead small relative to copying.
+CHUNK_BYTES = 4 << 20
+#: Requests and responses up to this size go in one unary message; larger ones are streamed.
+UNARY_MAX_BYTES = 16 << 20
+#: gRPC's message size limit, raised deliberately to fit a unary message plus its framing.
+MAX_MESSAGE_BYTES = UNARY_MAX_BYTES + (1 << 20)
+
+DENSE = pb.DENSE
+IDS = pb.IDS
+ROWS = pb.ROWS
+
+
+class WireError(ValueError):
+    """A malformed array on the wire; servers answer it with INVALID_ARGUMENT."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One decoded array with its variable (shard) name and what it holds (DENSE, IDS or ROWS)."""
+
+    name: str
+    kind: int
+    array: np.ndarray
+
+
+def _wire_dtype(array: np.ndarray) -> np.dtype:
+    if array.dtype.name not in DTYPES:
+        raise WireError(f"dtype {array.dtype.name} cannot travel; use one of {', '.join(sorted(DTYPES))}")
+    return array.dtype.newbyteorder("<")
+
+
+def to_tensor(array: np.ndarray, out: pb.Tensor | None = None) -> pb.Tensor:
+    """Encode a whole array."""
+    array = np.asarray(array)
+    dtype = _wire_dtype(array)
+    tensor = out if out is not None else pb.Tensor()
+    tensor.dtype = array.dtype.name
+    tensor.shape[:] = array.shape
+    tensor.data = np.ascontiguousarray(array, dtype=dtype).tobytes()
+    return tensor
+
+
+def _declared(tensor: pb.Tensor) -> tuple[np.dtype, tuple[int, ...], int]:
+    if tensor.dtype not in DTYPES:
+        raise WireError(f"unsupported dtype {tensor.dtype!r}; expected one of {', '.join(sorted(DTYPES))}")
+    if len(tensor.shape) > MAX_RANK:
+        raise WireError(f"rank {len(tensor.shape)} exceeds the maximum of {MAX_RANK}")
+    shape = tuple(int(d) for d in tensor.shape)
+    if any(d < 0 for d in shape):
+        raise WireError(f"negative dimension in shape {shape}")
+    dtype = np.dtype(tensor.dtype).newbyteorder("<")
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+        if nbytes > MAX_ARRAY_BYTES:
+            raise WireError(f"array of shape {shape} exceeds the limit of {MAX_ARRAY_BYTES} bytes")
+    return dtype, shape, nbytes
+
+
+def from_tensor(tensor: pb.Tensor) -> np.ndarray:
+    """Decode a whole array (read-only view of the message's bytes); WireError if malformed."""
+    dtype, shape, nbytes = _declared(tensor)
+    if tensor.offset != 0 or len(tensor.data) != nbytes:
+        raise WireError(
+            f"shape {shape} of {tensor.dtype} needs {nbytes} bytes, got {len(tensor.data)} at offset {tensor.offset}"
+        )
+    return np.frombuffer(tensor.data, dtype=dtype).reshape(shape)
+
+
+def add_entries(field: object, entries: Iterable[Entry]) -> None:
+    """Append whole entries to a repeated NamedTensor field."""
+    for entry in entries:
+        item = field.add()  # type: ignore[attr-defined]
+        item.name = entry.name
+        item.kind = entry.kind
+        to_tensor(entry.array, item.tensor)
+
+
+def payload_bytes(entries: Iterable[Entry]) -> int:
+    return sum(int(np.asarray(e.array).nbytes) for e in entries)
+
+
+def iter_chunks(entries: Sequence[Entry], chunk_bytes: int = CHUNK_BYTES) -> Iterator[list[pb.NamedTensor]]:
+    """Split entries into groups of NamedTensor pieces of at most ``chunk_bytes`` of data each.
+
+    Always yields at least one (possibly empty) group, so a request with no arrays still gets sent.
+    """
+    group: list[pb.NamedTensor] = []
+    room = chunk_bytes
+    yielded = False
+    for entry in entries:
+        array = np.asarray(entry.array)
+        dtype = _wire_dtype(array)
+        flat = memoryview(np.ascontiguousarray(array, dtype=dtype).reshape(-1)).cast("B")
+        offset = 0
+        while True:
+            take = min(room, len(flat) - offset)
+            piece = pb.NamedTensor(name=entry.name, kind=entry.kind)
+            piece.tensor.dtype = array.dtype.name
+            piece.tensor.shape[:] = array.shape
+            piece.tensor.offset = offset
+            piece.tensor.data = bytes(flat[offset : offset + take])
+            group.append(piece)
+            offset += take
+            room -= take
+            if room <= 0:
+                yield group
+                yielded = True
+                group, room = [], chunk_bytes
+            if offset >= len(flat):
+                break
+    if group or not yielded:
+        yield group
+
+
+class Assembler:
+    """Reassembles entries from whole tensors or in-order pieces, validating as it goes."""
+
+    def __init__(self, *, max_total_bytes: int = MAX_ARRAY_BYTES) -> None:
+        self._max_total = max_total_bytes
+        self._total = 0
+        self._order: list[tuple[str, int]] = []
+        self._parts: dict[tuple[str, int], tuple[np.dtype, tuple[int, ...], int, list[bytes], int]] = {}
+
+    def add(self, items: Iterable[pb.NamedTensor]) -> None:
+        for item in items:
+            if item.kind not in (DENSE, IDS, ROWS):
+                raise WireError(f"entry {item.name!r}: unknown kind {item.kind}")
+            key = (item.name, int(item.kind))
+            dtype, shape, nbytes = _declared(item.tensor)
+            data = item.tensor.data
+            if key not in self._parts:
+                if item.tensor.offset != 0:
+                    raise WireError(f"entry {item.name!r}: first piece starts at offset {item.tensor.offset}")
+                self._total += nbytes
+                if self._total > self._max_total:
+                    raise WireError(f"request exceeds the limit of {self._max_total} bytes")
+                self._order.append(key)
+                self._parts[key] = (dtype, shape, nbytes, [data], len(data))
+            else:
+                first_dtype, first_shape, total, pieces, received = self._parts[key]
+                if (dtype, shape) != (first_dtype, first_shape):
+                    raise WireError(f"entry {item.name!r}: pieces disagree on dtype or shape")
+                if item.tensor.offset != received:
+                    raise WireError(f"entry {item.name!r}: piece at offset {item.tensor.offset}, expected {received}")
+                pieces.append(data)
+                self._parts[key] = (dtype, shape, total, pieces, received + len(data))
+            if self._parts[key][4] > nbytes:
+                raise WireError(f"entry {item.name!r}: more bytes than shape {shape} holds")
+
+    def entries(self) -> list[Entry]:
+        out = []
+        for key in self._order:
+            dtype, shape, nbytes, pieces, received = self._parts[key]
+            if received != nbytes:
+                raise WireError(f"entry {key[0]!r}: got {received} of {nbytes} bytes")
+            data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            out.append(Entry(key[0], key[1], np.frombuffer(data, dtype=dtype).reshape(shape)))
+        return out
+
+
+def decode_entries(items: Iterable[pb.NamedTensor]) -> list[Entry]:
+    assembler = Assembler()
+    assembler.add(items)
+    return assembler.entries()
+
+
+def grpc_options() -> list[tuple[str, int]]:
+    """Channel and server options shared by every role: message limits raised on purpose."""
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ]

@@ -1,0 +1,221 @@
+"""YAML text → plain Python data, plus the line of every key and value, by key path.
+
+Why not ``yaml.safe_load``: it forgets where things came from, and the spec's promise is that every error
+names its line. So the text is *composed* into a node tree with ``yaml.SafeLoader`` (only safe tags are
+ever constructed), and the data is built from that tree here, path by path, recording each key's and each
+value's line. The data keeps the types the user wrote; the lines live in a parallel :class:`SourceMap`.
+
+Building the data ourselves is also where hostile input is stopped: duplicate keys, recursive aliases,
+alias "bombs" that expand to millions of values, nesting too deep to walk, unknown or malformed tags.
+Everything that can go wrong becomes a :class:`~psctl.errors.SpecError`; nothing else escapes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, Union
+
+import yaml
+from yaml.constructor import SafeConstructor
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+from psctl.errors import SpecError
+
+#: A key path: mapping keys and list indices from the top of the document, e.g. ("roles", "ps", "port").
+KeyPath = tuple[Any, ...]
+
+#: Limits that keep a hostile or broken file from exhausting memory or the stack.
+MAX_VALUES = 100_000
+MAX_DEPTH = 64
+
+_TAG = "tag:yaml.org,2002:"
+_MERGE_TAG = _TAG + "merge"
+#: Scalar tags we construct; their SafeLoader constructors are plain functions of the node.
+_SCALAR_TAGS = frozenset(_TAG + t for t in ("null", "bool", "int", "float", "str", "timestamp"))
+_SIMPLE_KEY = re.compile(r"[A-Za-z0-9_-]{1,40}")
+
+Scalar = Union[str, int, float, bool, None]
+
+
+def dotted(path: KeyPath) -> str:
+    """``("roles", "ps", "ports", 1)`` → ``roles.ps.ports[1]``; odd keys are quoted so the line stays one line."""
+    out = ""
+    for part in path:
+        if isinstance(part, int) and not isinstance(part, bool):
+            out += f"[{part}]"
+            continue
+        text = part if isinstance(part, str) and _SIMPLE_KEY.fullmatch(part) else _short_repr(part)
+        out += text if not out else f".{text}"
+    return out
+
+
+def _short_repr(value: object, limit: int = 40) -> str:
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long to print (sys.get_int_max_str_digits)
+        return "<a very large number>"
+    return text if len(text) <= limit else text[: limit - 4] + "...'"
+
+
+@dataclass(frozen=True)
+class SourceMap:
+    """Where each key path came from: the file name to show and the 1-based lines of keys and values.
+
+    A path that is not in the map (a key the user left out) is reported at its nearest ancestor, which is
+    where the missing key would go.
+    """
+
+    filename: str
+    key_lines: Mapping[KeyPath, int] = field(default_factory=dict)
+    value_lines: Mapping[KeyPath, int] = field(default_factory=dict)
+
+    def line(self, path: KeyPath, *, key: bool = False) -> int:
+        """The line of ``path``'s key (``key=True``) or value, else of its nearest recorded ancestor."""
+        lines = self.key_lines if key else self.value_lines
+        for n in range(len(path), 0, -1):
+            try:
+                found = lines.get(path[:n]) or self.key_lines.get(path[:n])
+            except TypeError:  # an unhashable part: cannot be in the map
+                found = None
+            if found:
+                return found
+        return 1
+
+    def error(self, path: KeyPath, what: str, fix: str, *, key: bool = False, line: int | None = None) -> SpecError:
+        """The one-line error the spec promises: ``{file}:{line}: {key.path}: {what}; {fix}``."""
+        where = f"{self.filename}:{line if line is not None else self.line(path, key=key)}"
+        return SpecError(f"{where}: {dotted(path)}: {what}; {fix}" if path else f"{where}: {what}; {fix}")
+
+
+def load_yaml(text: str, *, filename: str) -> tuple[Any, SourceMap]:
+    """Parse ``text``; return its data (None for an empty document) and the lines of every path in it."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = mark.line + 1 if mark is not None else 1
+        problem = _one_line(e.problem or e.context or "cannot parse")
+        raise SpecError(
+            f"{filename}:{line}: invalid YAML: {problem}; check the indentation, colons and quotes on this line"
+        ) from None
+    except yaml.YAMLError as e:  # ReaderError: a character YAML does not allow
+        position = getattr(e, "position", 0) or 0
+        line = text.count("\n", 0, position) + 1
+        raise SpecError(
+            f"{filename}:{line}: invalid YAML: {_one_line(str(getattr(e, 'reason', e)))}; "
+            "remove the control character (the spec must be printable UTF-8 text)"
+        ) from None
+    except RecursionError:
+        raise SpecError(
+            f"{filename}:1: invalid YAML: nested too deeply to read; flatten the structure"
+        ) from None
+    finally:
+        loader.dispose()
+    builder = _Builder(filename)
+    data = None if node is None else builder.build(node, (), 0, set())
+    return data, SourceMap(filename, builder.key_lines, builder.value_lines)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+class _Builder:
+    """Builds data from a node tree, recording lines; stops recursion, bombs and odd tags."""
+
+    def __init__(self, filename: str) -> None:
+        self.filename = filename
+        self.key_lines: dict[KeyPath, int] = {}
+        self.value_lines: dict[KeyPath, int] = {}
+        self.count = 0
+        self._constructor = SafeConstructor()  # only for its scalar constructors (pure functions of a node)
+
+    def fail(self, node: Node, path: KeyPath, what: str, fix: str) -> NoReturn:
+        raise SourceMap(self.filename).error(path, what, fix, line=node.start_mark.line + 1)
+
+    def _tick(self, node: Node, path: KeyPath) -> None:
+        self.count += 1
+        if self.count > MAX_VALUES:
+            self.fail(
+                node, path, f"the spec holds more than {MAX_VALUES} values (aliases expanded)",
+                "a cluster spec is small: remove the repeated aliases",
+            )
+
+    def build(self, node: Node, path: KeyPath, depth: int, active: set[int]) -> Any:
+        self._tick(node, path)
+        self.value_lines[path] = node.start_mark.line + 1
+        if depth > MAX_DEPTH:
+            self.fail(node, path, f"nested more than {MAX_DEPTH} levels deep", "flatten the structure")
+        if isinstance(node, ScalarNode):
+            return self.scalar(node, path)
+        if id(node) in active:
+            self.fail(node, path, "an alias refers to a value that contains it", "remove the recursive alias")
+        active.add(id(node))
+        try:
+            if isinstance(node, SequenceNode):
+                if node.tag != _TAG + "seq":
+                    self.fail(node, path, f"unsupported YAML tag {node.tag!r}", "remove the tag")
+                return [self.build(item, (*path, i), depth + 1, active) for i, item in enumerate(node.value)]
+            if isinstance(node, MappingNode):
+                return self.mapping(node, path, depth, active)
+            self.fail(node, path, "unsupported YAML node", "write plain mappings, lists and values")
+        finally:
+            active.discard(id(node))
+
+    def scalar(self, node: ScalarNode, path: KeyPath) -> Scalar:
+        if node.tag not in _SCALAR_TAGS:
+            self.fail(node, path, f"unsupported YAML tag {node.tag!r}", "remove the tag (plain values only)")
+        construct = self._constructor.yaml_constructors[node.tag]
+        try:
+            return construct(self._constructor, node)  # type: ignore[no-any-return]
+        except (yaml.YAMLError, ValueError, TypeError, ArithmeticError):
+            self.fail(node, path, f"cannot read {_short_repr(node.value)} as its YAML type", "quote it or fix it")
+
+    def mapping(self, node: MappingNode, path: KeyPath, depth: int, active: set[int]) -> dict[Any, Any]:
+        result: dict[Any, Any] = {}
+        explicit, merged = self.pairs(node, path, active)
+        for key_node, value_node, from_merge in (*((k, v, False) for k, v in explicit),
+                                                  *((k, v, True) for k, v in merged)):
+            key = self.key(key_node, path)
+            if key in result:
+                if from_merge:  # YAML merge: explicit keys, then earlier merged maps, win
+                    continue
+                self.fail(key_node, (*path, key), "duplicate key", "remove one of the two")
+            self.key_lines[(*path, key)] = key_node.start_mark.line + 1
+            result[key] = self.build(value_node, (*path, key), depth + 1, active)
+        return result
+
+    def pairs(
+        self, node: MappingNode, path: KeyPath, active: set[int]
+    ) -> tuple[list[tuple[Node, Node]], list[tuple[Node, Node]]]:
+        """The node's own key/value pairs, and those it merges in with ``<<`` (flattened, in order)."""
+        if node.tag != _TAG + "map":
+            self.fail(node, path, f"unsupported YAML tag {node.tag!r}", "remove the tag")
+        explicit: list[tuple[Node, Node]] = []
+        merged: list[tuple[Node, Node]] = []
+        for key_node, value_node in node.value:
+            self._tick(key_node, path)
+            if key_node.tag != _MERGE_TAG:
+                explicit.append((key_node, value_node))
+                continue
+            sources = value_node.value if isinstance(value_node, SequenceNode) else [value_node]
+            for source in sources:
+                if not isinstance(source, MappingNode):
+                    self.fail(source, path, "`<<` can merge only mappings", "merge an alias of a mapping")
+                if id(source) in active or source is node:
+                    self.fail(source, path, "`<<` merges a mapping into itself", "remove the recursive merge")
+                active.add(id(source))
+                try:
+                    inner_explicit, inner_merged = self.pairs(source, path, active)
+                finally:
+                    active.discard(id(source))
+                merged.extend(inner_explicit + inner_merged)
+        return explicit, merged
+
+    def key(self, node: Node, path: KeyPath) -> Any:
+        if not isinstance(node, ScalarNode):
+            self.fail(node, path, "a mapping key must be a plain value, not a list or mapping", "use a string key")
+        return self.scalar(node, path)

@@ -1,0 +1,102 @@
+"""The validated cluster spec: frozen dataclasses, defaults filled, every cross-field rule already checked.
+
+These are the blueprint (as TorchElastic's ``WorkerSpec``): what should run where. What actually runs —
+instances, ports picked at launch — is a :class:`~psctl.spec.plan.Plan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from psctl.spec.loader import SourceMap
+
+#: The roles in the order they are listed, planned and started.
+ROLE_NAMES: tuple[str, ...] = ("chief", "ps", "worker", "evaluator")
+
+HostKeyPolicy = Literal["reject", "accept-new"]
+RestartMode = Literal["never", "on-failure", "always"]
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """A machine reached over SSH. ``host_key_policy="accept-new"`` trusts a first-seen key (as OpenSSH)."""
+
+    name: str
+    address: str
+    user: str | None = None
+    port: int = 22
+    identity_file: str | None = None
+    python: str = "python3"
+    workdir: str = "~/.psctl-work"
+    host_key_policy: HostKeyPolicy = "reject"
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a dead role is started again; permanent exit codes stop a bad program restarting forever."""
+
+    policy: RestartMode = "on-failure"
+    max_restarts: int = 10
+    backoff_seconds: float = 1.0
+    max_backoff_seconds: float = 30.0
+    permanent_exit_codes: tuple[int, ...] = (2,)
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One role's replicas and where they go.
+
+    ``hosts`` is a pool assigned round-robin over the replicas (empty: this machine). Ports are either
+    ``ports`` (one per replica) or a base ``port`` (replica i gets ``port + i``); neither means "pick free
+    ports at plan time", which only works on this machine.
+    """
+
+    role: str
+    replicas: int = 1
+    hosts: tuple[str, ...] = ()
+    ports: tuple[int, ...] | None = None
+    port: int | None = None
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    env: dict[str, str] = field(default_factory=dict)
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class SupervisionSpec:
+    """Heartbeat and progress deadlines, in seconds (a role is dead only once past ``startup_grace``)."""
+
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 5.0
+    startup_grace: float = 30.0
+    stall_timeout: float = 60.0
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A whole validated spec. ``training`` is the normalised, JSON-serialisable dict the runtime gets.
+
+    ``source`` remembers the file and lines so that later checks (ports taken at plan time) can still
+    point at the line to change.
+    """
+
+    name: str
+    path: Path | None
+    hosts: tuple[HostSpec, ...]
+    roles: dict[str, RoleSpec]
+    training: dict[str, Any]
+    supervision: SupervisionSpec = field(default_factory=SupervisionSpec)
+    source: SourceMap = field(default_factory=lambda: SourceMap("<spec>"), repr=False, compare=False)
+
+    @property
+    def is_local(self) -> bool:
+        """True when every role runs on this machine (no role names a host)."""
+        return all(not role.hosts for role in self.roles.values())
+
+    def host(self, name: str) -> HostSpec:
+        """The host called ``name`` (KeyError if the spec defines none)."""
+        for host in self.hosts:
+            if host.name == name:
+                return host
+        raise KeyError(name)
