@@ -44,6 +44,16 @@ def _numeric_grad(f: Callable[[], float], arr: np.ndarray, eps: float = 1e-6) ->
     return grad
 
 
+def _sparse(grad: np.ndarray | SparseGrad) -> SparseGrad:
+    assert isinstance(grad, SparseGrad)
+    return grad
+
+
+def _dense(grad: np.ndarray | SparseGrad) -> np.ndarray:
+    assert isinstance(grad, np.ndarray)
+    return grad
+
+
 def _rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(a) + np.linalg.norm(b), 1e-12))
 
@@ -54,8 +64,8 @@ def _check_dense_grads(program: Program, batch: dict[str, np.ndarray]) -> None:
     assert set(grads) == set(params)
     for name, value in params.items():
         numeric = _numeric_grad(lambda: program.loss_and_grads(params, batch)[0], value)
-        assert grads[name].dtype == np.float64
-        assert _rel_err(grads[name], numeric) < 1e-4, name
+        assert _dense(grads[name]).dtype == np.float64
+        assert _rel_err(_dense(grads[name]), numeric) < 1e-4, name
 
 
 def test_softmax_gradients_match_finite_differences() -> None:
@@ -85,11 +95,10 @@ def test_wide_embedding_sparse_gradient_matches_finite_differences(batch) -> Non
     ids = program.embedding_ids(batch)["emb/table"]
     np.testing.assert_array_equal(ids, np.unique(batch["x"]))
     rows = EmbeddingRows(ids, dense["emb/table"][ids].copy())
-    params = {**dense, "emb/table": rows}
+    params: dict[str, np.ndarray | EmbeddingRows] = {**dense, "emb/table": rows}
 
     loss, grads = program.loss_and_grads(params, batch)
-    sparse = grads["emb/table"]
-    assert isinstance(sparse, SparseGrad)
+    sparse = _sparse(grads["emb/table"])
     np.testing.assert_array_equal(sparse.ids, ids)
 
     def f() -> float:
@@ -97,12 +106,12 @@ def test_wide_embedding_sparse_gradient_matches_finite_differences(batch) -> Non
 
     assert _rel_err(sparse.values, _numeric_grad(f, rows.rows)) < 1e-4
     for name in ("head/kernel", "head/bias"):
-        assert _rel_err(grads[name], _numeric_grad(f, dense[name])) < 1e-4, name
+        assert _rel_err(_dense(grads[name]), _numeric_grad(f, dense[name])) < 1e-4, name
 
     # A whole table gives the same loss and gradient as the rows the batch needs.
     full_loss, full_grads = program.loss_and_grads(dense, batch)
     assert full_loss == pytest.approx(loss)
-    np.testing.assert_allclose(full_grads["emb/table"].values, sparse.values)
+    np.testing.assert_allclose(_sparse(full_grads["emb/table"]).values, sparse.values)
 
 
 def test_wide_embedding_rows_beyond_the_batch_get_zero_gradient() -> None:
@@ -110,8 +119,11 @@ def test_wide_embedding_rows_beyond_the_batch_get_zero_gradient() -> None:
     params = _random_params(program)
     batch = {"x": np.array([[2, 4], [4, 4]]), "y": np.array([0, 1])}
     ids = np.array([1, 2, 4, 9])
-    params_rows = {**params, "emb/table": EmbeddingRows(ids, params["emb/table"][ids])}
-    values = program.loss_and_grads(params_rows, batch)[1]["emb/table"].values
+    params_rows: dict[str, np.ndarray | EmbeddingRows] = {
+        **params,
+        "emb/table": EmbeddingRows(ids, params["emb/table"][ids]),
+    }
+    values = _sparse(program.loss_and_grads(params_rows, batch)[1]["emb/table"]).values
     assert np.all(values[[0, 3]] == 0) and np.all(values[[1, 2]] != 0)
 
 
@@ -119,7 +131,10 @@ def test_wide_embedding_refuses_missing_rows_and_out_of_vocab_ids() -> None:
     program = wide_embedding.build({"dim": 3}, SMALL_EMB, seed=0)
     params = _random_params(program)
     batch = {"x": np.array([[2, 4]]), "y": np.array([1])}
-    short = {**params, "emb/table": EmbeddingRows(np.array([2]), params["emb/table"][[2]])}
+    short: dict[str, np.ndarray | EmbeddingRows] = {
+        **params,
+        "emb/table": EmbeddingRows(np.array([2]), params["emb/table"][[2]]),
+    }
     with pytest.raises(ValueError, match="do not include every id"):
         program.loss_and_grads(short, batch)
     with pytest.raises(ValueError, match=r"ids must be in \[0, 30\)"):
@@ -130,13 +145,13 @@ def test_float32_params_give_float32_gradients_without_warnings() -> None:
     program = softmax.build({}, SMALL_CLS, seed=0)
     params = {k: (v * 1e4).astype(np.float32) for k, v in _random_params(program).items()}  # huge logits
     loss, grads = program.loss_and_grads(params, program.dataset("train", 0, 1).batch(0, 8))
-    assert np.isfinite(loss) and all(g.dtype == np.float32 for g in grads.values())
+    assert np.isfinite(loss) and all(_dense(g).dtype == np.float32 for g in grads.values())
 
     emb = wide_embedding.build({"dim": 3}, SMALL_EMB, seed=0)
     params = {k: (v * 1e4).astype(np.float32) for k, v in _random_params(emb).items()}
     batch = emb.dataset("train", 0, 1).batch(0, 8)
     loss, grads = emb.loss_and_grads(params, batch)
-    assert np.isfinite(loss) and grads["emb/table"].values.dtype == np.float32
+    assert np.isfinite(loss) and _sparse(grads["emb/table"]).values.dtype == np.float32
     assert np.isfinite(emb.evaluate(params, batch)["loss"])
 
 

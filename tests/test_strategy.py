@@ -80,7 +80,7 @@ def test_reference_placement_three_ps() -> None:
 
 def test_reference_ids_to_shard_and_row() -> None:
     shard, row = _layout((13, 4), 5).locate(np.array([0, 2, 3, 8, 9, 10, 11, 12]))
-    assert list(zip(shard.tolist(), row.tolist())) == [
+    assert list(zip(shard.tolist(), row.tolist(), strict=True)) == [
         (0, 0), (0, 2), (1, 0), (2, 2), (3, 0), (3, 1), (4, 0), (4, 1)
     ]  # fmt: skip
 

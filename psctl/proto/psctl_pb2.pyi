@@ -166,7 +166,7 @@ class VariableInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StateResponse(_message.Message):
-    __slots__ = ("global_step", "variables", "applied_updates", "duplicate_updates", "fenced_updates", "initialized", "applied_step_ids", "shard_positions")
+    __slots__ = ("global_step", "variables", "applied_updates", "duplicate_updates", "fenced_updates", "initialized", "applied_step_ids", "shard_positions", "newest_step_id")
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     APPLIED_UPDATES_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class StateResponse(_message.Message):
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     APPLIED_STEP_IDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     global_step: int
     variables: _containers.RepeatedCompositeFieldContainer[VariableInfo]
     applied_updates: int
@@ -183,7 +184,8 @@ class StateResponse(_message.Message):
     initialized: bool
     applied_step_ids: _containers.RepeatedScalarFieldContainer[int]
     shard_positions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, global_step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., applied_updates: _Optional[int] = ..., duplicate_updates: _Optional[int] = ..., fenced_updates: _Optional[int] = ..., initialized: _Optional[bool] = ..., applied_step_ids: _Optional[_Iterable[int]] = ..., shard_positions: _Optional[_Iterable[int]] = ...) -> None: ...
+    newest_step_id: int
+    def __init__(self, global_step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., applied_updates: _Optional[int] = ..., duplicate_updates: _Optional[int] = ..., fenced_updates: _Optional[int] = ..., initialized: _Optional[bool] = ..., applied_step_ids: _Optional[_Iterable[int]] = ..., shard_positions: _Optional[_Iterable[int]] = ..., newest_step_id: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "shard", "position", "function")

@@ -18,6 +18,7 @@ from psctl.runtime.cluster import ClusterInfo
 from psctl.runtime.config import TrainingConfig
 from psctl.runtime.coordinator import Closure, ClusterCoordinator
 from psctl.runtime.evaluation import evaluate_split
+from psctl.runtime.heartbeat import PROGRESS
 from psctl.runtime.metrics import MetricsFile, TrainingMeter
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import ProgramRef, load_program
@@ -25,8 +26,9 @@ from psctl.runtime.ps_client import PsClient
 
 log = logging.getLogger("psctl.chief")
 
-#: Step ids of different chief incarnations never collide: the incarnation is the high part.
-STEP_ID_STRIDE = 1 << 40
+#: A restarted chief numbers its steps this far above the newest id any PS has seen, so they never collide
+#: with the ids of steps the previous chief still had in flight (at most a few per worker).
+STEP_ID_GAP = 1 << 20
 
 
 class Interrupted(Exception):
@@ -57,6 +59,7 @@ class Chief:
         replies = self.ps.init(self.model.shard_specs(cfg.seed), cfg.optimizer_proto(), self.info.cluster_id)
         state = self.ps.state(0)
         self.start_step = state.global_step
+        newest_id = max(self.ps.state(i).newest_step_id for i in range(len(self.info.ps)))
         if replies[0].already_initialized:
             log.info("ps already hold the variables: resuming at global step %d", self.start_step)
         cursors = {i: p + 1 for i, p in enumerate(state.shard_positions) if p >= 0}
@@ -68,7 +71,7 @@ class Chief:
         coordinator = ClusterCoordinator(
             self.info.workers,
             tls=self.info.tls,
-            step_id_base=self.info.incarnation * STEP_ID_STRIDE,
+            step_id_base=newest_id + STEP_ID_GAP if newest_id else 0,
             cursors=cursors,
             step_timeout=cfg.step_timeout or None,
             on_result=self._on_result,
@@ -119,6 +122,10 @@ class Chief:
 
     def _report(self, *, final: bool = False) -> None:
         report = self.meter.report()
+        PROGRESS.global_step = int(report["global_step"])
+        PROGRESS.loss = float(report["loss"])
+        PROGRESS.steps_per_second = float(report["steps_per_sec"])
+        PROGRESS.status = "done" if final else "training"
         record = {"time": time.time(), "event": "progress", **report}
         self.metrics.write(record)
         if not final:

@@ -265,6 +265,15 @@ class ClusterCoordinator:
         return False
 
     def _run_worker(self, worker: WorkerState) -> None:
+        try:
+            self._serve_worker(worker)
+        except Exception as exc:  # a bug here must fail the run loudly, not leave join() waiting forever
+            log.exception("coordinator thread for worker:%d failed", worker.index)
+            with self._cond:
+                if self._error is None:
+                    self._fail_all(StepError("chief", f"coordinator error: {type(exc).__name__}: {exc}"))
+
+    def _serve_worker(self, worker: WorkerState) -> None:
         stub = self._stubs[worker.index]
         while not self._stopping.is_set():
             if not worker.alive and not self._wait_for_worker(worker):

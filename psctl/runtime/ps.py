@@ -213,6 +213,7 @@ class VariableStore:
                 initialized=self.initialized,
                 applied_step_ids=list(self._applied_log) if include_step_ids else [],
                 shard_positions=positions,
+                newest_step_id=self._newest_step,
             )
 
 

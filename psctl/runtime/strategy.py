@@ -100,7 +100,7 @@ class MaxSize:
         if bytes_per_slice == 0:  # no bytes at all: TensorFlow divides by zero; one shard is the sane answer
             return _result(shape, 1)
         slices_per_shard = max(1, math.floor(self.max_shard_bytes / bytes_per_slice))
-        n = int(math.ceil(1.0 * d0 / slices_per_shard))
+        n = math.ceil(1.0 * d0 / slices_per_shard)
         if self.max_shards:
             n = min(self.max_shards, n)
         return _result(shape, n)
@@ -206,7 +206,7 @@ class VariableLayout:
         """The whole variable from its shards' parts (a new array)."""
         if len(parts) != len(self.shards):
             raise ValueError(f"{self.variable.name!r} has {len(self.shards)} shards, got {len(parts)} parts")
-        for s, p in zip(self.shards, parts):
+        for s, p in zip(self.shards, parts, strict=True):
             if np.shape(p) != tuple(s.shape):
                 raise ValueError(f"shard {s.name!r} has shape {s.shape}, got {np.shape(p)}")
         if not self.variable.shape:
@@ -235,7 +235,9 @@ def plan_layout(
             parts, offset = [], 0
             for i in range(n):
                 rows = base + (i < extra)
-                parts.append(ShardInfo(f"{var.name}/part_{i}", var.name, i, counter % num_ps, offset, (rows, *shape[1:])))
+                parts.append(
+                    ShardInfo(f"{var.name}/part_{i}", var.name, i, counter % num_ps, offset, (rows, *shape[1:]))
+                )
                 counter += 1
                 offset += rows
             shards = tuple(parts)
@@ -271,7 +273,7 @@ def route_ids(layout: VariableLayout, ids: np.ndarray) -> Routed:
     counts = np.bincount(shard, minlength=len(layout.shards))
     routed: Routed = []
     start = 0
-    for info, count in zip(layout.shards, counts.tolist()):
+    for info, count in zip(layout.shards, counts.tolist(), strict=True):
         if count:
             positions = order[start : start + count]
             routed.append((info, positions, row[positions]))
@@ -289,7 +291,7 @@ def stitch_rows(
     tail = tuple(layout.variable.shape[1:])
     dtype = np.result_type(*rows_per_shard) if rows_per_shard else np.dtype(layout.variable.dtype)
     out = np.empty((ids.size, *tail), dtype=dtype)
-    for (info, positions, _), rows in zip(routed, rows_per_shard):
+    for (info, positions, _), rows in zip(routed, rows_per_shard, strict=True):
         if np.shape(rows) != (len(positions), *tail):
             raise ValueError(f"shard {info.name!r} answered shape {np.shape(rows)}, expected {(len(positions), *tail)}")
         out[positions] = rows

@@ -20,6 +20,7 @@ import grpc
 
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
+from psctl.runtime.heartbeat import PROGRESS
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import Dataset
 from psctl.runtime.ps_client import PsClient, PsUnavailable, PushHeader
@@ -118,6 +119,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         p.global_step = first.global_step
         p.loss = float(loss)
         p.last_step_at = time.time()
+        PROGRESS.local_step, PROGRESS.global_step, PROGRESS.loss = p.local_step, p.global_step, p.loss
+        PROGRESS.status = "training"
         return pb.StepResponse(
             loss=float(loss),
             examples=len(next(iter(batch.values()))),

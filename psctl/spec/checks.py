@@ -81,8 +81,10 @@ class Checker:
     def __init__(self, source: SourceMap) -> None:
         self.source = source
 
-    def fail(self, path: KeyPath, what: str, fix: str, *, key: bool = False) -> NoReturn:
-        raise self.source.error(path, what, fix, key=key)
+    def fail(self, path: KeyPath, what: str, fix: str, *, key: bool = False, at: KeyPath | None = None) -> NoReturn:
+        """Raise the spec error for ``path``, at the line of ``at`` (default: ``path`` itself)."""
+        line = self.source.line(path if at is None else at, key=key)
+        raise self.source.error(path, what, fix, line=line)
 
     def mapping(
         self, path: KeyPath, value: object, allowed: Sequence[str], *, example: str, none_ok: bool = False
@@ -101,11 +103,12 @@ class Checker:
     def string_keys(self, path: KeyPath, value: dict[Any, Any]) -> None:
         for key in value:
             if not isinstance(key, str):
-                raise self.source.error(
+                self.fail(
                     path,
                     f"keys must be strings, got {show(key)}",
                     "quote the key (YAML reads yes/no/on/off as booleans and digits as numbers)",
-                    line=self.source.line((*path, key), key=True),
+                    key=True,
+                    at=(*path, key),
                 )
 
     def require(self, path: KeyPath, mapping: dict[str, Any], key: str, fix: str) -> Any:
@@ -115,9 +118,7 @@ class Checker:
             self.fail((*path, key), "required but missing", fix, key=True)
         return value
 
-    def integer(
-        self, path: KeyPath, value: object, *, minimum: int, maximum: int | None = None, fix: str
-    ) -> int:
+    def integer(self, path: KeyPath, value: object, *, minimum: int, maximum: int | None = None, fix: str) -> int:
         """A whole number (not a bool, not 2.0) in ``minimum..maximum``; never beyond int64."""
         wanted = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
         if (
@@ -194,7 +195,8 @@ class Checker:
         """One of ``choices``; a near miss gets a did-you-mean."""
         if value not in choices or not isinstance(value, str):
             close = suggestion(value, choices)
-            fix = f"{close} (one of: {', '.join(choices)})" if close.startswith("did") else f"use one of: {', '.join(choices)}"
+            listed = ", ".join(choices)
+            fix = f"{close} (one of: {listed})" if close.startswith("did") else f"use one of: {listed}"
             self.fail(path, f"unknown {noun} {show(value)}", fix)
         return value
 

@@ -15,16 +15,19 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, Union
+from typing import Any, NoReturn
 
 import yaml
 from yaml.constructor import SafeConstructor
+from yaml.error import Mark
+from yaml.events import AliasEvent
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from psctl.errors import SpecError
 
 #: A key path: mapping keys and list indices from the top of the document, e.g. ("roles", "ps", "port").
 KeyPath = tuple[Any, ...]
+Scalar = str | int | float | bool | None
 
 #: Limits that keep a hostile or broken file from exhausting memory or the stack.
 MAX_VALUES = 100_000
@@ -32,15 +35,13 @@ MAX_DEPTH = 64
 
 _TAG = "tag:yaml.org,2002:"
 _MERGE_TAG = _TAG + "merge"
-#: Scalar tags we construct; their SafeLoader constructors are plain functions of the node.
+#: Scalar tags we construct; their SafeConstructor functions are pure functions of the node.
 _SCALAR_TAGS = frozenset(_TAG + t for t in ("null", "bool", "int", "float", "str", "timestamp"))
 _SIMPLE_KEY = re.compile(r"[A-Za-z0-9_-]{1,40}")
 
-Scalar = Union[str, int, float, bool, None]
-
 
 def dotted(path: KeyPath) -> str:
-    """``("roles", "ps", "ports", 1)`` → ``roles.ps.ports[1]``; odd keys are quoted so the line stays one line."""
+    """``("roles", "ps", "ports", 1)`` → ``roles.ps.ports[1]``; odd keys are quoted to keep one line."""
     out = ""
     for part in path:
         if isinstance(part, int) and not isinstance(part, bool):
@@ -73,10 +74,10 @@ class SourceMap:
 
     def line(self, path: KeyPath, *, key: bool = False) -> int:
         """The line of ``path``'s key (``key=True``) or value, else of its nearest recorded ancestor."""
-        lines = self.key_lines if key else self.value_lines
-        for n in range(len(path), 0, -1):
+        for n in range(len(path), -1, -1):
+            sub = path[:n]
             try:
-                found = lines.get(path[:n]) or self.key_lines.get(path[:n])
+                found = (self.key_lines.get(sub) if key else None) or self.value_lines.get(sub)
             except TypeError:  # an unhashable part: cannot be in the map
                 found = None
             if found:
@@ -91,29 +92,37 @@ class SourceMap:
 
 def load_yaml(text: str, *, filename: str) -> tuple[Any, SourceMap]:
     """Parse ``text``; return its data (None for an empty document) and the lines of every path in it."""
-    loader = yaml.SafeLoader(text)
+    loader: _LineLoader | None = None
     try:
+        loader = _LineLoader(text)  # checks every character up front: may raise ReaderError
         node = loader.get_single_node()
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line = mark.line + 1 if mark is not None else 1
         problem = _one_line(e.problem or e.context or "cannot parse")
+        if e.context and e.problem:
+            context = _one_line(e.context)
+            if not context.startswith("while"):
+                problem = f"{context}, {problem}"
+            elif e.context_mark is not None and e.context_mark.line + 1 != line:
+                problem += f" ({context} that starts on line {e.context_mark.line + 1})"
         raise SpecError(
             f"{filename}:{line}: invalid YAML: {problem}; check the indentation, colons and quotes on this line"
         ) from None
     except yaml.YAMLError as e:  # ReaderError: a character YAML does not allow
         position = getattr(e, "position", 0) or 0
-        line = text.count("\n", 0, position) + 1
+        line = text.count("\n", 0, position) + 1 if isinstance(position, int) else 1
+        char = getattr(e, "character", None)
+        code = f" (#x{char:04x})" if isinstance(char, int) else ""
         raise SpecError(
-            f"{filename}:{line}: invalid YAML: {_one_line(str(getattr(e, 'reason', e)))}; "
+            f"{filename}:{line}: invalid YAML: {_one_line(str(getattr(e, 'reason', e)))}{code}; "
             "remove the control character (the spec must be printable UTF-8 text)"
         ) from None
     except RecursionError:
-        raise SpecError(
-            f"{filename}:1: invalid YAML: nested too deeply to read; flatten the structure"
-        ) from None
+        raise SpecError(f"{filename}:1: invalid YAML: nested too deeply to read; flatten the structure") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     builder = _Builder(filename)
     data = None if node is None else builder.build(node, (), 0, set())
     return data, SourceMap(filename, builder.key_lines, builder.value_lines)
@@ -121,6 +130,31 @@ def load_yaml(text: str, *, filename: str) -> tuple[Any, SourceMap]:
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+class _Alias(Node):
+    """An alias (``*name``) where it is written, standing for the anchored node it names."""
+
+    id = "alias"
+
+    def __init__(self, target: Node, start_mark: Mark, end_mark: Mark) -> None:
+        super().__init__(target.tag, target.value, start_mark, end_mark)
+        self.target = target
+
+
+def _target(node: Node) -> Node:
+    return node.target if isinstance(node, _Alias) else node
+
+
+class _LineLoader(yaml.SafeLoader):
+    """SafeLoader whose node tree keeps each alias's own position (the stock composer returns the anchored
+    node itself, so a value reached through an alias would be reported at the anchor's line)."""
+
+    def compose_node(self, parent: Node | None, index: object) -> Node:
+        if self.check_event(AliasEvent):
+            event = self.peek_event()
+            return _Alias(super().compose_node(parent, index), event.start_mark, event.end_mark)
+        return super().compose_node(parent, index)  # type: ignore[no-any-return]
 
 
 class _Builder:
@@ -131,7 +165,7 @@ class _Builder:
         self.key_lines: dict[KeyPath, int] = {}
         self.value_lines: dict[KeyPath, int] = {}
         self.count = 0
-        self._constructor = SafeConstructor()  # only for its scalar constructors (pure functions of a node)
+        self._constructor = SafeConstructor()  # only for its scalar constructors
 
     def fail(self, node: Node, path: KeyPath, what: str, fix: str) -> NoReturn:
         raise SourceMap(self.filename).error(path, what, fix, line=node.start_mark.line + 1)
@@ -140,19 +174,22 @@ class _Builder:
         self.count += 1
         if self.count > MAX_VALUES:
             self.fail(
-                node, path, f"the spec holds more than {MAX_VALUES} values (aliases expanded)",
+                node,
+                path,
+                f"the spec holds more than {MAX_VALUES} values (aliases expanded)",
                 "a cluster spec is small: remove the repeated aliases",
             )
 
-    def build(self, node: Node, path: KeyPath, depth: int, active: set[int]) -> Any:
-        self._tick(node, path)
-        self.value_lines[path] = node.start_mark.line + 1
+    def build(self, written: Node, path: KeyPath, depth: int, active: set[int]) -> Any:
+        self._tick(written, path)
+        self.value_lines[path] = written.start_mark.line + 1
         if depth > MAX_DEPTH:
-            self.fail(node, path, f"nested more than {MAX_DEPTH} levels deep", "flatten the structure")
+            self.fail(written, path, f"nested more than {MAX_DEPTH} levels deep", "flatten the structure")
+        node = _target(written)
         if isinstance(node, ScalarNode):
             return self.scalar(node, path)
         if id(node) in active:
-            self.fail(node, path, "an alias refers to a value that contains it", "remove the recursive alias")
+            self.fail(written, path, "an alias refers to a value that contains it", "remove the recursive alias")
         active.add(id(node))
         try:
             if isinstance(node, SequenceNode):
@@ -177,15 +214,16 @@ class _Builder:
     def mapping(self, node: MappingNode, path: KeyPath, depth: int, active: set[int]) -> dict[Any, Any]:
         result: dict[Any, Any] = {}
         explicit, merged = self.pairs(node, path, active)
-        for key_node, value_node, from_merge in (*((k, v, False) for k, v in explicit),
-                                                  *((k, v, True) for k, v in merged)):
+        tagged = [(k, v, False) for k, v in explicit] + [(k, v, True) for k, v in merged]
+        for key_node, value_node, from_merge in tagged:
             key = self.key(key_node, path)
             if key in result:
                 if from_merge:  # YAML merge: explicit keys, then earlier merged maps, win
                     continue
                 self.fail(key_node, (*path, key), "duplicate key", "remove one of the two")
-            self.key_lines[(*path, key)] = key_node.start_mark.line + 1
-            result[key] = self.build(value_node, (*path, key), depth + 1, active)
+            sub = (*path, key)
+            self.key_lines[sub] = key_node.start_mark.line + 1
+            result[key] = self.build(value_node, sub, depth + 1, active)
         return result
 
     def pairs(
@@ -201,8 +239,9 @@ class _Builder:
             if key_node.tag != _MERGE_TAG:
                 explicit.append((key_node, value_node))
                 continue
+            value_node = _target(value_node)
             sources = value_node.value if isinstance(value_node, SequenceNode) else [value_node]
-            for source in sources:
+            for source in map(_target, sources):
                 if not isinstance(source, MappingNode):
                     self.fail(source, path, "`<<` can merge only mappings", "merge an alias of a mapping")
                 if id(source) in active or source is node:
@@ -215,7 +254,8 @@ class _Builder:
                 merged.extend(inner_explicit + inner_merged)
         return explicit, merged
 
-    def key(self, node: Node, path: KeyPath) -> Any:
+    def key(self, written: Node, path: KeyPath) -> Any:
+        node = _target(written)
         if not isinstance(node, ScalarNode):
-            self.fail(node, path, "a mapping key must be a plain value, not a list or mapping", "use a string key")
+            self.fail(written, path, "a mapping key must be a plain value, not a list or mapping", "use a string key")
         return self.scalar(node, path)

@@ -1,0 +1,5 @@
+"""``python -m psctl``: the same as the ``psctl`` command."""
+
+from psctl.cli import main
+
+main()

@@ -1,0 +1,223 @@
+"""The ``psctl`` command line: parse, call one operation, render. It holds no cluster state itself."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from psctl import __version__, operations
+from psctl.errors import PsctlError, TrainingFailed
+from psctl.home import ClusterDir, list_clusters
+from psctl.render import plan_table, progress_line, status_dict, status_view
+from psctl.supervisor.state import ClusterState, load_state
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+class PsctlGroup(click.Group):
+    """Turns PsctlError into one line on stderr and its exit code; tracebacks only with --debug."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except PsctlError as exc:
+            if ctx.obj and ctx.obj.get("debug"):
+                traceback.print_exc()
+            err_console.print(f"[red]error:[/red] {exc.format_message()}", highlight=False, soft_wrap=True)
+            ctx.exit(exc.exit_code)
+
+
+@click.group(cls=PsctlGroup)
+@click.version_option(__version__, prog_name="psctl")
+@click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """Launch and supervise parameter-server training clusters."""
+    ctx.ensure_object(dict)
+    ctx.obj["debug"] = debug
+
+
+@cli.command()
+@click.argument("spec", type=click.Path(dir_okay=False))
+def validate(spec: str) -> None:
+    """Check a cluster spec and print the plan (which role runs where)."""
+    _spec, plan = operations.plan_spec(spec)
+    console.print(plan_table(plan))
+    console.print(f"[green]{spec}: valid[/green] ({len(plan.instances)} roles)")
+
+
+@cli.command()
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--detach", "-d", is_flag=True, help="Return once the cluster is starting; do not watch it.")
+@click.option("--dry-run", is_flag=True, help="Validate and print the plan; start nothing.")
+def up(spec: str, detach: bool, dry_run: bool) -> None:
+    """Start the cluster SPEC describes and watch it until training finishes (Ctrl-C detaches)."""
+    cluster_spec, plan = operations.plan_spec(spec)
+    if dry_run:
+        console.print(plan_table(plan))
+        console.print(f"dry run: nothing started ({len(plan.instances)} roles planned)")
+        return
+    cdir = operations.bring_up(cluster_spec, plan)
+    name = cluster_spec.name
+    if detach:
+        console.print(f"cluster {name!r} is starting; watch it with `psctl status {name}`")
+        return
+    try:
+        record = _watch(cdir)
+    except KeyboardInterrupt:
+        console.print(
+            f"\ndetached: cluster {name!r} keeps running. `psctl status {name}`, `psctl logs ROLE {name}`, "
+            f"`psctl down {name}`"
+        )
+        return
+    _finish_line(cdir, record)
+
+
+def _watch(cdir: ClusterDir, *, plain_every: float = 5.0) -> Any:
+    """A live table on a terminal; elsewhere (CI logs, pipes) a progress line every few seconds."""
+    live = Live(console=console, refresh_per_second=4, transient=False) if console.is_terminal else None
+    last_line = 0.0
+    if live is not None:
+        live.start()
+    try:
+        while True:
+            record = load_state(cdir.state_file)
+            stale = operations.is_stale(record)
+            if live is not None:
+                live.update(status_view(cdir, record, stale=stale))
+            elif time.monotonic() - last_line >= plain_every or record.state.terminal:
+                last_line = time.monotonic()
+                click.echo(progress_line(cdir, record))
+            if record.state.terminal:
+                return record
+            if stale:
+                raise PsctlError(
+                    f"the supervisor of {record.name!r} died; roles may still run",
+                    hint=f"`psctl status {record.name}` shows the last known state, `psctl down {record.name}` "
+                    "stops everything",
+                )
+            time.sleep(0.25)
+    finally:
+        if live is not None:
+            live.stop()
+
+
+def _finish_line(cdir: ClusterDir, record: Any) -> None:
+    if record.state == ClusterState.SUCCEEDED:
+        result = record.result or {}
+        metrics = result.get("metrics", {})
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "examples")
+        where = result.get("checkpoint") or "no checkpoint configured"
+        console.print(
+            f"[bold green]training finished[/bold green]: {result.get('global_step', '?')} steps in "
+            f"{result.get('seconds', 0):.1f}s; {shown}; checkpoint: {where}",
+            highlight=False,
+        )
+        return
+    if record.state == ClusterState.STOPPED:
+        console.print(f"cluster {record.name!r} was stopped: {record.reason}")
+        return
+    raise TrainingFailed(f"cluster {record.name!r} failed: {record.reason}",
+                         hint=f"logs in {cdir.logs}")
+
+
+@cli.command()
+@click.argument("name", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print the state as JSON, for scripts.")
+def status(name: str | None, as_json: bool) -> None:
+    """Show a cluster's roles, their state and training progress."""
+    cdir = operations.resolve_cluster(name)
+    record = load_state(cdir.state_file)
+    stale = operations.is_stale(record)
+    if as_json:
+        click.echo(json.dumps(status_dict(cdir, record, stale=stale), indent=2, default=str))
+        return
+    console.print(status_view(cdir, record, stale=stale))
+    if stale:
+        err_console.print(
+            f"[yellow]hint:[/yellow] the supervisor of {record.name!r} is not running; "
+            f"`psctl down {record.name}` stops whatever is left"
+        )
+
+
+@cli.command(name="ls")
+def list_command() -> None:
+    """List the clusters psctl knows (under PSCTL_HOME)."""
+    table = Table(box=None)
+    for col in ("name", "state", "roles", "steps", "updated"):
+        table.add_column(col)
+    for cdir in list_clusters():
+        record = load_state(cdir.state_file)
+        state = record.state.value + (" (stale)" if operations.is_stale(record) else "")
+        table.add_row(record.name, state, str(len(record.roles)), str(record.steps),
+                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.updated_at)))
+    console.print(table)
+
+
+@cli.command()
+@click.argument("role")
+@click.argument("name", required=False)
+@click.option("--tail", "-n", "tail", type=int, default=0, help="Only the last N lines (0: all).")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new lines, across restarts of the role.")
+@click.option("--attempt", type=int, default=None, help="An earlier attempt's log (1 is the first).")
+def logs(role: str, name: str | None, tail: int, follow: bool, attempt: int | None) -> None:
+    """Print the log of ROLE (e.g. worker-1) of cluster NAME."""
+    cdir = operations.resolve_cluster(name)
+    record = load_state(cdir.state_file)
+    path = operations.log_path(cdir, record, role, attempt)
+    for line in operations.tail_lines(path, tail):
+        click.echo(line)
+    if follow:
+        start = attempt or max(record.role(role).attempt, 1)
+        try:
+            for line in operations.follow(cdir, role, start_attempt=start):
+                click.echo(line)
+        except KeyboardInterrupt:
+            pass
+
+
+@cli.command()
+@click.argument("name", required=False)
+@click.option("--grace", type=float, default=5.0, show_default=True, help="Seconds between SIGTERM and SIGKILL.")
+@click.option("--purge", is_flag=True, help="Also delete the cluster's logs and state.")
+def down(name: str | None, grace: float, purge: bool) -> None:
+    """Stop every process of a cluster and verify that none is left."""
+    cdir = operations.resolve_cluster(name)
+    report = operations.tear_down(cdir, grace=grace, purge=purge)
+    what = f"stopped {report.stopped} process(es)" if report.stopped else "nothing was running"
+    kept = "logs and state deleted" if purge else f"logs kept in {cdir.logs}"
+    console.print(f"cluster {cdir.name!r}: {what}; no process of it is left; {kept}")
+
+
+@cli.command()
+@click.argument("name", required=False)
+@click.option("--tail", "-n", "tail", type=int, default=20, show_default=True)
+def events(name: str | None, tail: int) -> None:
+    """Show the cluster's recent role state changes, with their reasons."""
+    cdir = operations.resolve_cluster(name)
+    for line in operations.tail_lines(cdir.events_file, tail):
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        stamp = time.strftime("%H:%M:%S", time.localtime(ev.get("time", 0)))
+        reason = f"  {ev['reason']}" if ev.get("reason") else ""
+        click.echo(f"{stamp}  {ev.get('role', '?'):<12} {ev.get('from')} -> {ev.get('to')}{reason}")
+
+
+def main() -> None:
+    try:
+        cli(obj={})
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+

@@ -1,0 +1,66 @@
+"""Where psctl keeps each cluster's files: ``$PSCTL_HOME/<name>/`` (default ``~/.psctl``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def psctl_home() -> Path:
+    return Path(os.environ.get("PSCTL_HOME", "~/.psctl")).expanduser()
+
+
+@dataclass(frozen=True)
+class ClusterDir:
+    """The files of one named cluster."""
+
+    root: Path
+
+    @classmethod
+    def named(cls, name: str) -> ClusterDir:
+        return cls(psctl_home() / name)
+
+    @property
+    def name(self) -> str:
+        return self.root.name
+
+    @property
+    def state_file(self) -> Path:
+        return self.root / "state.json"
+
+    @property
+    def spec_file(self) -> Path:
+        return self.root / "spec.yaml"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def run_dir(self) -> Path:
+        """Where the chief writes metrics.jsonl and result.json."""
+        return self.root / "run"
+
+    @property
+    def supervisor_log(self) -> Path:
+        return self.root / "supervisor.log"
+
+    @property
+    def events_file(self) -> Path:
+        return self.root / "events.jsonl"
+
+    def role_log(self, role: str, attempt: int) -> Path:
+        return self.logs / f"{role}.{attempt}.log"
+
+    def create(self) -> None:
+        for path in (self.root, self.logs, self.run_dir):
+            path.mkdir(parents=True, exist_ok=True)
+            path.chmod(0o700)
+
+
+def list_clusters() -> list[ClusterDir]:
+    home = psctl_home()
+    if not home.is_dir():
+        return []
+    return sorted(ClusterDir(p) for p in home.iterdir() if (p / "state.json").is_file())

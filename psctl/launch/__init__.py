@@ -1,0 +1,1 @@
+"""Where role processes start: one small interface, one implementation per kind of host."""

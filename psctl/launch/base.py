@@ -1,0 +1,77 @@
+"""The launch backend interface, and teardown written once on top of it.
+
+A backend starts a role as the leader of its own process group (so that everything the role spawns is
+signalled with it), reports whether it has exited, signals its group, and finds every process of a cluster
+by the ``PSCTL_CLUSTER_ID`` it carries in its environment (so that ``down`` verifies nothing is left, even
+processes the state file no longer knows about).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ProcessHandle:
+    host: str
+    pid: int
+    #: Process creation time as psutil reports it: guards against acting on a reused pid.
+    create_time: float | None = None
+
+
+class Runner(ABC):
+    """Starts and controls processes on one kind of host. Constructors do no I/O."""
+
+    @abstractmethod
+    def start(self, *, argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: Path) -> ProcessHandle:
+        """Start ``argv`` detached in a new session and process group, output appended to ``log_path``."""
+
+    @abstractmethod
+    def poll(self, handle: ProcessHandle) -> int | None:
+        """None while running; else the exit code (negative: killed by that signal; -255: unknown)."""
+
+    @abstractmethod
+    def signal_group(self, handle: ProcessHandle, sig: int) -> None:
+        """Signal the handle's process group; a group already gone is not an error."""
+
+    @abstractmethod
+    def cluster_processes(self, cluster_id: str) -> list[ProcessHandle]:
+        """Every live process (not zombie) whose environment has PSCTL_CLUSTER_ID=cluster_id."""
+
+    def close(self) -> None:
+        """Release connections; safe to call twice."""
+
+
+def stop_processes(
+    runner: Runner,
+    handles: Sequence[ProcessHandle],
+    *,
+    grace: float = 5.0,
+    get_time: Callable[[], float] = time.monotonic,
+    poll_interval: float = 0.05,
+) -> list[ProcessHandle]:
+    """SIGTERM every group, wait up to ``grace`` seconds, SIGKILL what is left; returns what survived.
+
+    Best effort and keeps going: a process that is already gone is fine, one failure does not stop the rest.
+    """
+    live = [h for h in handles if runner.poll(h) is None]
+    for handle in live:
+        runner.signal_group(handle, signal.SIGTERM)
+    deadline = get_time() + grace
+    while live and get_time() < deadline:
+        live = [h for h in live if runner.poll(h) is None]
+        if live:
+            time.sleep(poll_interval)
+    for handle in live:
+        runner.signal_group(handle, signal.SIGKILL)
+    deadline = get_time() + 5.0
+    while live and get_time() < deadline:
+        live = [h for h in live if runner.poll(h) is None]
+        if live:
+            time.sleep(poll_interval)
+    return live

@@ -1,0 +1,118 @@
+"""Rich tables for plans and cluster status, and the dictionaries ``--json`` prints."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from psctl.home import ClusterDir
+from psctl.runtime.metrics import read_metrics
+from psctl.spec import Plan
+from psctl.supervisor.state import ClusterRecord, RoleRecord, RoleState
+
+STATE_STYLE = {
+    RoleState.RUNNING: "green",
+    RoleState.SUCCEEDED: "bold green",
+    RoleState.STARTING: "cyan",
+    RoleState.RESTARTING: "yellow",
+    RoleState.LOST: "red",
+    RoleState.STALLED: "yellow",
+    RoleState.FAILED: "bold red",
+    RoleState.STOPPED: "dim",
+    RoleState.PENDING: "dim",
+}
+
+
+def plan_table(plan: Plan) -> Table:
+    table = Table(title=f"plan for cluster {plan.spec.name!r}", title_justify="left")
+    for col in ("role", "host", "address", "port"):
+        table.add_column(col)
+    for inst in plan.instances:
+        table.add_row(inst.name, inst.host, inst.address, str(inst.port))
+    return table
+
+
+def _age(since: float | None, now: float) -> str:
+    if since is None:
+        return "-"
+    seconds = max(0.0, now - since)
+    if seconds < 60:
+        return f"{seconds:.0f}s" if seconds >= 10 else f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds // 60:.0f}m{seconds % 60:02.0f}s"
+    return f"{seconds // 3600:.0f}h{seconds % 3600 // 60:02.0f}m"
+
+
+def progress(cdir: ClusterDir) -> dict[str, Any]:
+    """The latest training figures the chief wrote (global step, loss, rates), or {}."""
+    records = [r for r in read_metrics(cdir.run_dir / "metrics.jsonl") if r.get("event") == "progress"]
+    return records[-1] if records else {}
+
+
+def progress_line(cdir: ClusterDir, record: ClusterRecord) -> str:
+    """One plain line of progress, for output that is not a terminal."""
+    prog = progress(cdir)
+    counts: dict[str, int] = {}
+    for role in record.roles:
+        counts[role.state.value] = counts.get(role.state.value, 0) + 1
+    roles = ", ".join(f"{n} {state}" for state, n in counts.items())
+    line = f"{record.name}: {record.state.value}; step {prog.get('global_step', 0)}/{record.steps}"
+    if prog.get("loss") is not None:
+        line += f", loss {prog['loss']:.4f}, {prog.get('steps_per_sec', 0):.1f} steps/s"
+    return f"{line}; roles: {roles}"
+
+
+def status_dict(cdir: ClusterDir, record: ClusterRecord, *, stale: bool) -> dict[str, Any]:
+    data = record.to_dict()
+    data["stale"] = stale
+    data["progress"] = progress(cdir)
+    data["logs"] = str(cdir.logs)
+    return data
+
+
+def _role_row(role: RoleRecord, now: float) -> list[Any]:
+    alive = not role.state.terminal and role.state != RoleState.RESTARTING
+    return [
+        role.name,
+        role.host,
+        str(role.pid) if role.pid and alive else "-",
+        Text(role.state.value, style=STATE_STYLE.get(role.state, "")),
+        f"{role.attempt}/{role.restarts}",
+        _age(role.started_at, now) if alive else "-",
+        _age(role.last_heartbeat, now) if alive else "-",
+        str(role.local_step if role.role == "worker" else role.global_step) if role.last_heartbeat else "-",
+    ]
+
+
+def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: float | None = None) -> Group:
+    now = time.time() if now is None else now
+    prog = progress(cdir)
+    step = prog.get("global_step", 0)
+    header = Text()
+    header.append(f"cluster {record.name} ", style="bold")
+    header.append(record.state.value, style="bold red" if record.state.value == "failed" else "bold")
+    if stale:
+        header.append("  (stale: the supervisor is not running; this is the last known state)", style="yellow")
+    header.append(f"\nglobal step {step}/{record.steps}")
+    if prog.get("loss") is not None:
+        header.append(f"  loss {prog['loss']:.4f}")
+    if prog.get("steps_per_sec"):
+        header.append(f"  {prog['steps_per_sec']:.1f} steps/s  {prog.get('examples_per_sec', 0):.0f} examples/s")
+    if record.result:
+        metrics = record.result.get("metrics", {})
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "examples")
+        header.append(f"\nresult: {shown}")
+        if record.result.get("checkpoint"):
+            header.append(f"  checkpoint {record.result['checkpoint']}")
+    if record.reason and record.state.terminal:
+        header.append(f"\nreason: {record.reason}")
+    table = Table(box=None, pad_edge=False)
+    for col in ("role", "host", "pid", "state", "attempt/restarts", "uptime", "heartbeat", "step"):
+        table.add_column(col)
+    for role in record.roles:
+        table.add_row(*_role_row(role, now))
+    return Group(header, table)

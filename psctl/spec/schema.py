@@ -1,0 +1,332 @@
+"""Loaded YAML data → :class:`ClusterSpec`: defaults, schema checks, then cross-field checks.
+
+The order follows Ray's launcher config flow: each section is checked on its own (unknown keys refused,
+types and ranges checked, defaults filled), then the rules that tie sections together — role hosts must
+be defined hosts, ports must not collide on a machine, mode-specific training keys — with messages that
+name every field involved.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from psctl.spec.checks import Checker, seconds_text, show, suggestion
+from psctl.spec.loader import KeyPath, SourceMap
+from psctl.spec.model import ROLE_NAMES, ClusterSpec, HostSpec, RestartPolicy, RoleSpec, SupervisionSpec
+from psctl.spec.plan import LOCAL_HOST, conflict_error, layout, port_conflict
+from psctl.spec.training import normalise_training
+
+TOP_KEYS = ("name", "hosts", "roles", "training", "supervision")
+HOST_KEYS = ("name", "address", "user", "port", "identity_file", "python", "workdir", "host_key_policy")
+ROLE_KEYS = ("replicas", "host", "hosts", "port", "ports", "restart", "env", "threads")
+RESTART_KEYS = ("policy", "max_restarts", "backoff_seconds", "max_backoff_seconds", "permanent_exit_codes")
+SUPERVISION_KEYS = ("heartbeat_interval", "heartbeat_timeout", "startup_grace", "stall_timeout")
+REQUIRED_ROLES = ("chief", "ps", "worker")
+SINGLE_ROLES = ("chief", "evaluator")
+MAX_REPLICAS = 1000
+#: Variables psctl sets for every role itself; a user's value would break cluster discovery.
+RESERVED_ENV = re.compile(r"PSCTL_.*|TF_CONFIG")
+
+_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+_HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+_ADDRESS = re.compile(r"[A-Za-z0-9:][A-Za-z0-9_.:%-]{0,252}")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PORT_FIX = "use a port number such as 7000"
+
+
+def build_spec(data: Any, source: SourceMap, *, path: Path | None, base_dir: Path, default_name: str) -> ClusterSpec:
+    """Validate loaded data and build the spec; the first mistake found is raised as a SpecError."""
+    c = Checker(source)
+    if data is None:
+        c.fail((), "the spec is empty", "write a mapping with at least roles: and training: (see cluster_examples/)")
+    if not isinstance(data, dict):
+        c.fail(
+            (),
+            f"expected a mapping at the top level, got {show(data)}",
+            "start the file with keys such as name:, roles: and training:",
+        )
+    top = c.mapping((), data, TOP_KEYS, example="roles: {...}")
+    name = _name(c, top, default_name)
+    hosts = _hosts(c, top.get("hosts"))
+    roles = _roles(c, c.require((), top, "roles", "add roles: with chief, ps and worker"), hosts)
+    clash = port_conflict(layout(roles, hosts))
+    if clash is not None:
+        raise conflict_error(source, *clash)
+    training = normalise_training(
+        c,
+        c.require((), top, "training", "add training: with at least program:, data: and steps:"),
+        base_dir=base_dir,
+        worker_replicas=roles["worker"].replicas,
+    )
+    supervision = _supervision(c, top.get("supervision"))
+    return ClusterSpec(name, path, hosts, roles, training, supervision, source)
+
+
+def _name(c: Checker, top: dict[str, Any], default_name: str) -> str:
+    rule = "lowercase letters, digits and dashes, at most 63, not starting with a dash"
+    if "name" in top:
+        return c.string(("name",), top["name"], pattern=_NAME, rule=rule, fix="write e.g. name: digits")
+    if _NAME.fullmatch(default_name):
+        return default_name
+    better = re.sub(r"[^a-z0-9]+", "-", default_name.lower()).strip("-")[:63] or "cluster"
+    c.fail(
+        ("name",),
+        f"the cluster name defaults to the file name {show(default_name)}, which is not valid ({rule})",
+        f"add name: {better}",
+        key=True,
+    )
+
+
+def _hosts(c: Checker, value: object) -> tuple[HostSpec, ...]:
+    if value is None:
+        return ()
+    items = c.items(("hosts",), value, fix="write hosts: [{name: a, address: 10.0.0.11}]")
+    seen: dict[str, int] = {}
+    hosts = []
+    for i, raw in enumerate(items):
+        p: KeyPath = ("hosts", i)
+        h = c.mapping(p, raw, HOST_KEYS, example="{name: a, address: 10.0.0.11}")
+        name = c.string(
+            (*p, "name"),
+            c.require(p, h, "name", "add name: (what roles call this host)"),
+            pattern=_HOST_NAME,
+            rule="letters, digits, '.', '_' and '-'",
+            fix="write e.g. name: a",
+        )
+        if name == LOCAL_HOST:
+            c.fail(
+                (*p, "name"),
+                "'localhost' is reserved for this machine",
+                "give the host another name (roles without hosts run on this machine)",
+            )
+        if name in seen:
+            c.fail(
+                (*p, "name"),
+                f"host {name!r} is defined twice (also hosts[{seen[name]}])",
+                "give each host a unique name",
+            )
+        seen[name] = i
+        address = c.string(
+            (*p, "address"),
+            c.require(p, h, "address", "add address: (an IP address or hostname)"),
+            pattern=_ADDRESS,
+            rule="an IP address or hostname",
+            fix="write e.g. address: 10.0.0.11",
+        )
+        hosts.append(
+            HostSpec(
+                name=name,
+                address=address,
+                user=c.optional_string((*p, "user"), h.get("user"), fix="write e.g. user: train"),
+                port=c.integer(
+                    (*p, "port"), h.get("port", 22), minimum=1, maximum=65535, fix="use the SSH port, e.g. 22"
+                ),
+                identity_file=c.optional_string(
+                    (*p, "identity_file"), h.get("identity_file"), fix="give a key file path"
+                ),
+                python=c.string((*p, "python"), h.get("python", "python3"), fix="write e.g. python: python3"),
+                workdir=c.string((*p, "workdir"), h.get("workdir", "~/.psctl-work"), fix="give a folder path"),
+                host_key_policy=c.choice(  # type: ignore[arg-type]
+                    (*p, "host_key_policy"),
+                    h.get("host_key_policy", "reject"),
+                    ("reject", "accept-new"),
+                    noun="host key policy",
+                ),
+            )
+        )
+    return tuple(hosts)
+
+
+def _roles(c: Checker, value: object, hosts: tuple[HostSpec, ...]) -> dict[str, RoleSpec]:
+    r = c.mapping(("roles",), value, ROLE_NAMES, example="roles: {chief: {}, ps: {replicas: 1}, worker: {replicas: 2}}")
+    for role in REQUIRED_ROLES:
+        if role not in r:
+            c.fail(("roles", role), "required role missing", f"add e.g. {role}: {{replicas: 1}}", key=True)
+    roles = {role: _role(c, role, r[role], hosts) for role in ROLE_NAMES if role in r}
+    remote = [role for role, spec in roles.items() if spec.hosts]
+    local = [role for role, spec in roles.items() if not spec.hosts]
+    if remote and local:
+        c.fail(
+            ("roles", local[0]),
+            f"has no host: but roles.{remote[0]} runs on hosts",
+            "give it host: or hosts: as well (roles on other machines cannot reach 127.0.0.1; "
+            "list this machine under hosts: to run it here)",
+            key=True,
+        )
+    return roles
+
+
+def _role(c: Checker, role: str, value: object, hosts: tuple[HostSpec, ...]) -> RoleSpec:
+    p: KeyPath = ("roles", role)
+    d = c.mapping(p, value, ROLE_KEYS, example="{replicas: 2}", none_ok=True)
+    replicas = 1
+    if "replicas" in d:
+        replicas = c.integer((*p, "replicas"), d["replicas"], minimum=1, fix="write a whole number such as 2")
+        if role in SINGLE_ROLES and replicas != 1:
+            c.fail((*p, "replicas"), f"the {role} has exactly one replica, got {replicas}", "remove it or write 1")
+        if replicas > MAX_REPLICAS:
+            c.fail(
+                (*p, "replicas"),
+                f"{replicas} replicas is more than psctl supports ({MAX_REPLICAS})",
+                "use fewer replicas",
+            )
+    pool = _pool(c, p, d, hosts)
+    port, ports = _ports(c, p, d, replicas)
+    if pool and port is None and ports is None:
+        c.fail(
+            p,
+            "runs on remote hosts but has no port: or ports:",
+            "add port: (a base port: replica i listens on port + i); psctl picks free ports only on this machine",
+            key=True,
+        )
+    threads = d.get("threads")
+    if threads is not None:
+        threads = c.integer((*p, "threads"), threads, minimum=1, fix="write e.g. threads: 1")
+    return RoleSpec(
+        role=role,
+        replicas=replicas,
+        hosts=pool,
+        ports=ports,
+        port=port,
+        restart=_restart(c, (*p, "restart"), d.get("restart")),
+        env=_env(c, (*p, "env"), d.get("env")),
+        threads=threads,
+    )
+
+
+def _pool(c: Checker, p: KeyPath, d: dict[str, Any], hosts: tuple[HostSpec, ...]) -> tuple[str, ...]:
+    """The role's host names (``host:`` or ``hosts:``), each one defined under ``hosts:``."""
+    if "host" in d and "hosts" in d:
+        c.fail(
+            (*p, "hosts"),
+            f"cannot be combined with {'.'.join(p)}.host",
+            "keep host: (one host) or hosts: (a pool of hosts)",
+            key=True,
+        )
+    fix = "name a host defined under hosts:"
+    if "host" in d:
+        refs: list[tuple[KeyPath, str]] = [((*p, "host"), c.string((*p, "host"), d["host"], fix=fix))]
+    elif d.get("hosts") is not None:
+        items = c.items((*p, "hosts"), d["hosts"], fix="write hosts: [a, b]")
+        refs = [((*p, "hosts", i), c.string((*p, "hosts", i), h, fix=fix)) for i, h in enumerate(items)]
+    else:
+        refs = []
+    names = [h.name for h in hosts]
+    for path, name in refs:
+        if not names:
+            c.fail(
+                path,
+                f"names host {name!r} but the spec defines no hosts:",
+                f"add a hosts: list that defines {name!r}, or remove it to run on this machine",
+            )
+        if name not in names:
+            close = suggestion(name, names)
+            c.fail(
+                path,
+                f"host {name!r} is not defined under hosts:",
+                close if close.startswith("did") else f"define it, or use one of: {', '.join(names)}",
+            )
+    return tuple(name for _, name in refs)
+
+
+def _ports(c: Checker, p: KeyPath, d: dict[str, Any], replicas: int) -> tuple[int | None, tuple[int, ...] | None]:
+    if "port" in d and "ports" in d:
+        c.fail(
+            (*p, "ports"),
+            f"cannot be combined with {'.'.join(p)}.port",
+            "keep ports: (one per replica) or port: (a base port: port, port+1, ...)",
+            key=True,
+        )
+    port = ports = None
+    if d.get("port") is not None:
+        port = c.integer((*p, "port"), d["port"], minimum=1, maximum=65535, fix=_PORT_FIX)
+        if port + replicas - 1 > 65535:
+            c.fail((*p, "port"), f"{replicas} replicas from port {port} run past 65535", "pick a lower base port")
+    if d.get("ports") is not None:
+        items = c.items((*p, "ports"), d["ports"], fix="write ports: [7000, 7001] or give a base port: 7000")
+        ports = tuple(
+            c.integer((*p, "ports", i), x, minimum=1, maximum=65535, fix=_PORT_FIX) for i, x in enumerate(items)
+        )
+        if len(ports) < replicas:
+            c.fail(
+                p,
+                f"{replicas} replicas but {len(ports)} ports",
+                f"list {replicas} ports or give a base `port:`",
+                at=(*p, "ports"),
+                key=True,
+            )
+    return port, ports
+
+
+def _restart(c: Checker, p: KeyPath, value: object) -> RestartPolicy:
+    d = c.mapping(p, value, RESTART_KEYS, example="{policy: on-failure, max_restarts: 10}", none_ok=True)
+    backoff = c.duration((*p, "backoff_seconds"), d.get("backoff_seconds", 1.0), positive=False)
+    max_backoff = c.duration(
+        (*p, "max_backoff_seconds"), d.get("max_backoff_seconds", max(30.0, backoff)), positive=False
+    )
+    if max_backoff < backoff:
+        c.fail(
+            (*p, "max_backoff_seconds"),
+            f"{seconds_text(max_backoff)} is less than {'.'.join(p)}.backoff_seconds ({seconds_text(backoff)})",
+            "raise max_backoff_seconds or lower backoff_seconds",
+        )
+    codes = c.items((*p, "permanent_exit_codes"), d.get("permanent_exit_codes", [2]), fix="write e.g. [2]")
+    return RestartPolicy(
+        policy=c.choice(
+            (*p, "policy"),
+            d.get("policy", "on-failure"),
+            ("never", "on-failure", "always"),  # type: ignore[arg-type]
+            noun="restart policy",
+        ),
+        max_restarts=c.integer((*p, "max_restarts"), d.get("max_restarts", 10), minimum=0, fix="write e.g. 10"),
+        backoff_seconds=backoff,
+        max_backoff_seconds=max_backoff,
+        permanent_exit_codes=tuple(
+            c.integer((*p, "permanent_exit_codes", i), x, minimum=1, maximum=255, fix="use exit codes 1 to 255")
+            for i, x in enumerate(codes)
+        ),
+    )
+
+
+def _env(c: Checker, p: KeyPath, value: object) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        c.fail(p, f"expected a mapping, got {show(value)}", 'write e.g. env: {OMP_NUM_THREADS: "1"}')
+    c.string_keys(p, value)
+    env: dict[str, str] = {}
+    for key, raw in value.items():
+        if not _ENV_NAME.fullmatch(key):
+            c.fail((*p, key), "not a valid environment variable name", "use letters, digits and '_'", key=True)
+        if RESERVED_ENV.fullmatch(key):
+            c.fail((*p, key), "psctl sets this variable for every role itself", "remove it", key=True)
+        if isinstance(raw, int) and not isinstance(raw, bool) and raw.bit_length() <= 64:
+            raw = str(raw)  # OMP_NUM_THREADS: 1 means "1"
+        elif isinstance(raw, float) and math.isfinite(raw):
+            raw = repr(raw)
+        if not isinstance(raw, str) or "\x00" in raw:
+            c.fail((*p, key), f"expected a string, got {show(raw)}", 'quote the value, e.g. "1"')
+        env[key] = raw
+    return env
+
+
+def _supervision(c: Checker, value: object) -> SupervisionSpec:
+    p: KeyPath = ("supervision",)
+    d = c.mapping(p, value, SUPERVISION_KEYS, example="{heartbeat_interval: 1s, heartbeat_timeout: 5s}", none_ok=True)
+    interval = c.duration((*p, "heartbeat_interval"), d.get("heartbeat_interval", 1.0))
+    timeout = c.duration((*p, "heartbeat_timeout"), d.get("heartbeat_timeout", max(5.0, 5 * interval)))
+    if timeout <= interval:
+        c.fail(
+            (*p, "heartbeat_timeout"),
+            f"{seconds_text(timeout)} must be longer than supervision.heartbeat_interval ({seconds_text(interval)})",
+            "allow a few missed heartbeats, e.g. 5 times the interval",
+        )
+    return SupervisionSpec(
+        heartbeat_interval=interval,
+        heartbeat_timeout=timeout,
+        startup_grace=c.duration((*p, "startup_grace"), d.get("startup_grace", 30.0), positive=False),
+        stall_timeout=c.duration((*p, "stall_timeout"), d.get("stall_timeout", 60.0)),
+    )

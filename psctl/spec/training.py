@@ -1,0 +1,259 @@
+"""The ``training:`` section → the normalised dict every role receives as-is (JSON-serialisable).
+
+Defaults are filled here so that every role, and every restart of it, sees the same explicit values.
+The optimizer and partitioner are checked here first, for line-numbered messages, and then built once by
+the runtime's own factories, whose defaults complete the dict: one source of truth for what the runtime
+accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from psctl.runtime.optimizers import make_optimizer
+from psctl.runtime.strategy import partitioner_from_config
+from psctl.spec.checks import INT64_MAX, Checker, show, suggestion
+from psctl.spec.loader import KeyPath
+
+TRAINING_KEYS = (
+    "program", "args", "data", "batch_size", "optimizer", "mode", "replicas_to_aggregate",
+    "total_replicas", "staleness", "steps", "seed", "partitioner", "checkpoint",
+    "log_every_seconds", "eval_every_steps",
+)  # fmt: skip
+MODES = ("async", "sync", "bounded")
+#: Each optimizer's parameters besides learning_rate (the runtime's make_optimizer accepts exactly these).
+OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
+    "sgd": (),
+    "momentum": ("momentum", "nesterov"),
+    "adagrad": ("initial_accumulator", "epsilon"),
+    "adam": ("beta1", "beta2", "epsilon"),
+}
+#: Each partitioner kind's keys, required ones first.
+PARTITIONER_KEYS: dict[str, tuple[str, ...]] = {
+    "fixed": ("num_shards",),
+    "min_size": ("min_shard_bytes", "max_shards", "bytes_per_string"),
+    "max_size": ("max_shard_bytes", "max_shards", "bytes_per_string"),
+}
+_REQUIRED_PARTITIONER_KEY = {"fixed": "num_shards", "max_size": "max_shard_bytes"}
+CHECKPOINT_KEYS = ("dir", "every_steps", "every_seconds", "max_to_keep", "keep_every_hours")
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+_MAX_JSON_DEPTH = 32
+
+T: KeyPath = ("training",)
+
+
+def normalise_training(c: Checker, value: object, *, base_dir: Path, worker_replicas: int) -> dict[str, Any]:
+    """Validate ``training:`` and return it with every default filled, in a fixed key order."""
+    t = c.mapping(T, value, TRAINING_KEYS, example="training: {program: psctl.models.mlp, steps: 1000}")
+    program = _program(
+        c, c.require(T, t, "program", "add program: a module (psctl.models.mlp) or a .py file"), base_dir
+    )
+    out: dict[str, Any] = {"program": program}
+    args = t.get("args")
+    if args is not None and not isinstance(args, dict):
+        c.fail((*T, "args"), f"expected a mapping, got {show(args)}", "write e.g. args: {hidden_units: 100}")
+    out["args"] = _json(c, (*T, "args"), args, 0) if args is not None else {}
+    out["data"] = _data(c, t.get("data"), base_dir)
+    out["batch_size"] = _int(c, t, "batch_size", 100, minimum=1, example="100")
+    out["optimizer"] = _optimizer(c, t.get("optimizer"))
+    mode = c.choice((*T, "mode"), t.get("mode", "async"), MODES, noun="mode")
+    out["mode"] = mode
+    for key, wanted in (("replicas_to_aggregate", "sync"), ("total_replicas", "sync"), ("staleness", "bounded")):
+        if key in t and mode != wanted:
+            c.fail(
+                (*T, key),
+                f"only used with training.mode: {wanted}, but training.mode is {mode}",
+                f"remove {key} or set training.mode: {wanted}",
+                key=True,
+            )
+    sync = mode == "sync"
+    out["replicas_to_aggregate"] = _int(c, t, "replicas_to_aggregate", worker_replicas, minimum=1) if sync else None
+    out["total_replicas"] = _int(c, t, "total_replicas", worker_replicas, minimum=1) if sync else None
+    if mode == "bounded" and "staleness" not in t:
+        c.fail(
+            (*T, "mode"),
+            "mode bounded needs training.staleness",
+            "add staleness: (how many steps a worker may run ahead of the slowest), e.g. staleness: 2",
+        )
+    out["staleness"] = _int(c, t, "staleness", 0, minimum=0, example="2") if mode == "bounded" else None
+    out["steps"] = _int(c, t, "steps", None, minimum=1, example="1000")
+    out["seed"] = _int(c, t, "seed", 0, minimum=0, example="0")
+    out["partitioner"] = _partitioner(c, t.get("partitioner"))
+    out["checkpoint"] = _checkpoint(c, t.get("checkpoint"))
+    out["log_every_seconds"] = c.duration((*T, "log_every_seconds"), t.get("log_every_seconds", 1.0))
+    out["eval_every_steps"] = _int(c, t, "eval_every_steps", 0, minimum=0, example="100")
+    return out
+
+
+def _int(c: Checker, t: dict[str, Any], key: str, default: int | None, *, minimum: int, example: str = "2") -> int:
+    if key not in t and default is not None:
+        return default
+    if key not in t or t[key] is None:
+        c.require(T, t, key, f"add {key}: {example}")
+    return c.integer((*T, key), t[key], minimum=minimum, fix=f"write a whole number such as {example}")
+
+
+def _program(c: Checker, value: object, base_dir: Path) -> str:
+    """A module name as given, or a .py path made absolute (relative to the spec's folder) that exists."""
+    path = (*T, "program")
+    fix = "give a module name such as psctl.models.mlp or the path of a .py file"
+    text = c.string(path, value, fix=fix)
+    if not (text.endswith(".py") or "/" in text):
+        if not _MODULE.fullmatch(text):
+            c.fail(path, f"{show(text)} is neither a module name nor a .py path", fix)
+        return text
+    try:
+        resolved = (base_dir / Path(text).expanduser()).resolve()
+        exists = resolved.is_file()
+    except (OSError, RuntimeError, ValueError):
+        resolved, exists = base_dir / text, False
+    if not exists:
+        c.fail(
+            path,
+            f"program file {show(text)} does not exist (looked for {resolved})",
+            "give a path relative to the spec's folder, or a module name such as psctl.models.mlp",
+        )
+    return str(resolved)
+
+
+def _data(c: Checker, value: object, base_dir: Path) -> dict[str, Any]:
+    """``{name: ...}`` (a built-in data set) or ``{path: ...}``; other keys are the program's options."""
+    path = (*T, "data")
+    fix = "write data: {name: digits} or data: {path: data/train.npz}"
+    if not isinstance(value, dict):
+        if value is None:
+            c.fail(path, "required but missing", f"add {fix.removeprefix('write ')}", key=True)
+        c.fail(path, f"expected a mapping, got {show(value)}", fix)
+    data = _json(c, path, value, 0)
+    if "name" in data and "path" in data:
+        c.fail((*path, "path"), "give data.name or data.path, not both", "remove one of them", key=True)
+    if "name" not in data and "path" not in data:
+        close = [k for k in data if suggestion(k, ("name", "path")).startswith("did")]
+        if close:
+            c.fail((*path, close[0]), "unknown key", suggestion(close[0], ("name", "path")), key=True)
+        c.fail(path, "needs name or path", fix)
+    if "name" in data:
+        data["name"] = c.string((*path, "name"), data["name"], fix="name a data set, e.g. digits")
+    else:
+        text = c.string((*path, "path"), data["path"], fix="give a file or folder path")
+        # Relative paths mean "next to the spec"; ~ is left for the host that reads the data to expand.
+        data["path"] = text if text.startswith("~") or Path(text).is_absolute() else str(base_dir / text)
+    return data
+
+
+def _optimizer(c: Checker, value: object) -> dict[str, Any]:
+    path = (*T, "optimizer")
+    if value is None:
+        value = {}
+    elif isinstance(value, str):  # shorthand: optimizer: sgd
+        value = {"name": value}
+    all_params = sorted({p for params in OPTIMIZER_PARAMS.values() for p in params})
+    o = c.mapping(path, value, ("name", "learning_rate", *all_params), example="{name: adam, learning_rate: 0.01}")
+    name = c.choice((*path, "name"), o.get("name", "adam"), tuple(OPTIMIZER_PARAMS), noun="optimizer")
+    lr = c.number(
+        (*path, "learning_rate"), o.get("learning_rate", 0.01), above=0, fix="write a positive number such as 0.01"
+    )
+    params: dict[str, float] = {}
+    for key, raw in o.items():
+        if key in ("name", "learning_rate"):
+            continue
+        if key not in OPTIMIZER_PARAMS[name]:
+            takes = ", ".join(OPTIMIZER_PARAMS[name]) or "no parameters besides learning_rate"
+            c.fail((*path, key), f"not a parameter of optimizer {name!r}", f"{name} takes {takes}", key=True)
+        params[key] = _optimizer_param(c, (*path, key), key, raw)
+    try:
+        config = make_optimizer(name, lr, params).config()
+    except ValueError as e:  # the runtime is stricter than the checks above: its word is final
+        c.fail(path, str(e), "fix the optimizer's parameters")
+    return {"name": name, **config}
+
+
+def _optimizer_param(c: Checker, path: KeyPath, key: str, raw: object) -> float:
+    if key == "nesterov":
+        return 1.0 if c.boolean(path, raw, fix="write nesterov: true or nesterov: false") else 0.0
+    if key in ("beta1", "beta2"):
+        return c.number(path, raw, at_least=0, below=1, fix="write a number such as 0.9")
+    if key == "epsilon":
+        return c.number(path, raw, above=0, fix="write a small positive number such as 1e-7")
+    return c.number(path, raw, at_least=0, fix="write a number such as 0.9")
+
+
+def _partitioner(c: Checker, value: object) -> dict[str, Any] | None:
+    path = (*T, "partitioner")
+    if value is None:
+        return None
+    all_keys = sorted({k for keys in PARTITIONER_KEYS.values() for k in keys})
+    p = c.mapping(path, value, ("kind", *all_keys), example="{kind: fixed, num_shards: 2}")
+    kind = c.choice(
+        (*path, "kind"),
+        c.require(path, p, "kind", "add kind: fixed, min_size or max_size"),
+        tuple(PARTITIONER_KEYS),
+        noun="partitioner kind",
+    )
+    for key in p:
+        if key != "kind" and key not in PARTITIONER_KEYS[kind]:
+            c.fail(
+                (*path, key),
+                f"not used by partitioner kind {kind!r}",
+                f"{kind} takes {', '.join(PARTITIONER_KEYS[kind])}",
+                key=True,
+            )
+    required = _REQUIRED_PARTITIONER_KEY.get(kind)
+    if required is not None:
+        c.require(path, p, required, f"add {required}: (an integer >= 1)")
+    config: dict[str, Any] = {"kind": kind}
+    for key in PARTITIONER_KEYS[kind]:
+        if p.get(key) is not None:
+            config[key] = c.integer((*path, key), p[key], minimum=1, fix="write a whole number such as 2")
+    try:
+        built = partitioner_from_config(config)
+    except ValueError as e:
+        c.fail(path, str(e), "fix the partitioner's settings")
+    if dataclasses.is_dataclass(built) and not isinstance(built, type):
+        config.update(dataclasses.asdict(built))  # the runtime's defaults, made explicit
+    return config
+
+
+def _checkpoint(c: Checker, value: object) -> dict[str, Any]:
+    path = (*T, "checkpoint")
+    k = c.mapping(path, value, CHECKPOINT_KEYS, example="{dir: ~/psctl/digits, every_steps: 200}", none_ok=True)
+    whole = "write a whole number such as 200"
+    return {
+        # null: the launcher puts checkpoints under <PSCTL_HOME>/<name>/checkpoints.
+        "dir": c.optional_string((*path, "dir"), k.get("dir"), fix="give a folder path"),
+        "every_steps": c.integer((*path, "every_steps"), k.get("every_steps", 0), minimum=0, fix=whole),
+        "every_seconds": c.duration((*path, "every_seconds"), k.get("every_seconds", 60.0), positive=False),
+        "max_to_keep": c.integer((*path, "max_to_keep"), k.get("max_to_keep", 5), minimum=1, fix="write e.g. 5"),
+        "keep_every_hours": c.number(
+            (*path, "keep_every_hours"),
+            k.get("keep_every_hours", 0.0),
+            at_least=0,
+            fix="write a number of hours, or 0 to keep none extra",
+        ),
+    }
+
+
+def _json(c: Checker, path: KeyPath, value: object, depth: int) -> Any:
+    """A deep copy of free-form ``value`` that JSON can carry unchanged, else a SpecError at the culprit."""
+    if depth > _MAX_JSON_DEPTH:
+        c.fail(path, "nested too deeply", "flatten it")
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        if abs(value) > INT64_MAX:
+            c.fail(path, "integer does not fit in 64 bits", "use a smaller number or quote it")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            c.fail(path, f"{show(value)} cannot be sent to the roles as JSON", "use a finite number")
+        return value
+    if isinstance(value, list):
+        return [_json(c, (*path, i), item, depth + 1) for i, item in enumerate(value)]
+    if isinstance(value, dict):
+        c.string_keys(path, value)
+        return {k: _json(c, (*path, k), v, depth + 1) for k, v in value.items()}
+    c.fail(path, f"cannot send {show(value)} to the roles as JSON", "quote it to make it a string")

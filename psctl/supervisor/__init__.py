@@ -1,0 +1,1 @@
+"""The supervisor: one per cluster; starts roles, tracks heartbeats, restarts what fails."""

@@ -1,0 +1,45 @@
+"""``python -m psctl.supervisor CLUSTER_DIR``: the supervisor daemon that ``psctl up`` starts."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import psutil
+
+from psctl.home import ClusterDir
+from psctl.launch.local import LocalRunner
+from psctl.spec import load_spec
+from psctl.supervisor.daemon import Supervisor
+from psctl.supervisor.state import ClusterState, load_state, save_state
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
+    cdir = ClusterDir(Path(argv[1]))
+    record = load_state(cdir.state_file)
+    spec = load_spec(record.spec_path)
+    record.supervisor_pid = os.getpid()
+    record.supervisor_create_time = psutil.Process().create_time()
+    save_state(cdir.state_file, record)
+    supervisor = Supervisor(cdir, spec, record, LocalRunner())
+
+    def on_term(signum: int, _frame: object) -> None:
+        logging.info("received %s: stopping the cluster", signal.Signals(signum).name)
+        supervisor.stop_requested.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the terminal of `psctl up` only detaches
+    try:
+        state = supervisor.run()
+    except Exception:
+        logging.exception("supervisor crashed; roles left as they were (psctl down cleans up)")
+        return 1
+    return 0 if state in (ClusterState.SUCCEEDED, ClusterState.STOPPED) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

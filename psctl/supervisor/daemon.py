@@ -1,0 +1,335 @@
+"""The supervisor loop: start every role, watch exits and heartbeats, apply the restart policy, persist.
+
+One loop (monitor → decide → act → persist), in the manner of TorchElastic's agent: monitoring never raises
+for a failed role, it returns what it saw and the loop decides. The state file is rewritten atomically after
+every change, so ``psctl status`` works from the file alone, even after this process is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from psctl.home import ClusterDir
+from psctl.launch.base import ProcessHandle, Runner, stop_processes
+from psctl.proto import psctl_pb2 as pb
+from psctl.proto import psctl_pb2_grpc as pb_grpc
+from psctl.runtime.cluster import tf_config
+from psctl.runtime.rpc import make_server
+from psctl.spec import ClusterSpec
+from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, save_state
+
+log = logging.getLogger("psctl.supervisor")
+
+#: Roles whose exit with code 0 means their job is done. ps and workers serve until told to stop, so any
+#: exit of theirs while training runs (preemption sends SIGTERM, which they answer with exit 0) is a loss.
+FINISHING_ROLES = ("chief", "evaluator")
+
+
+def describe_exit(code: int) -> str:
+    if code == -255:
+        return "exited (code unknown: not a child of this supervisor)"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def log_tail(path: os.PathLike[str] | str, lines: int = 5) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+
+
+@dataclass
+class Live:
+    """What the supervisor knows of a role beyond its persisted record (monotonic times)."""
+
+    handle: ProcessHandle | None = None
+    started: float = 0.0
+    last_heartbeat: float | None = None
+    restart_at: float | None = None
+
+
+class HeartbeatServicer(pb_grpc.SupervisorServicer):
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        return pb.HeartbeatResponse(fenced=self.supervisor.on_heartbeat(request))
+
+
+class Supervisor:
+    def __init__(
+        self,
+        cdir: ClusterDir,
+        spec: ClusterSpec,
+        record: ClusterRecord,
+        runner: Runner,
+        *,
+        get_time: Callable[[], float] = time.monotonic,
+        poll_interval: float = 0.1,
+        python: str = sys.executable,
+    ) -> None:
+        self.cdir = cdir
+        self.spec = spec
+        self.record = record
+        self.runner = runner
+        self.time = get_time
+        self.poll_interval = poll_interval
+        self.python = python
+        self.live: dict[str, Live] = {r.name: Live() for r in record.roles}
+        self.lock = threading.Lock()
+        self.stop_requested = threading.Event()
+        self._dirty = True
+        self._last_save = 0.0
+        self._server: grpc.Server | None = None
+
+    # -- events ---------------------------------------------------------------------------------------
+    def transition(self, role: RoleRecord, state: RoleState, reason: str = "") -> None:
+        if role.state == state and not reason:
+            return
+        event = {"time": time.time(), "role": role.name, "from": role.state.value, "to": state.value,
+                 "reason": reason, "attempt": role.attempt}
+        log.info("%s: %s -> %s%s", role.name, role.state.value, state.value, f" ({reason})" if reason else "")
+        role.state = state
+        if reason:
+            role.reason = reason
+        with open(self.cdir.events_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps(event) + "\n")
+        self._dirty = True
+
+    def cluster_transition(self, state: ClusterState, reason: str = "") -> None:
+        log.info("cluster: %s -> %s%s", self.record.state.value, state.value, f" ({reason})" if reason else "")
+        with open(self.cdir.events_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"time": time.time(), "role": "cluster", "from": self.record.state.value,
+                                "to": state.value, "reason": reason}) + "\n")
+        self.record.state = state
+        if reason:
+            self.record.reason = reason
+        self._dirty = True
+
+    def on_heartbeat(self, hb: pb.HeartbeatRequest) -> bool:
+        """Record a heartbeat; True if it comes from a replaced incarnation (the role must exit)."""
+        job, _, index = hb.task.partition(":")
+        name = f"{job}-{index}"
+        with self.lock:
+            try:
+                role = self.record.role(name)
+            except KeyError:
+                return True
+            if hb.incarnation != role.incarnation:
+                return True
+            self.live[name].last_heartbeat = self.time()
+            role.last_heartbeat = time.time()
+            role.global_step = hb.global_step
+            role.local_step = hb.local_step
+            role.loss = hb.loss if hb.loss == hb.loss else None
+            role.steps_per_sec = hb.steps_per_second
+            role.rss_bytes = hb.rss_bytes
+            role.metrics = dict(hb.metrics)
+            return False
+
+    # -- starting roles -------------------------------------------------------------------------------
+    def role_env(self, role: RoleRecord) -> dict[str, str]:
+        jobs: dict[str, list[str]] = {}
+        for r in self.record.roles:
+            jobs.setdefault(r.role, []).append(f"{r.address}:{r.port}")
+        cluster = {
+            "cluster": jobs,
+            "task": {"type": role.role, "index": role.index},
+            "cluster_id": self.record.cluster_id,
+            "incarnation": role.incarnation,
+            "training": self.spec.training,
+            "run_dir": str(self.cdir.run_dir),
+            "supervisor": self.record.supervisor_address,
+        }
+        spec_role = self.spec.roles[role.role]
+        threads = spec_role.threads or max(1, (os.cpu_count() or 1) // max(1, len(self.record.roles)))
+        env = dict(os.environ)
+        env.update(
+            PSCTL_CLUSTER=json.dumps(cluster),
+            TF_CONFIG=tf_config(jobs, role.role, role.index),
+            PSCTL_CLUSTER_ID=self.record.cluster_id,
+            PSCTL_ROLE=role.name,
+            PSCTL_HEARTBEAT_INTERVAL=str(self.spec.supervision.heartbeat_interval),
+            PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS=str(threads),
+            OPENBLAS_NUM_THREADS=str(threads),
+            MKL_NUM_THREADS=str(threads),
+        )
+        env.update(spec_role.env)
+        return env
+
+    def start_role(self, role: RoleRecord) -> None:
+        role.attempt += 1
+        role.incarnation = max(role.incarnation + 1, int(time.time() * 1000))
+        role.exit_code = None
+        role.last_heartbeat = None
+        log_path = self.cdir.role_log(role.name, role.attempt)
+        handle = self.runner.start(
+            argv=[self.python, "-m", "psctl.runtime"],
+            env=self.role_env(role),
+            cwd=str(self.spec.path.parent if self.spec.path else self.cdir.root),
+            log_path=log_path,
+        )
+        live = self.live[role.name]
+        live.handle, live.started, live.last_heartbeat, live.restart_at = handle, self.time(), None, None
+        role.pid, role.create_time, role.started_at = handle.pid, handle.create_time, time.time()
+        self.transition(role, RoleState.STARTING, f"attempt {role.attempt}, pid {handle.pid}")
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def serve_heartbeats(self) -> None:
+        server, port = make_server("127.0.0.1:0", None, max_workers=8)
+        pb_grpc.add_SupervisorServicer_to_server(HeartbeatServicer(self), server)
+        server.start()
+        self._server = server
+        self.record.supervisor_address = f"127.0.0.1:{port}"
+
+    def run(self) -> ClusterState:
+        self.serve_heartbeats()
+        with self.lock:
+            for role in self.record.roles:
+                self.start_role(role)
+            self.save()
+        try:
+            while not self.record.state.terminal:
+                if self.stop_requested.is_set():
+                    self.finish(ClusterState.STOPPED, "stopped by psctl down")
+                    break
+                with self.lock:
+                    self.step()
+                    self.save()
+                self.stop_requested.wait(self.poll_interval)
+        finally:
+            if self._server is not None:
+                self._server.stop(grace=0.5)
+            self.save(force=True)
+        return self.record.state
+
+    def save(self, *, force: bool = False) -> None:
+        now = self.time()
+        if force or self._dirty or now - self._last_save > 1.0:
+            save_state(self.cdir.state_file, self.record)
+            self._dirty = False
+            self._last_save = now
+
+    def step(self) -> None:
+        """One pass: look at every role, decide, act."""
+        sup = self.spec.supervision
+        now = self.time()
+        for role in self.record.roles:
+            live = self.live[role.name]
+            if role.state.terminal:
+                continue
+            if role.state == RoleState.RESTARTING:
+                if live.restart_at is not None and now >= live.restart_at:
+                    self.start_role(role)
+                continue
+            assert live.handle is not None
+            code = self.runner.poll(live.handle)
+            if code is not None:
+                role.exit_code = code
+                self.on_exit(role, code)
+                if self.record.state.terminal:
+                    return
+                continue
+            if live.last_heartbeat is not None:
+                if role.state == RoleState.STARTING:
+                    self.transition(role, RoleState.RUNNING)
+                silent = now - live.last_heartbeat
+                if silent > sup.heartbeat_timeout:
+                    self.on_lost(role, f"no heartbeat for {silent:.1f}s (hung or cut off)")
+            elif now - live.started > sup.startup_grace:
+                self.on_lost(role, f"no heartbeat within the start-up grace of {sup.startup_grace:.0f}s")
+        if self.record.state == ClusterState.STARTING and all(
+            r.state in (RoleState.RUNNING, RoleState.SUCCEEDED) for r in self.record.roles
+        ):
+            self.cluster_transition(ClusterState.RUNNING, "every role is up")
+
+    def on_exit(self, role: RoleRecord, code: int) -> None:
+        what = describe_exit(code)
+        if code == 0 and role.role in FINISHING_ROLES:
+            self.transition(role, RoleState.SUCCEEDED, "finished")
+            if role.role == "chief":
+                self.finish(ClusterState.SUCCEEDED, "training finished")
+            return
+        tail = log_tail(self.cdir.role_log(role.name, role.attempt))
+        reason = f"{what}" + (f"; last log lines: {tail}" if tail else "")
+        if self.record.state == ClusterState.STARTING and role.attempt == 1:
+            self.transition(role, RoleState.FAILED, reason)
+            self.finish(ClusterState.FAILED, f"{role.name} failed to start: {reason}")
+            return
+        self.transition(role, RoleState.LOST, reason)
+        self.maybe_restart(role, code)
+
+    def on_lost(self, role: RoleRecord, reason: str) -> None:
+        live = self.live[role.name]
+        if live.handle is not None:
+            stop_processes(self.runner, [live.handle], grace=0.0)
+        self.transition(role, RoleState.LOST, reason)
+        self.maybe_restart(role, None)
+
+    def maybe_restart(self, role: RoleRecord, code: int | None) -> None:
+        policy = self.spec.roles[role.role].restart
+        why_not = None
+        if policy.policy == "never":
+            why_not = "restart policy is never"
+        elif code is not None and code in policy.permanent_exit_codes:
+            why_not = f"exit code {code} is permanent (a configuration or program error)"
+        elif role.restarts >= policy.max_restarts:
+            why_not = f"restarted {role.restarts} times, the limit (max_restarts)"
+        if why_not is not None:
+            self.transition(role, RoleState.FAILED, f"{role.reason}; not restarted: {why_not}")
+            if role.role in ("chief", "ps") or all(
+                r.state == RoleState.FAILED for r in self.record.roles if r.role == "worker"
+            ):
+                self.finish(ClusterState.FAILED, f"{role.name} failed: {role.reason}")
+            return
+        backoff = min(policy.max_backoff_seconds, policy.backoff_seconds * (2 ** role.restarts))
+        backoff *= random.uniform(0.8, 1.2)  # jitter: roles lost together do not restart in lockstep
+        role.restarts += 1
+        self.live[role.name].restart_at = self.time() + backoff
+        self.transition(role, RoleState.RESTARTING, f"restart {role.restarts} in {backoff:.1f}s")
+
+    def finish(self, state: ClusterState, reason: str) -> None:
+        """Stop every role still running and record the outcome (idempotent)."""
+        if self.record.state.terminal:
+            return
+        handles = [
+            self.live[r.name].handle
+            for r in self.record.roles
+            if not r.state.terminal and self.live[r.name].handle is not None
+        ]
+        stop_processes(self.runner, [h for h in handles if h is not None], grace=5.0)
+        for role in self.record.roles:
+            if not role.state.terminal:
+                self.transition(role, RoleState.STOPPED, "cluster finished" if state != ClusterState.STOPPED
+                                else "stopped by psctl down")
+        self.record.result = self.read_result()
+        self.cluster_transition(state, reason)
+        self.save(force=True)
+
+    def read_result(self) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.cdir.run_dir / "result.json").read_text())  # type: ignore[no-any-return]
+        except (OSError, ValueError):
+            return None

@@ -1,0 +1,147 @@
+"""The cluster's state as the supervisor keeps it, persisted atomically so any ``psctl`` can read it.
+
+Role states and their transitions::
+
+    PENDING ──► STARTING ──► RUNNING ──► SUCCEEDED                 (exit 0 where exiting is the job: chief)
+                   │            ├──► LOST ───┐  (exited, killed, or heartbeat silent)
+                   │            └──► STALLED ┤  (heartbeats go on, progress stopped: reported, then restarted)
+                   │                         ├──► RESTARTING ──► STARTING     (restart policy allows)
+                   └─────────────────────────┴──► FAILED                      (policy exhausted, permanent exit)
+    any non-terminal ──► STOPPED                                    (down, or the cluster finished)
+
+Terminal role states: SUCCEEDED, FAILED, STOPPED. The cluster: STARTING → RUNNING → SUCCEEDED | FAILED, and
+STOPPING → STOPPED on ``psctl down``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+
+class RoleState(str, Enum):
+    PENDING = "pending"
+    STARTING = "starting"
+    RUNNING = "running"
+    LOST = "lost"
+    STALLED = "stalled"
+    RESTARTING = "restarting"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (RoleState.SUCCEEDED, RoleState.FAILED, RoleState.STOPPED)
+
+
+class ClusterState(str, Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (ClusterState.SUCCEEDED, ClusterState.FAILED, ClusterState.STOPPED)
+
+
+@dataclass
+class RoleRecord:
+    name: str
+    role: str
+    index: int
+    host: str
+    address: str
+    port: int
+    state: RoleState = RoleState.PENDING
+    pid: int | None = None
+    #: psutil's create_time of the process: with the pid it identifies the process, even after pid reuse.
+    create_time: float | None = None
+    attempt: int = 0
+    restarts: int = 0
+    incarnation: int = 0
+    started_at: float | None = None
+    exit_code: int | None = None
+    reason: str = ""
+    last_heartbeat: float | None = None
+    global_step: int = 0
+    local_step: int = 0
+    loss: float | None = None
+    steps_per_sec: float | None = None
+    rss_bytes: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> RoleRecord:
+        known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in raw.items() if k in known}
+        data["state"] = RoleState(data.get("state", "pending"))
+        return cls(**data)
+
+
+@dataclass
+class ClusterRecord:
+    name: str
+    cluster_id: str
+    #: The spec file the cluster was started from (the supervisor re-reads it when it is restarted).
+    spec_path: str = ""
+    state: ClusterState = ClusterState.STARTING
+    supervisor_pid: int | None = None
+    supervisor_create_time: float | None = None
+    supervisor_address: str | None = None
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    steps: int = 0
+    reason: str = ""
+    result: dict[str, Any] | None = None
+    roles: list[RoleRecord] = field(default_factory=list)
+
+    def role(self, name: str) -> RoleRecord:
+        for record in self.roles:
+            if record.name == name:
+                return record
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["state"] = self.state.value
+        for role in data["roles"]:
+            role["state"] = RoleState(role["state"]).value
+        return data
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ClusterRecord:
+        known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in raw.items() if k in known}
+        data["state"] = ClusterState(data.get("state", "starting"))
+        data["roles"] = [RoleRecord.from_dict(r) for r in data.get("roles", [])]
+        return cls(**data)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Temporary file, fsync, rename: a reader sees the old state or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def save_state(path: Path, record: ClusterRecord) -> None:
+    record.updated_at = time.time()
+    write_json_atomic(path, record.to_dict())
+
+
+def load_state(path: Path) -> ClusterRecord:
+    with open(path, encoding="utf-8") as f:
+        return ClusterRecord.from_dict(json.load(f))

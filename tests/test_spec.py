@@ -1,0 +1,786 @@
+"""The cluster spec: every mistake is one exact, line-numbered SpecError; valid specs normalise and plan."""
+
+from __future__ import annotations
+
+import json
+import socket
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from psctl.errors import EXIT_USAGE, SpecError
+from psctl.spec import (
+    ClusterSpec,
+    HostSpec,
+    RestartPolicy,
+    SupervisionSpec,
+    load_spec,
+    load_spec_text,
+    make_plan,
+    parse_duration,
+)
+
+VALID = textwrap.dedent(
+    """\
+    name: digits
+    roles:
+      chief: {}
+      ps: {replicas: 2}
+      worker: {replicas: 3}
+      evaluator: {}
+    training:
+      program: psctl.models.mlp
+      data: {name: digits}
+      steps: 2000
+    """
+)
+
+
+def write(tmp_path: Path, text: str, name: str = "cluster.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def spec_error(path: str | Path) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        make_plan(load_spec(path), check_ports=False)
+    assert info.value.exit_code == EXIT_USAGE == 2
+    return info.value
+
+
+# (id, spec text, the exact message). Each file is written to tmp_path/cluster.yaml and loaded from the
+# current directory (tmp_path), so messages name "cluster.yaml"; "{dir}" stands for tmp_path.
+MISTAKES = [
+    (
+        "unknown key, did you mean",
+        """\
+        roles:
+          chief: {}
+          ps: {}
+          wrker: {replicas: 2}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:4: roles.wrker: unknown key; did you mean 'worker'?",
+    ),
+    (
+        "unknown key, no close match",
+        """\
+        colour: red
+        """,
+        "cluster.yaml:1: colour: unknown key; expected one of: name, hosts, roles, training, supervision",
+    ),
+    (
+        "unknown nested key",
+        """\
+        roles:
+          chief: {}
+          ps: {}
+          worker: {replicas: 2, restart: {max_restart: 3}}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:4: roles.worker.restart.max_restart: unknown key; did you mean 'max_restarts'?",
+    ),
+    (
+        "wrong type: text for an integer",
+        """\
+        name: digits
+        roles:
+          chief: {}
+          ps: {replicas: 1}
+          worker:
+            replicas: two
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:6: roles.worker.replicas: expected an integer >= 1, got 'two'; write a whole number such as 2",
+    ),
+    (
+        "wrong type: list for a mapping",
+        """\
+        roles: [chief, ps, worker]
+        """,
+        "cluster.yaml:1: roles: expected a mapping, got a list; "
+        "write key: value pairs, e.g. roles: {chief: {}, ps: {replicas: 1}, worker: {replicas: 2}}",
+    ),
+    (
+        "bool is not an integer",
+        """\
+        roles:
+          chief: {}
+          ps: {replicas: true}
+          worker: {}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:3: roles.ps.replicas: expected an integer >= 1, got true; write a whole number such as 2",
+    ),
+    (
+        "float is not an integer",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training:
+          program: psctl.models.mlp
+          data: {name: digits}
+          steps: 10.5
+        """,
+        "cluster.yaml:5: training.steps: expected an integer >= 1, got 10.5; write a whole number such as 1000",
+    ),
+    (
+        "missing role",
+        """\
+        name: digits
+        roles:
+          chief: {}
+          ps: {replicas: 2}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:2: roles.worker: required role missing; add e.g. worker: {replicas: 1}",
+    ),
+    (
+        "missing training key",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training:
+          program: psctl.models.mlp
+          data: {name: digits}
+        """,
+        "cluster.yaml:2: training.steps: required but missing; add steps: 1000",
+    ),
+    (
+        "chief with two replicas",
+        """\
+        roles:
+          chief: {replicas: 2}
+          ps: {}
+          worker: {}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:2: roles.chief.replicas: the chief has exactly one replica, got 2; remove it or write 1",
+    ),
+    (
+        "port 0",
+        """\
+        roles:
+          chief: {}
+          ps: {replicas: 2, port: 0}
+          worker: {}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:3: roles.ps.port: expected an integer from 1 to 65535, got 0; use a port number such as 7000",
+    ),
+    (
+        "port 70000 in a list",
+        """\
+        roles:
+          chief: {}
+          ps: {}
+          worker:
+            replicas: 2
+            ports:
+              - 7100
+              - 70000
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:8: roles.worker.ports[1]: expected an integer from 1 to 65535, got 70000; "
+        "use a port number such as 7000",
+    ),
+    (
+        "base port runs past 65535",
+        """\
+        roles:
+          chief: {}
+          ps: {}
+          worker: {replicas: 3, port: 65534}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:4: roles.worker.port: 3 replicas from port 65534 run past 65535; pick a lower base port",
+    ),
+    (
+        "duplicate host names",
+        """\
+        hosts:
+          - {name: a, address: 10.0.0.11}
+          - name: a
+            address: 10.0.0.12
+        roles:
+          chief: {host: a, port: 7000}
+          ps: {host: a, port: 7001}
+          worker: {host: a, port: 7002}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:3: hosts[1].name: host 'a' is defined twice (also hosts[0]); give each host a unique name",
+    ),
+    (
+        "duplicate ports across roles",
+        """\
+        roles:
+          chief: {port: 7000}
+          ps: {replicas: 2, port: 7001}
+          worker: {replicas: 2, ports: [7100, 7002]}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:4: roles.worker.ports[1]: port 7002 on localhost is used by both ps-1 (roles.ps.port) "
+        "and worker-1 (roles.worker.ports[1]); give each instance its own port",
+    ),
+    (
+        "duplicate ports on one remote host",
+        """\
+        hosts: [{name: a, address: 10.0.0.11}, {name: b, address: 10.0.0.12}]
+        roles:
+          chief: {host: a, port: 7000}
+          ps: {hosts: [b], port: 7000}
+          worker:
+            hosts: [a]
+            port: 7000
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:7: roles.worker.port: port 7000 on host 'a' is used by both chief-0 (roles.chief.port) "
+        "and worker-0 (roles.worker.port); give each instance its own port",
+    ),
+    (
+        "more replicas than ports",
+        """\
+        roles:
+          chief: {}
+          ps: {}
+          worker:
+            replicas: 4
+            ports: [7100, 7101]
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:6: roles.worker: 4 replicas but 2 ports; list 4 ports or give a base `port:`",
+    ),
+    (
+        "port and ports together",
+        """\
+        roles:
+          chief: {}
+          ps: {}
+          worker:
+            replicas: 2
+            port: 7100
+            ports: [7100, 7101]
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:7: roles.worker.ports: cannot be combined with roles.worker.port; "
+        "keep ports: (one per replica) or port: (a base port: port, port+1, ...)",
+    ),
+    (
+        "host not defined",
+        """\
+        hosts:
+          - {name: alpha, address: 10.0.0.11}
+          - {name: beta, address: 10.0.0.12}
+        roles:
+          chief: {host: alpha, port: 7000}
+          ps: {hosts: [alpha, bta], port: 7010}
+          worker: {host: beta, port: 7100}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:6: roles.ps.hosts[1]: host 'bta' is not defined under hosts:; did you mean 'beta'?",
+    ),
+    (
+        "role names a host but the spec has no hosts",
+        """\
+        roles:
+          chief: {}
+          ps: {host: a, port: 7000}
+          worker: {}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:3: roles.ps.host: names host 'a' but the spec defines no hosts:; "
+        "add a hosts: list that defines 'a', or remove it to run on this machine",
+    ),
+    (
+        "some roles local, some remote",
+        """\
+        hosts: [{name: a, address: 10.0.0.11}]
+        roles:
+          chief: {host: a, port: 7000}
+          ps: {host: a, port: 7001}
+          worker: {replicas: 2}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:5: roles.worker: has no host: but roles.chief runs on hosts; give it host: or hosts: as well "
+        "(roles on other machines cannot reach 127.0.0.1; list this machine under hosts: to run it here)",
+    ),
+    (
+        "remote role without a port",
+        """\
+        hosts: [{name: a, address: 10.0.0.11}]
+        roles:
+          chief: {host: a, port: 7000}
+          ps: {host: a}
+          worker: {host: a, port: 7100}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:4: roles.ps: runs on remote hosts but has no port: or ports:; "
+        "add port: (a base port: replica i listens on port + i); psctl picks free ports only on this machine",
+    ),
+    (
+        "invalid YAML",
+        """\
+        roles:
+          chief: {}
+          ps: {}
+          worker: {}
+        training:
+          program: psctl.models.mlp
+          steps: 10: 20
+        """,
+        "cluster.yaml:7: invalid YAML: mapping values are not allowed here; "
+        "check the indentation, colons and quotes on this line",
+    ),
+    (
+        "invalid YAML: unclosed flow mapping",
+        """\
+        roles:
+          chief: {}
+          ps: {replicas: 2
+          worker: {}
+        """,
+        "cluster.yaml:4: invalid YAML: expected ',' or '}', but got ':' (while parsing a flow mapping that "
+        "starts on line 3); check the indentation, colons and quotes on this line",
+    ),
+    (
+        "empty file",
+        "",
+        "cluster.yaml:1: the spec is empty; write a mapping with at least roles: and training: (see cluster_examples/)",
+    ),
+    (
+        "only comments",
+        """\
+        # to do
+        """,
+        "cluster.yaml:1: the spec is empty; write a mapping with at least roles: and training: (see cluster_examples/)",
+    ),
+    (
+        "top level is a list",
+        """\
+        - chief
+        - ps
+        """,
+        "cluster.yaml:1: expected a mapping at the top level, got a list; "
+        "start the file with keys such as name:, roles: and training:",
+    ),
+    (
+        "duplicate key",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training:
+          program: psctl.models.mlp
+          data: {name: digits}
+          steps: 10
+          steps: 20
+        """,
+        "cluster.yaml:6: training.steps: duplicate key; remove one of the two",
+    ),
+    (
+        "sync-only key in async mode",
+        """\
+        roles: {chief: {}, ps: {}, worker: {replicas: 2}}
+        training:
+          program: psctl.models.mlp
+          data: {name: digits}
+          steps: 10
+          replicas_to_aggregate: 2
+        """,
+        "cluster.yaml:6: training.replicas_to_aggregate: only used with training.mode: sync, but training.mode is "
+        "async; remove replicas_to_aggregate or set training.mode: sync",
+    ),
+    (
+        "bounded mode without staleness",
+        """\
+        roles: {chief: {}, ps: {}, worker: {replicas: 2}}
+        training:
+          program: psctl.models.mlp
+          data: {name: digits}
+          steps: 10
+          mode: bounded
+        """,
+        "cluster.yaml:6: training.mode: mode bounded needs training.staleness; "
+        "add staleness: (how many steps a worker may run ahead of the slowest), e.g. staleness: 2",
+    ),
+    (
+        "bad duration",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        supervision:
+          heartbeat_interval: 5 seconds
+        """,
+        "cluster.yaml:4: supervision.heartbeat_interval: expected a duration such as 5s, got '5 seconds'; "
+        "write a number of seconds or a number with a unit: 500ms, 5s, 2m, 1h",
+    ),
+    (
+        "heartbeat timeout not above the interval",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        supervision:
+          heartbeat_interval: 2s
+          heartbeat_timeout: 2000ms
+        """,
+        "cluster.yaml:5: supervision.heartbeat_timeout: 2s must be longer than supervision.heartbeat_interval (2s); "
+        "allow a few missed heartbeats, e.g. 5 times the interval",
+    ),
+    (
+        "unknown optimizer",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training:
+          program: psctl.models.mlp
+          data: {name: digits}
+          steps: 10
+          optimizer:
+            name: adamw
+        """,
+        "cluster.yaml:7: training.optimizer.name: unknown optimizer 'adamw'; "
+        "did you mean 'adam'? (one of: sgd, momentum, adagrad, adam)",
+    ),
+    (
+        "another optimizer's parameter",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training:
+          program: psctl.models.mlp
+          data: {name: digits}
+          steps: 10
+          optimizer: {name: momentum, beta1: 0.9}
+        """,
+        "cluster.yaml:6: training.optimizer.beta1: not a parameter of optimizer 'momentum'; "
+        "momentum takes momentum, nesterov",
+    ),
+    (
+        "learning rate not positive",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training:
+          program: psctl.models.mlp
+          data: {name: digits}
+          steps: 10
+          optimizer: {learning_rate: .nan}
+        """,
+        "cluster.yaml:6: training.optimizer.learning_rate: expected a number > 0, got nan; "
+        "write a positive number such as 0.01",
+    ),
+    (
+        "unknown partitioner kind",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training:
+          program: psctl.models.mlp
+          data: {name: digits}
+          steps: 10
+          partitioner:
+            kind: fixd
+            num_shards: 2
+        """,
+        "cluster.yaml:7: training.partitioner.kind: unknown partitioner kind 'fixd'; "
+        "did you mean 'fixed'? (one of: fixed, min_size, max_size)",
+    ),
+    (
+        "partitioner key of another kind",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training:
+          program: psctl.models.mlp
+          data: {name: digits}
+          steps: 10
+          partitioner: {kind: fixed, num_shards: 2, max_shards: 4}
+        """,
+        "cluster.yaml:6: training.partitioner.max_shards: not used by partitioner kind 'fixed'; fixed takes num_shards",
+    ),
+    (
+        "program path that does not exist",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training:
+          program: models/missing.py
+          data: {name: digits}
+          steps: 10
+        """,
+        "cluster.yaml:3: training.program: program file 'models/missing.py' does not exist "
+        "(looked for {dir}/models/missing.py); "
+        "give a path relative to the spec's folder, or a module name such as psctl.models.mlp",
+    ),
+    (
+        "data without name or path",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training:
+          program: psctl.models.mlp
+          data: {nme: digits}
+          steps: 10
+        """,
+        "cluster.yaml:4: training.data.nme: unknown key; did you mean 'name'?",
+    ),
+    (
+        "reserved environment variable",
+        """\
+        roles:
+          chief: {}
+          ps: {}
+          worker:
+            env:
+              TF_CONFIG: "{}"
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:6: roles.worker.env.TF_CONFIG: psctl sets this variable for every role itself; remove it",
+    ),
+    (
+        "boolean key",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training:
+          program: psctl.models.mlp
+          data: {name: digits}
+          steps: 10
+          args:
+            on: 1
+        """,
+        "cluster.yaml:7: training.args: keys must be strings, got true; "
+        "quote the key (YAML reads yes/no/on/off as booleans and digits as numbers)",
+    ),
+    (
+        "invalid cluster name",
+        """\
+        name: My_Cluster
+        """,
+        "cluster.yaml:1: name: 'My_Cluster' is not valid: lowercase letters, digits and dashes, at most 63, "
+        "not starting with a dash; write e.g. name: digits",
+    ),
+    (
+        "recursive alias",
+        """\
+        roles: &r
+          chief: {}
+          ps: [*r]
+        """,
+        "cluster.yaml:3: roles.ps[0]: an alias refers to a value that contains it; remove the recursive alias",
+    ),
+    (
+        "unsafe tag",
+        """\
+        name: !!python/object/apply:os.system [echo]
+        """,
+        "cluster.yaml:1: name: unsupported YAML tag 'tag:yaml.org,2002:python/object/apply:os.system'; remove the tag",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), [m[1:] for m in MISTAKES], ids=[m[0] for m in MISTAKES])
+def test_spec_mistakes_give_one_exact_line(
+    text: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write(tmp_path, text)
+    monkeypatch.chdir(tmp_path)
+    error = spec_error("cluster.yaml")
+    assert str(error) == error.format_message() == expected.replace("{dir}", str(tmp_path.resolve()))
+
+
+def test_unreadable_spec_files(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    assert str(spec_error(missing)) == f"{missing}: cannot read the spec: No such file or directory"
+    assert str(spec_error(tmp_path)) == f"{tmp_path}: cannot read the spec: Is a directory"
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"name: \xff\xfe\n")
+    assert str(spec_error(binary)) == f"{binary}: cannot read the spec: not UTF-8 text (byte 6)"
+
+
+def test_valid_spec_is_normalised_with_defaults(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID, name="whatever.yaml")
+    spec = load_spec(path)
+    assert isinstance(spec, ClusterSpec)
+    assert spec.name == "digits"
+    assert spec.path == path.absolute()
+    assert spec.hosts == ()
+    assert list(spec.roles) == ["chief", "ps", "worker", "evaluator"]
+    assert [r.replicas for r in spec.roles.values()] == [1, 2, 3, 1]
+    assert spec.roles["worker"].restart == RestartPolicy()
+    assert spec.supervision == SupervisionSpec()
+    assert spec.training == {
+        "program": "psctl.models.mlp",
+        "args": {},
+        "data": {"name": "digits"},
+        "batch_size": 100,
+        "optimizer": {"name": "adam", "learning_rate": 0.01, "beta1": 0.9, "beta2": 0.999, "epsilon": 1e-7},
+        "mode": "async",
+        "replicas_to_aggregate": None,
+        "total_replicas": None,
+        "staleness": None,
+        "steps": 2000,
+        "seed": 0,
+        "partitioner": None,
+        "checkpoint": {"dir": None, "every_steps": 0, "every_seconds": 60.0, "max_to_keep": 5, "keep_every_hours": 0.0},
+        "log_every_seconds": 1.0,
+        "eval_every_steps": 0,
+    }
+    assert json.loads(json.dumps(spec.training, allow_nan=False)) == spec.training
+
+
+def test_full_spec_fields_and_sync_defaults(tmp_path: Path) -> None:
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "mine.py").write_text("def build(args, data, seed): ...\n")
+    text = """\
+        hosts:
+          - {name: a, address: 10.0.0.11, user: train, port: 2222, identity_file: ~/.ssh/id,
+             host_key_policy: accept-new}
+          - {name: b, address: 10.0.0.12}
+        roles:
+          chief: {host: a, port: 7000}
+          ps: {replicas: 2, hosts: [a, b], port: 7010}
+          worker:
+            replicas: 3
+            hosts: [b, a]
+            ports: [7100, 7101, 7102]
+            restart: {policy: always, max_restarts: 3, backoff_seconds: 500ms, permanent_exit_codes: [2, 3]}
+            env: {OMP_NUM_THREADS: 1}
+            threads: 1
+        training:
+          program: models/mine.py
+          args: {hidden_units: [100, 50], dropout: 0.5}
+          data: {path: data/train.npz, shuffle: true}
+          optimizer: {name: momentum, learning_rate: 0.1, nesterov: true}
+          mode: sync
+          replicas_to_aggregate: 2
+          steps: 10
+          partitioner: {kind: min_size, max_shards: 2}
+          checkpoint: {dir: ~/ckpt, every_steps: 200, every_seconds: 2m}
+        supervision: {heartbeat_interval: 500ms, heartbeat_timeout: 3s}
+        """
+    spec = load_spec(write(tmp_path, text, name="my-cluster.yaml"))
+    root = tmp_path.resolve()
+    assert spec.name == "my-cluster"  # the file's stem
+    assert spec.hosts == (
+        HostSpec("a", "10.0.0.11", "train", 2222, "~/.ssh/id", host_key_policy="accept-new"),
+        HostSpec("b", "10.0.0.12"),
+    )
+    worker = spec.roles["worker"]
+    assert (worker.hosts, worker.ports, worker.port, worker.threads) == (("b", "a"), (7100, 7101, 7102), None, 1)
+    assert worker.env == {"OMP_NUM_THREADS": "1"}
+    assert worker.restart == RestartPolicy("always", 3, 0.5, 30.0, (2, 3))
+    assert spec.roles["chief"].hosts == ("a",)
+    assert spec.supervision == SupervisionSpec(0.5, 3.0, 30.0, 60.0)
+    t = spec.training
+    assert t["program"] == str(root / "models" / "mine.py")
+    assert t["data"] == {"path": str(tmp_path / "data" / "train.npz"), "shuffle": True}
+    assert t["args"] == {"hidden_units": [100, 50], "dropout": 0.5}
+    assert t["optimizer"] == {"name": "momentum", "learning_rate": 0.1, "momentum": 0.9, "nesterov": 1.0}
+    assert (t["replicas_to_aggregate"], t["total_replicas"], t["staleness"]) == (2, 3, None)
+    assert t["partitioner"] == {"kind": "min_size", "min_shard_bytes": 262144, "max_shards": 2, "bytes_per_string": 16}
+    assert t["checkpoint"]["every_seconds"] == 120.0
+
+    plan = make_plan(spec)  # remote ports are not probed here
+    assert plan.names() == ["chief-0", "ps-0", "ps-1", "worker-0", "worker-1", "worker-2"]
+    assert [(i.host, i.address, i.port) for i in plan.instances[1:4]] == [
+        ("a", "10.0.0.11", 7010),
+        ("b", "10.0.0.12", 7011),
+        ("b", "10.0.0.12", 7100),
+    ]
+    assert plan.cluster_addresses() == {
+        "chief": ["10.0.0.11:7000"],
+        "ps": ["10.0.0.11:7010", "10.0.0.12:7011"],
+        "worker": ["10.0.0.12:7100", "10.0.0.11:7101", "10.0.0.12:7102"],
+    }
+
+
+def test_local_plan_picks_distinct_free_ports() -> None:
+    plan = make_plan(load_spec_text(VALID, filename="cluster.yaml"))
+    assert plan.names() == ["chief-0", "ps-0", "ps-1", "worker-0", "worker-1", "worker-2", "evaluator-0"]
+    ports = [i.port for i in plan.instances]
+    assert len(set(ports)) == len(ports) and all(1 <= p <= 65535 for p in ports)
+    assert {i.host for i in plan.instances} == {"localhost"}
+    worker1 = plan.instance("worker-1")
+    assert (worker1.role, worker1.index, worker1.address) == ("worker", 1, "127.0.0.1")
+    addresses = plan.cluster_addresses()
+    assert list(addresses) == ["chief", "ps", "worker", "evaluator"]
+    assert addresses["worker"][1] == f"127.0.0.1:{worker1.port}"
+    with pytest.raises(SpecError) as info:
+        plan.instance("wroker-1")
+    assert str(info.value) == (
+        "unknown role instance 'wroker-1'; did you mean 'worker-1'? "
+        "(valid names: chief-0, ps-0, ps-1, worker-0, worker-1, worker-2, evaluator-0)"
+    )
+    assert info.value.exit_code == 2
+
+
+def test_taken_port_is_detected() -> None:
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        text = textwrap.dedent(
+            f"""\
+            roles:
+              chief: {{}}
+              ps:
+                replicas: 2
+                port: {port}
+              worker: {{}}
+            training: {{program: psctl.models.mlp, data: {{name: digits}}, steps: 10}}
+            """
+        )
+        spec = load_spec_text(text, filename="cluster.yaml")
+        with pytest.raises(SpecError) as info:
+            make_plan(spec)
+        assert str(info.value) == (
+            f"cluster.yaml:5: roles.ps.port: port {port} (ps-0) on localhost is already in use; "
+            "pick another port or stop what holds it"
+        )
+        assert info.value.exit_code == 2
+        assert make_plan(spec, check_ports=False).instance("ps-1").port == port + 1
+    finally:
+        holder.close()
+
+
+def test_anchors_and_merge_keys_are_followed() -> None:
+    text = textwrap.dedent(
+        """\
+        roles:
+          chief: {}
+          ps: &role {replicas: 2, restart: {max_restarts: 3}}
+          worker:
+            <<: *role
+            replicas: 4
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """
+    )
+    spec = load_spec_text(text)
+    assert spec.name == "string"  # from the pseudo file name "<string>"
+    assert (spec.roles["worker"].replicas, spec.roles["worker"].restart.max_restarts) == (4, 3)
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [(0, 0.0), (2, 2.0), (1.5, 1.5), ("500ms", 0.5), ("5s", 5.0), ("2m", 120.0), ("1h", 3600.0), ("1m30s", 90.0)],
+)
+def test_parse_duration(value: object, seconds: float) -> None:
+    assert parse_duration(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["5", "5 seconds", "-1s", "1d", "", True, None, -1, float("inf"), 10**400, [1]])
+def test_parse_duration_refuses(value: object) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(value)
+
+
+def test_heartbeat_timeout_default_follows_a_long_interval() -> None:
+    spec = load_spec_text(VALID + "supervision: {heartbeat_interval: 10s}\n", filename="cluster.yaml")
+    assert spec.supervision.heartbeat_timeout == 50.0
+
+
+_YAMLISH = st.text(alphabet=st.sampled_from(list("{}[]:,-&*!<>|'\"#\n ab1.~%@?\t\x00é")), max_size=60)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(_YAMLISH, st.builds(lambda i, s: VALID[:i] + s + VALID[i:], st.integers(0, len(VALID)), _YAMLISH)))
+def test_any_text_fails_only_as_one_line_spec_error(text: str) -> None:
+    try:
+        make_plan(load_spec_text(text, filename="c.yaml"), check_ports=False)
+    except SpecError as e:
+        assert e.format_message().startswith("c.yaml:")
+        assert "\n" not in e.format_message()
