@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -127,10 +129,8 @@ def tear_down(cdir: ClusterDir, *, grace: float = 5.0, purge: bool = False) -> T
     was_running = not record.state.terminal
     if supervisor_alive(record):
         assert record.supervisor_pid is not None
-        try:
-            os.kill(record.supervisor_pid, 15)
-        except ProcessLookupError:
-            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(record.supervisor_pid, signal.SIGTERM)
         deadline = time.monotonic() + grace + 10.0
         while supervisor_alive(record) and time.monotonic() < deadline:
             time.sleep(0.1)

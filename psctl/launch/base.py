@@ -43,7 +43,7 @@ class Runner(ABC):
     def cluster_processes(self, cluster_id: str) -> list[ProcessHandle]:
         """Every live process (not zombie) whose environment has PSCTL_CLUSTER_ID=cluster_id."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: backends without connections need nothing
         """Release connections; safe to call twice."""
 
 

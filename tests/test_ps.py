@@ -1,0 +1,578 @@
+"""The parameter server behind a real gRPC server on loopback, driven through PsClient and raw stubs.
+
+Every refusal is checked end to end: the status code a client sees, and that the PS is bit-for-bit what it
+was before (variables, optimizer slots, counters, applied step ids) and still serves afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import pytest
+
+from psctl.proto import psctl_pb2 as pb
+from psctl.proto import psctl_pb2_grpc as pb_grpc
+from psctl.runtime import wire
+from psctl.runtime.initializers import initialize
+from psctl.runtime.ps import ParameterServerServicer, VariableStore
+from psctl.runtime.ps_client import PsClient, PushHeader
+from psctl.runtime.rpc import make_server
+from psctl.runtime.wire import DENSE, IDS, ROWS, Entry
+
+CLUSTER = "test-cluster"
+W = pb.VariableSpec(name="w", dtype="float32", shape=[4, 3], full_shape=[4, 3], initializer="glorot_uniform", seed=11)
+# the second shard of a 10-row embedding: rows 5..9 of the whole variable's initial values
+EMB = pb.VariableSpec(
+    name="emb/part_1", dtype="float32", shape=[5, 2], full_shape=[10, 2], row_offset=5, initializer="normal",
+    init_scale=0.5, seed=22,
+)
+B = pb.VariableSpec(name="b", dtype="float64", shape=[3], full_shape=[3], initializer="ones", seed=33)
+SPECS = [W, EMB, B]
+LR = 0.1
+SGD = pb.OptimizerConfig(name="sgd", learning_rate=LR)
+ADAM = pb.OptimizerConfig(name="adam", learning_rate=0.01)
+EMPTY = np.zeros(0, dtype=np.float32)
+
+
+@dataclass
+class Ps:
+    address: str
+    store: VariableStore
+    client: PsClient
+
+    @property
+    def stub(self) -> pb_grpc.ParameterServerStub:
+        return self.client.stubs[0]
+
+
+@dataclass
+class Servers:
+    """Running PS servers; started and stopped by the ``servers`` fixture."""
+
+    started: list[tuple[grpc.Server, PsClient]]
+
+    def start(self) -> Ps:
+        store = VariableStore(cluster_id=CLUSTER)
+        server, port = make_server("127.0.0.1:0")
+        pb_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(store), server)
+        server.start()
+        address = f"127.0.0.1:{port}"
+        client = PsClient([address], timeout=60)
+        self.started.append((server, client))
+        return Ps(address, store, client)
+
+
+@pytest.fixture
+def servers() -> Iterator[Servers]:
+    handle = Servers([])
+    try:
+        yield handle
+    finally:
+        for server, client in handle.started:
+            client.close()
+            server.stop(grace=None).wait()
+
+
+@pytest.fixture
+def ps(servers: Servers) -> Ps:
+    return servers.start()
+
+
+# -- helpers ------------------------------------------------------------------------------------------------
+def initial_value(spec: pb.VariableSpec) -> np.ndarray:
+    return initialize(
+        spec.initializer,
+        tuple(spec.shape),
+        spec.dtype,
+        full_shape=tuple(spec.full_shape) or tuple(spec.shape),
+        row_offset=spec.row_offset,
+        seed=spec.seed,
+        scale=spec.init_scale,
+    )
+
+
+def init(ps: Ps, specs: Sequence[pb.VariableSpec] = SPECS, optimizer: pb.OptimizerConfig = SGD,
+         cluster_id: str = CLUSTER) -> pb.InitResponse:
+    return ps.stub.Init(pb.InitRequest(variables=list(specs), optimizer=optimizer, cluster_id=cluster_id), timeout=30)
+
+
+def pull_dense(ps: Ps, names: Sequence[str] = ("w", "emb/part_1", "b")) -> dict[str, np.ndarray]:
+    pulled, _ = ps.client.pull({0: [Entry(n, DENSE, EMPTY) for n in names]})
+    return {e.name: np.array(e.array) for e in pulled[0]}
+
+
+def push(ps: Ps, step_id: int, entries: Sequence[Entry], *, increment: bool = True, task: str = "worker:0",
+         incarnation: int = 1, shard: int = -1, position: int = -1) -> pb.PushResponse:
+    header = PushHeader(step_id=step_id, task=task, incarnation=incarnation, shard=shard, position=position)
+    return ps.client.push(header, {0: list(entries)}, increment_on=0 if increment else None)[0]
+
+
+def state(ps: Ps) -> pb.StateResponse:
+    return ps.stub.GetState(pb.StateRequest(include_step_ids=True), timeout=30)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    values: dict[str, bytes]
+    slots: dict[str, dict[str, bytes]]
+    state: pb.StateResponse
+
+
+def snapshot(ps: Ps) -> Snapshot:
+    """Everything a refused request must leave alone: variable bytes (read over gRPC), optimizer slots
+    (read in-process: they never travel), and the counters and step ids GetState reports."""
+    values = {name: array.tobytes() for name, array in pull_dense(ps).items()}
+    slots = {
+        name: {key: np.array(slot).tobytes() for key, slot in shard.slots.items()}
+        for name, shard in ps.store._shards.items()
+    }
+    return Snapshot(values, slots, state(ps))
+
+
+def rpc_code(call: Callable[[], object]) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code()  # type: ignore[no-any-return,attr-defined]
+
+
+def w_grad(value: float = 0.5) -> np.ndarray:
+    return np.arange(12, dtype=np.float32).reshape(4, 3) * np.float32(value) - np.float32(1)
+
+
+# -- Init ---------------------------------------------------------------------------------------------------
+def test_init_creates_initializer_values_and_reinit_is_idempotent(ps: Ps) -> None:
+    assert not state(ps).initialized
+    first = init(ps)
+    assert not first.already_initialized
+    assert state(ps).initialized
+    values = pull_dense(ps)
+    for spec in SPECS:
+        want = initial_value(spec)
+        assert values[spec.name].dtype == want.dtype
+        assert values[spec.name].tobytes() == want.tobytes(), spec.name
+    # the shard really is rows 5..9 of the whole variable, not rows 0..4
+    whole = initialize("normal", (10, 2), "float32", full_shape=(10, 2), row_offset=0, seed=22, scale=0.5)
+    np.testing.assert_array_equal(values["emb/part_1"], whole[5:])
+    assert not np.array_equal(values["emb/part_1"], whole[:5])
+
+    assert push(ps, 1, [Entry("w", DENSE, w_grad())]).applied
+    trained = pull_dense(ps)
+    # same specs again, in another order (a restarted chief): nothing is re-created, training is kept
+    again = init(ps, list(reversed(SPECS)))
+    assert again.already_initialized
+    assert again.global_step == 1
+    after = pull_dense(ps)
+    assert {k: v.tobytes() for k, v in after.items()} == {k: v.tobytes() for k, v in trained.items()}
+    assert after["w"].tobytes() != values["w"].tobytes()
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [
+        [pb.VariableSpec(name="w", dtype="float32", shape=[3, 4], initializer="zeros"), EMB, B],
+        [W, EMB],
+        [W, EMB, B, pb.VariableSpec(name="extra", dtype="float32", shape=[1], initializer="zeros")],
+        [pb.VariableSpec(name="w", dtype="float64", shape=[4, 3], full_shape=[4, 3],
+                         initializer="glorot_uniform", seed=11), EMB, B],
+    ],
+    ids=["other-shape", "fewer", "more", "other-dtype"],
+)
+def test_different_reinit_is_refused_and_changes_nothing(ps: Ps, specs: list[pb.VariableSpec]) -> None:
+    init(ps, optimizer=ADAM)
+    assert push(ps, 1, [Entry("w", DENSE, w_grad())]).applied
+    before = snapshot(ps)
+    assert rpc_code(lambda: init(ps, specs, optimizer=ADAM)) == grpc.StatusCode.FAILED_PRECONDITION
+    assert snapshot(ps) == before
+
+
+def test_init_from_another_cluster_is_refused(ps: Ps) -> None:
+    assert rpc_code(lambda: init(ps, cluster_id="someone-else")) == grpc.StatusCode.PERMISSION_DENIED
+    assert not state(ps).initialized
+    assert not init(ps).already_initialized
+    before = snapshot(ps)
+    assert rpc_code(lambda: init(ps, cluster_id="someone-else")) == grpc.StatusCode.PERMISSION_DENIED
+    assert snapshot(ps) == before
+
+
+@pytest.mark.parametrize(
+    ("specs", "optimizer"),
+    [
+        ([pb.VariableSpec(name="i", dtype="int32", shape=[2], initializer="zeros")], SGD),
+        ([W, W], SGD),
+        ([pb.VariableSpec(name="x", dtype="float32", shape=[2], initializer="no-such-initializer")], SGD),
+        (SPECS, pb.OptimizerConfig(name="no-such-optimizer", learning_rate=0.1)),
+        (SPECS, pb.OptimizerConfig(name="sgd", learning_rate=-1.0)),
+        (SPECS, pb.OptimizerConfig(name="sgd", learning_rate=0.1, params={"bogus": 1.0})),
+    ],
+    ids=["int-variable", "duplicate-name", "bad-initializer", "bad-optimizer", "negative-lr", "bad-param"],
+)
+def test_invalid_init_is_refused_and_leaves_the_ps_uninitialized(
+    ps: Ps, specs: list[pb.VariableSpec], optimizer: pb.OptimizerConfig
+) -> None:
+    assert rpc_code(lambda: init(ps, specs, optimizer)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert not state(ps).initialized
+    assert not init(ps).already_initialized  # a good Init still works afterwards
+
+
+# -- pulls and pushes ---------------------------------------------------------------------------------------
+def test_dense_pull_equals_the_initializer_values_through_both_rpcs(ps: Ps) -> None:
+    init(ps)
+    unary = pull_dense(ps)
+    pulled, step = ps.client.pull({0: [Entry(s.name, DENSE, EMPTY) for s in SPECS]}, {0: wire.UNARY_MAX_BYTES + 1})
+    assert step == 0
+    streamed = {e.name: e.array for e in pulled[0]}
+    for spec in SPECS:
+        want = initial_value(spec)
+        assert unary[spec.name].tobytes() == want.tobytes()
+        assert streamed[spec.name].tobytes() == want.tobytes()
+        assert streamed[spec.name].shape == tuple(spec.shape)
+
+
+def test_push_applies_sgd_exactly(ps: Ps) -> None:
+    init(ps)
+    g_w = w_grad(0.37)
+    g_b = np.array([0.5, -0.25, 1e-3], dtype=np.float64)
+    response = push(ps, 5, [Entry("w", DENSE, g_w), Entry("b", DENSE, g_b)])
+    assert response.applied
+    assert response.global_step == 1
+    values = pull_dense(ps)
+    assert values["w"].tobytes() == (initial_value(W) - np.float32(LR) * g_w).tobytes()
+    assert values["b"].tobytes() == (initial_value(B) - np.float64(LR) * g_b).tobytes()
+    assert values["emb/part_1"].tobytes() == initial_value(EMB).tobytes()  # not pushed: untouched
+
+
+def test_same_step_id_is_applied_at_most_once(ps: Ps) -> None:
+    init(ps)
+    first = push(ps, 7, [Entry("w", DENSE, w_grad(1.0))])
+    assert first.applied
+    after_first = pull_dense(ps)
+    # a retry of step 7 (even with other gradients) is not applied again
+    second = push(ps, 7, [Entry("w", DENSE, w_grad(3.0))])
+    assert not second.applied
+    assert second.global_step == 1
+    assert {k: v.tobytes() for k, v in pull_dense(ps).items()} == {k: v.tobytes() for k, v in after_first.items()}
+    s = state(ps)
+    assert (s.applied_updates, s.duplicate_updates, s.global_step) == (1, 1, 1)
+    assert list(s.applied_step_ids) == [7]
+
+
+def test_global_step_counts_only_incrementing_pushes_once_per_step_id(ps: Ps) -> None:
+    init(ps)
+    g = [Entry("w", DENSE, w_grad())]
+    assert push(ps, 1, g, increment=False).global_step == 0
+    assert state(ps).global_step == 0
+    assert push(ps, 2, g).global_step == 1
+    again = push(ps, 2, g)
+    assert (again.applied, again.global_step) == (False, 1)
+    late = push(ps, 1, g)  # step 1 was applied without incrementing; a retry cannot increment now
+    assert (late.applied, late.global_step) == (False, 1)
+    assert push(ps, 3, [], increment=True).global_step == 2  # an empty push still counts its step
+    s = state(ps)
+    assert s.global_step == 2
+    assert list(s.applied_step_ids) == [1, 2, 3]
+    assert (s.applied_updates, s.duplicate_updates) == (3, 2)
+
+
+def test_every_ps_records_the_step_and_only_the_first_counts_it(servers: Servers) -> None:
+    ps0, ps1 = servers.start(), servers.start()
+    init(ps0, [W])
+    init(ps1, [EMB, B])
+    client = PsClient([ps0.address, ps1.address], timeout=60)
+    try:
+        header = PushHeader(step_id=9, task="worker:1", incarnation=1)
+        responses = client.push(header, {0: [Entry("w", DENSE, w_grad())]})  # nothing for ps 1: empty push
+        assert responses[0].applied and responses[1].applied
+        again = client.push(header, {0: [Entry("w", DENSE, w_grad())]})
+        assert not again[0].applied and not again[1].applied
+    finally:
+        client.close()
+    s0, s1 = state(ps0), state(ps1)
+    assert (s0.global_step, list(s0.applied_step_ids)) == (1, [9])
+    assert (s1.global_step, list(s1.applied_step_ids)) == (0, [9])
+    assert s1.duplicate_updates == 1
+
+
+def test_sparse_push_changes_only_the_given_rows(ps: Ps) -> None:
+    init(ps)
+    start = initial_value(EMB)
+    ids = np.array([4, 1], dtype=np.int64)
+    rows = np.array([[1.0, -2.0], [0.5, 0.25]], dtype=np.float32)
+    assert push(ps, 1, [Entry("emb/part_1", IDS, ids), Entry("emb/part_1", ROWS, rows)]).applied
+    value = pull_dense(ps)["emb/part_1"]
+    for r in range(5):
+        if r in (1, 4):
+            want = start[r] - np.float32(LR) * rows[list(ids).index(r)]
+            assert value[r].tobytes() == want.tobytes(), r
+        else:
+            assert value[r].tobytes() == start[r].tobytes(), r
+    # a repeated id gets the sum of its rows, applied once
+    dup = np.array([[1.0, 1.0], [2.0, -4.0]], dtype=np.float32)
+    assert push(ps, 2, [Entry("emb/part_1", IDS, np.array([3, 3])), Entry("emb/part_1", ROWS, dup)]).applied
+    after = pull_dense(ps)["emb/part_1"]
+    assert after[3].tobytes() == (start[3] - np.float32(LR) * (dup[0] + dup[1])).tobytes()
+    np.testing.assert_array_equal(np.delete(after, 3, axis=0), np.delete(value, 3, axis=0))
+    # row pulls answer the rows asked for, in the order asked, duplicates included
+    pulled, _ = ps.client.pull({0: [Entry("emb/part_1", IDS, np.array([4, 0, 4], dtype=np.int64))]})
+    (entry,) = pulled[0]
+    assert (entry.name, entry.kind) == ("emb/part_1", ROWS)
+    assert entry.array.tobytes() == after[[4, 0, 4]].tobytes()
+
+
+def test_shard_positions_keep_the_highest_applied_position(ps: Ps) -> None:
+    init(ps)
+    push(ps, 1, [], shard=1, position=5)
+    push(ps, 2, [], shard=1, position=3)
+    push(ps, 3, [], shard=0, position=0)
+    push(ps, 3, [], shard=0, position=9)  # a duplicate: its position is not recorded
+    assert list(state(ps).shard_positions) == [0, 5]
+
+
+# -- refusals -----------------------------------------------------------------------------------------------
+BAD_STEP = 100
+
+
+def _push_entries(entries: list[Entry], step_id: int = BAD_STEP) -> Callable[[Ps], object]:
+    return lambda ps: push(ps, step_id, entries)
+
+
+def _raw_push(*pieces: pb.NamedTensor, step_id: int = BAD_STEP) -> Callable[[Ps], object]:
+    request = pb.PushRequest(step_id=step_id, task="worker:0", incarnation=1, increment_global_step=True)
+    request.entries.extend(pieces)
+    return lambda ps: ps.stub.Push(request, timeout=30)
+
+
+def _stream_push(chunks: list[list[pb.NamedTensor]]) -> Callable[[Ps], object]:
+    def call(ps: Ps) -> object:
+        parts = [
+            pb.PushChunk(part=pb.PushRequest(step_id=BAD_STEP, task="worker:0", incarnation=1,
+                                             increment_global_step=True, entries=group) if i == 0
+                         else pb.PushRequest(entries=group))
+            for i, group in enumerate(chunks)
+        ]
+        return ps.stub.PushStream(iter(parts), timeout=30)
+
+    return call
+
+
+def _pull(entries: list[Entry], stream: bool = False) -> Callable[[Ps], object]:
+    def call(ps: Ps) -> object:
+        request = pb.PullRequest()
+        wire.add_entries(request.entries, entries)
+        if stream:
+            return list(ps.stub.PullStream(request, timeout=30))
+        return ps.stub.Pull(request, timeout=30)
+
+    return call
+
+
+def _piece(name: str, dtype: str, shape: list[int], data: bytes, *, kind: int = DENSE, offset: int = 0
+           ) -> pb.NamedTensor:
+    return pb.NamedTensor(name=name, kind=kind, tensor=pb.Tensor(dtype=dtype, shape=shape, data=data, offset=offset))
+
+
+def _pieces(entry: Entry, chunk_bytes: int) -> list[pb.NamedTensor]:
+    return [p for group in wire.iter_chunks([entry], chunk_bytes=chunk_bytes) for p in group]
+
+
+GOOD_W = Entry("w", DENSE, w_grad())
+NAN_W = Entry("w", DENSE, np.where(np.eye(4, 3, dtype=bool), np.float32(np.nan), w_grad()))
+EMB_IDS = "emb/part_1"
+W_PIECES = _pieces(GOOD_W, 16)  # 48 bytes -> offsets 0, 16, 32
+
+#: name -> (the refused call, the status code it must get)
+REFUSALS: dict[str, tuple[Callable[[Ps], object], grpc.StatusCode]] = {
+    "unknown-variable": (_push_entries([Entry("nope", DENSE, w_grad())]), grpc.StatusCode.INVALID_ARGUMENT),
+    "wrong-dtype": (_push_entries([Entry("w", DENSE, w_grad().astype(np.float64))]),
+                    grpc.StatusCode.INVALID_ARGUMENT),
+    "wrong-shape": (_push_entries([Entry("w", DENSE, w_grad().reshape(3, 4))]), grpc.StatusCode.INVALID_ARGUMENT),
+    "wrong-rank": (_push_entries([Entry("w", DENSE, w_grad().reshape(12))]), grpc.StatusCode.INVALID_ARGUMENT),
+    "ids-out-of-range": (
+        _push_entries([Entry(EMB_IDS, IDS, np.array([0, 5])), Entry(EMB_IDS, ROWS, np.ones((2, 2), np.float32))]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "negative-ids": (
+        _push_entries([Entry(EMB_IDS, IDS, np.array([-1])), Entry(EMB_IDS, ROWS, np.ones((1, 2), np.float32))]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "huge-uint64-ids": (
+        _push_entries([Entry(EMB_IDS, IDS, np.array([2**64 - 1], dtype=np.uint64)),
+                       Entry(EMB_IDS, ROWS, np.ones((1, 2), np.float32))]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "float-ids": (
+        _push_entries([Entry(EMB_IDS, IDS, np.array([1.0])), Entry(EMB_IDS, ROWS, np.ones((1, 2), np.float32))]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "2d-ids": (
+        _push_entries([Entry(EMB_IDS, IDS, np.array([[1]])), Entry(EMB_IDS, ROWS, np.ones((1, 2), np.float32))]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "ids-without-rows": (_push_entries([Entry(EMB_IDS, IDS, np.array([1]))]), grpc.StatusCode.INVALID_ARGUMENT),
+    "rows-without-ids": (_push_entries([Entry(EMB_IDS, ROWS, np.ones((1, 2), np.float32))]),
+                         grpc.StatusCode.INVALID_ARGUMENT),
+    "rows-count-mismatch": (
+        _push_entries([Entry(EMB_IDS, IDS, np.array([1, 2])), Entry(EMB_IDS, ROWS, np.ones((3, 2), np.float32))]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "rows-wrong-dtype": (
+        _push_entries([Entry(EMB_IDS, IDS, np.array([1])), Entry(EMB_IDS, ROWS, np.ones((1, 2), np.float64))]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "nan-gradient": (_push_entries([NAN_W]), grpc.StatusCode.INVALID_ARGUMENT),
+    "inf-float64-gradient": (_push_entries([Entry("b", DENSE, np.array([0.0, np.inf, 1.0]))]),
+                             grpc.StatusCode.INVALID_ARGUMENT),
+    "nan-sparse-rows": (
+        _push_entries([Entry(EMB_IDS, IDS, np.array([1])),
+                       Entry(EMB_IDS, ROWS, np.array([[np.nan, 0.0]], np.float32))]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    # atomicity: a good gradient beside a bad one is not applied either
+    "good-and-bad-together": (
+        _push_entries([GOOD_W, Entry(EMB_IDS, IDS, np.array([9])), Entry(EMB_IDS, ROWS, np.ones((1, 2), np.float32))]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "good-and-nan-together": (_push_entries([GOOD_W, Entry("b", DENSE, np.array([np.nan, 0.0, 0.0]))]),
+                              grpc.StatusCode.INVALID_ARGUMENT),
+    "step-id-zero": (_push_entries([GOOD_W], step_id=0), grpc.StatusCode.INVALID_ARGUMENT),
+    "step-id-zero-empty": (_push_entries([], step_id=0), grpc.StatusCode.INVALID_ARGUMENT),
+    "gradient-twice": (_raw_push(_piece("w", "float32", [4, 3], GOOD_W.array.tobytes()),
+                                 _piece("w", "float32", [4, 3], GOOD_W.array.tobytes())),
+                       grpc.StatusCode.INVALID_ARGUMENT),
+    "short-data": (_raw_push(_piece("w", "float32", [4, 3], b"\0" * 44)), grpc.StatusCode.INVALID_ARGUMENT),
+    "unknown-wire-dtype": (_raw_push(_piece("w", "complex64", [4, 3], b"\0" * 96)), grpc.StatusCode.INVALID_ARGUMENT),
+    "unknown-kind": (_raw_push(_piece("w", "float32", [4, 3], GOOD_W.array.tobytes(), kind=5)),
+                     grpc.StatusCode.INVALID_ARGUMENT),
+    "negative-dim": (_raw_push(_piece("w", "float32", [-4, -3], b"")), grpc.StatusCode.INVALID_ARGUMENT),
+    "oversize-shape": (_raw_push(_piece("w", "float32", [1 << 40, 1 << 40], b"")), grpc.StatusCode.INVALID_ARGUMENT),
+    "oversize-zero-size-shape": (_raw_push(_piece("w", "float32", [0, 1 << 62], b"")),
+                                 grpc.StatusCode.INVALID_ARGUMENT),
+    "rank-9": (_raw_push(_piece("w", "float32", [1] * 9, b"\0" * 4)), grpc.StatusCode.INVALID_ARGUMENT),
+    "stream-out-of-order": (_stream_push([[W_PIECES[0]], [W_PIECES[2]], [W_PIECES[1]]]),
+                            grpc.StatusCode.INVALID_ARGUMENT),
+    "stream-missing-piece": (_stream_push([[W_PIECES[0]], [W_PIECES[1]]]), grpc.StatusCode.INVALID_ARGUMENT),
+    "stream-shape-disagrees": (
+        _stream_push([[W_PIECES[0]], [_piece("w", "float32", [3, 4], b"\0" * 16, offset=16)], [W_PIECES[2]]]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "stream-empty": (_stream_push([]), grpc.StatusCode.INVALID_ARGUMENT),
+    "stream-nan": (_stream_push([[p] for p in _pieces(NAN_W, 16)]), grpc.StatusCode.INVALID_ARGUMENT),
+    "pull-unknown-variable": (_pull([Entry("nope", DENSE, EMPTY)]), grpc.StatusCode.INVALID_ARGUMENT),
+    "pull-stream-unknown-variable": (_pull([Entry("nope", DENSE, EMPTY)], stream=True),
+                                     grpc.StatusCode.INVALID_ARGUMENT),
+    "pull-ids-out-of-range": (_pull([Entry(EMB_IDS, IDS, np.array([5]))]), grpc.StatusCode.INVALID_ARGUMENT),
+    "pull-negative-ids": (_pull([Entry(EMB_IDS, IDS, np.array([-1]))]), grpc.StatusCode.INVALID_ARGUMENT),
+    "pull-float-ids": (_pull([Entry(EMB_IDS, IDS, np.array([0.0]))]), grpc.StatusCode.INVALID_ARGUMENT),
+    "pull-rows-kind": (_pull([Entry("w", ROWS, EMPTY)]), grpc.StatusCode.INVALID_ARGUMENT),
+    "pull-ids-out-of-range-1d": (_pull([Entry("b", IDS, np.array([3]))]), grpc.StatusCode.INVALID_ARGUMENT),
+    "init-other-cluster": (lambda ps: init(ps, optimizer=ADAM, cluster_id="other"), grpc.StatusCode.PERMISSION_DENIED),
+    "init-different-specs": (lambda ps: init(ps, [W], optimizer=ADAM), grpc.StatusCode.FAILED_PRECONDITION),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_bad_request_is_refused_and_changes_nothing(ps: Ps, case: str) -> None:
+    call, code = REFUSALS[case]
+    init(ps, optimizer=ADAM)  # Adam: slots (m, v) and a step counter (t) that a leaked update would move
+    # some history first, so that counters, step ids and slots are not all zero
+    assert push(ps, 1, [GOOD_W, Entry(EMB_IDS, IDS, np.array([2])),
+                        Entry(EMB_IDS, ROWS, np.ones((1, 2), np.float32))], shard=0, position=0).applied
+    assert push(ps, 1, [GOOD_W]).applied is False
+    before = snapshot(ps)
+
+    assert rpc_code(lambda: call(ps)) == code
+
+    after = snapshot(ps)
+    assert after.state == before.state
+    assert after.values == before.values
+    assert after.slots == before.slots
+    # still serving, and the refused request did not use up its step id
+    response = push(ps, BAD_STEP, [GOOD_W])
+    assert response.applied
+    assert response.global_step == before.state.global_step + 1
+    assert pull_dense(ps)["w"].tobytes() != before.values["w"]
+
+
+def test_push_from_a_fenced_incarnation_is_refused_and_changes_nothing_else(ps: Ps) -> None:
+    init(ps, optimizer=ADAM)
+    assert push(ps, 1, [GOOD_W], task="worker:1", incarnation=2).applied
+    before = snapshot(ps)
+    assert rpc_code(lambda: push(ps, 2, [GOOD_W], task="worker:1", incarnation=1)) == grpc.StatusCode.PERMISSION_DENIED
+    after = snapshot(ps)
+    assert after.values == before.values
+    assert after.slots == before.slots
+    expected = pb.StateResponse()
+    expected.CopyFrom(before.state)
+    expected.fenced_updates += 1  # the only thing a fenced push changes is the count of fenced pushes
+    assert after.state == expected
+    # the old incarnation stays fenced; the current one and other tasks are served
+    assert rpc_code(lambda: push(ps, 3, [], task="worker:1", incarnation=1)) == grpc.StatusCode.PERMISSION_DENIED
+    assert push(ps, 2, [GOOD_W], task="worker:1", incarnation=2).applied
+    assert push(ps, 4, [GOOD_W], task="worker:0", incarnation=1).applied
+    assert push(ps, 5, [], task="worker:1", incarnation=3).applied  # a newer incarnation takes over
+    assert rpc_code(lambda: push(ps, 6, [], task="worker:1", incarnation=2)) == grpc.StatusCode.PERMISSION_DENIED
+    assert state(ps).fenced_updates == 3
+
+
+def test_requests_before_init_are_refused_with_failed_precondition(ps: Ps) -> None:
+    before = state(ps)
+    assert not before.initialized
+    calls = {
+        "pull": _pull([Entry("w", DENSE, EMPTY)]),
+        "pull-stream": _pull([Entry("w", DENSE, EMPTY)], stream=True),
+        "pull-ids": _pull([Entry(EMB_IDS, IDS, np.array([0]))]),
+        "push": _push_entries([GOOD_W], step_id=1),
+        "push-stream": _stream_push([[p] for p in W_PIECES]),
+    }
+    for name, call in calls.items():
+        assert rpc_code(lambda call=call: call(ps)) == grpc.StatusCode.FAILED_PRECONDITION, name
+        assert state(ps) == before, name
+    init(ps)
+    assert push(ps, 1, [GOOD_W]).applied  # step 1 was not used up by the refused push
+
+
+def test_empty_push_before_init_is_refused_and_records_nothing(ps: Ps) -> None:
+    # A PS that restarted empty can receive a worker's empty push (every PS gets one per step). It must be
+    # refused like any other request before Init, without recording the step id as applied.
+    before = state(ps)
+    assert rpc_code(lambda: push(ps, 1, [])) == grpc.StatusCode.FAILED_PRECONDITION
+    assert state(ps) == before
+    init(ps)
+    assert push(ps, 1, []).applied
+
+
+# -- large variables ----------------------------------------------------------------------------------------
+def test_large_variable_round_trips_through_the_streaming_rpcs(ps: Ps) -> None:
+    big = pb.VariableSpec(name="big", dtype="float32", shape=[3072, 4096], initializer="normal", seed=5)  # 48 MiB
+    nbytes = 3072 * 4096 * 4
+    assert nbytes > 2 * wire.UNARY_MAX_BYTES
+    init(ps, [big])
+    want = initial_value(big)
+
+    # one unary message cannot carry it: the streamed pull below is the only way it can arrive
+    request = pb.PullRequest()
+    wire.add_entries(request.entries, [Entry("big", DENSE, EMPTY)])
+    assert rpc_code(lambda: ps.stub.Pull(request, timeout=60)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    pulled, step = ps.client.pull({0: [Entry("big", DENSE, EMPTY)]}, {0: nbytes})
+    (entry,) = pulled[0]
+    assert step == 0
+    assert entry.array.shape == (3072, 4096)
+    assert entry.array.tobytes() == want.tobytes()
+
+    grad = np.random.default_rng(0).standard_normal((3072, 4096), dtype=np.float32)
+    assert wire.payload_bytes([Entry("big", DENSE, grad)]) > wire.UNARY_MAX_BYTES  # PsClient streams it
+    response = push(ps, 1, [Entry("big", DENSE, grad)])
+    assert response.applied and response.global_step == 1
+
+    pulled, step = ps.client.pull({0: [Entry("big", DENSE, EMPTY)]}, {0: nbytes})
+    assert step == 1
+    assert pulled[0][0].array.tobytes() == (want - np.float32(LR) * grad).tobytes()
+    s = state(ps)
+    assert (s.applied_updates, list(s.applied_step_ids)) == (1, [1])
+
+    # a retry of the streamed step is recognised as a duplicate, exactly like a unary one
+    assert not push(ps, 1, [Entry("big", DENSE, grad)]).applied
+    assert state(ps).duplicate_updates == 1
