@@ -63,4 +63,4 @@ def list_clusters() -> list[ClusterDir]:
     home = psctl_home()
     if not home.is_dir():
         return []
-    return sorted(ClusterDir(p) for p in home.iterdir() if (p / "state.json").is_file())
+    return sorted((ClusterDir(p) for p in home.iterdir() if (p / "state.json").is_file()), key=lambda c: c.name)

@@ -152,8 +152,12 @@ def tear_down(cdir: ClusterDir, *, grace: float = 5.0, purge: bool = False) -> T
     if survivors:
         pids = ", ".join(str(h.pid) for h in survivors)
         raise LaunchError(f"processes of cluster {cdir.name!r} survived SIGKILL: pids {pids}")
-    if purge:
-        shutil.rmtree(cdir.root, ignore_errors=True)
+    if purge:  # logs and state go; checkpoints are training results and stay
+        for path in cdir.root.iterdir():
+            if path.name != "checkpoints":
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if not any(cdir.root.iterdir()):
+            cdir.root.rmdir()
     return TeardownReport(stopped=len({h.pid for h in live}), survivors=survivors, was_running=was_running)
 
 

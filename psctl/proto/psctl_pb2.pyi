@@ -12,9 +12,11 @@ class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DENSE: _ClassVar[Kind]
     IDS: _ClassVar[Kind]
     ROWS: _ClassVar[Kind]
+    SLOT: _ClassVar[Kind]
 DENSE: Kind
 IDS: Kind
 ROWS: Kind
+SLOT: Kind
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data", "offset")
@@ -76,14 +78,16 @@ class OptimizerConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., params: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class InitRequest(_message.Message):
-    __slots__ = ("variables", "optimizer", "cluster_id")
+    __slots__ = ("variables", "optimizer", "cluster_id", "reset")
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
     variables: _containers.RepeatedCompositeFieldContainer[VariableSpec]
     optimizer: OptimizerConfig
     cluster_id: str
-    def __init__(self, variables: _Optional[_Iterable[_Union[VariableSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., cluster_id: _Optional[str] = ...) -> None: ...
+    reset: bool
+    def __init__(self, variables: _Optional[_Iterable[_Union[VariableSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., cluster_id: _Optional[str] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class InitResponse(_message.Message):
     __slots__ = ("already_initialized", "global_step")
@@ -94,10 +98,12 @@ class InitResponse(_message.Message):
     def __init__(self, already_initialized: _Optional[bool] = ..., global_step: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "include_slots")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[NamedTensor]
-    def __init__(self, entries: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ...) -> None: ...
+    include_slots: bool
+    def __init__(self, entries: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., include_slots: _Optional[bool] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("entries", "global_step")
@@ -148,6 +154,28 @@ class PullChunk(_message.Message):
     PART_FIELD_NUMBER: _ClassVar[int]
     part: PullResponse
     def __init__(self, part: _Optional[_Union[PullResponse, _Mapping]] = ...) -> None: ...
+
+class AssignRequest(_message.Message):
+    __slots__ = ("entries", "global_step", "shard_positions")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    SHARD_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[NamedTensor]
+    global_step: int
+    shard_positions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, entries: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., global_step: _Optional[int] = ..., shard_positions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AssignChunk(_message.Message):
+    __slots__ = ("part",)
+    PART_FIELD_NUMBER: _ClassVar[int]
+    part: AssignRequest
+    def __init__(self, part: _Optional[_Union[AssignRequest, _Mapping]] = ...) -> None: ...
+
+class AssignResponse(_message.Message):
+    __slots__ = ("global_step",)
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    global_step: int
+    def __init__(self, global_step: _Optional[int] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("include_step_ids",)

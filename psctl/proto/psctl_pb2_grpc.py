@@ -65,6 +65,16 @@ class ParameterServerStub:
                 request_serializer=psctl_dot_proto_dot_psctl__pb2.StateRequest.SerializeToString,
                 response_deserializer=psctl_dot_proto_dot_psctl__pb2.StateResponse.FromString,
                 _registered_method=True)
+        self.Assign = channel.unary_unary(
+                '/psctl.ParameterServer/Assign',
+                request_serializer=psctl_dot_proto_dot_psctl__pb2.AssignRequest.SerializeToString,
+                response_deserializer=psctl_dot_proto_dot_psctl__pb2.AssignResponse.FromString,
+                _registered_method=True)
+        self.AssignStream = channel.stream_unary(
+                '/psctl.ParameterServer/AssignStream',
+                request_serializer=psctl_dot_proto_dot_psctl__pb2.AssignChunk.SerializeToString,
+                response_deserializer=psctl_dot_proto_dot_psctl__pb2.AssignResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -113,6 +123,20 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Assign(self, request, context):
+        """Replace every variable, slot and the global step (restoring a checkpoint); all or nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AssignStream(self, request_iterator, context):
+        """Assign for requests too large for one message.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +169,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=psctl_dot_proto_dot_psctl__pb2.StateRequest.FromString,
                     response_serializer=psctl_dot_proto_dot_psctl__pb2.StateResponse.SerializeToString,
+            ),
+            'Assign': grpc.unary_unary_rpc_method_handler(
+                    servicer.Assign,
+                    request_deserializer=psctl_dot_proto_dot_psctl__pb2.AssignRequest.FromString,
+                    response_serializer=psctl_dot_proto_dot_psctl__pb2.AssignResponse.SerializeToString,
+            ),
+            'AssignStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.AssignStream,
+                    request_deserializer=psctl_dot_proto_dot_psctl__pb2.AssignChunk.FromString,
+                    response_serializer=psctl_dot_proto_dot_psctl__pb2.AssignResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +344,60 @@ class ParameterServer:
             '/psctl.ParameterServer/GetState',
             psctl_dot_proto_dot_psctl__pb2.StateRequest.SerializeToString,
             psctl_dot_proto_dot_psctl__pb2.StateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Assign(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psctl.ParameterServer/Assign',
+            psctl_dot_proto_dot_psctl__pb2.AssignRequest.SerializeToString,
+            psctl_dot_proto_dot_psctl__pb2.AssignResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AssignStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/psctl.ParameterServer/AssignStream',
+            psctl_dot_proto_dot_psctl__pb2.AssignChunk.SerializeToString,
+            psctl_dot_proto_dot_psctl__pb2.AssignResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -62,7 +62,8 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
 
 def _chief(info: ClusterInfo, stop: threading.Event) -> int:
     from psctl.runtime.chief import Chief, Interrupted
-    from psctl.runtime.coordinator import CancelledError, PsUnavailableError, StepError
+    from psctl.runtime.coordinator import CancelledError, StepError
+    from psctl.runtime.ps_client import PsUnavailable
 
     chief = Chief(info, stop=stop)
     try:
@@ -73,7 +74,7 @@ def _chief(info: ClusterInfo, stop: threading.Event) -> int:
     except Interrupted as exc:
         logging.info("%s", exc)
         return EXIT_OK
-    except (PsUnavailableError, CancelledError) as exc:
+    except (PsUnavailable, CancelledError) as exc:
         logging.error("training interrupted: %s", exc)
         return EXIT_FAILURE
     finally:

@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from psctl.runtime.checkpoint import Checkpointer, latest_checkpoint, restore_snapshot, take_snapshot
 from psctl.runtime.cluster import ClusterInfo
 from psctl.runtime.config import TrainingConfig
-from psctl.runtime.coordinator import Closure, ClusterCoordinator
+from psctl.runtime.coordinator import Closure, ClusterCoordinator, PsFailure
 from psctl.runtime.evaluation import evaluate_split
 from psctl.runtime.heartbeat import PROGRESS
 from psctl.runtime.metrics import MetricsFile, TrainingMeter
@@ -29,6 +30,11 @@ log = logging.getLogger("psctl.chief")
 #: A restarted chief numbers its steps this far above the newest id any PS has seen, so they never collide
 #: with the ids of steps the previous chief still had in flight (at most a few per worker).
 STEP_ID_GAP = 1 << 20
+
+
+def _cursors(positions: list[int]) -> dict[int, int]:
+    """Each data shard's next batch position, from the highest applied position ps 0 records."""
+    return {i: p + 1 for i, p in enumerate(positions) if p >= 0}
 
 
 class Interrupted(Exception):
@@ -51,28 +57,29 @@ class Chief:
         self.result_path = run_dir / "result.json"
         self.start_step = 0
         self._reporting_done = threading.Event()
+        ckpt = cfg.checkpoint or {}
+        self.checkpointer = Checkpointer(ckpt) if ckpt.get("dir") else None
+        self.ps_wait = 300.0
+        self.restores = 0
 
     def run(self) -> dict[str, Any]:
         cfg = self.config
         log.info("waiting for %d ps", len(self.info.ps))
         self.ps.wait_ready(self.ready_timeout)
-        replies = self.ps.init(self.model.shard_specs(cfg.seed), cfg.optimizer_proto(), self.info.cluster_id)
+        self._init_or_restore()
         state = self.ps.state(0)
         self.start_step = state.global_step
         newest_id = max(self.ps.state(i).newest_step_id for i in range(len(self.info.ps)))
-        if replies[0].already_initialized:
-            log.info("ps already hold the variables: resuming at global step %d", self.start_step)
-        cursors = {i: p + 1 for i, p in enumerate(state.shard_positions) if p >= 0}
-        remaining = max(0, cfg.steps - self.start_step)
         log.info(
-            "training %s: %d variables over %d ps, %d workers, %d steps to go (mode %s)",
-            cfg.program, len(self.model.layouts), len(self.info.ps), len(self.info.workers), remaining, cfg.mode,
+            "training %s: %d variables over %d ps, %d workers, from global step %d to %d (mode %s)",
+            cfg.program, len(self.model.layouts), len(self.info.ps), len(self.info.workers),
+            self.start_step, cfg.steps, cfg.mode,
         )
         coordinator = ClusterCoordinator(
             self.info.workers,
             tls=self.info.tls,
             step_id_base=newest_id + STEP_ID_GAP if newest_id else 0,
-            cursors=cursors,
+            cursors=_cursors(list(state.shard_positions)),
             step_timeout=cfg.step_timeout or None,
             on_result=self._on_result,
             on_worker_event=lambda message: log.warning("%s", message),
@@ -81,17 +88,32 @@ class Chief:
         reporter.start()
         started = time.monotonic()
         try:
-            window = 2 * len(self.info.workers) + 2
-            for _ in range(remaining):
-                if self.stop.is_set():
+            backoff = 0.0
+            last_failure = -1e9
+            while True:
+                try:
+                    self._train(coordinator)
                     break
-                coordinator.wait_below(window)
-                coordinator.schedule("train")
-            coordinator.join()
+                except PsFailure as exc:
+                    # Workers' channels to a restarted PS reconnect on their own clock: back off when failures
+                    # come back to back rather than spin restoring.
+                    backoff = min(2.0, max(0.2, backoff * 2)) if time.monotonic() - last_failure < 5 else 0.0
+                    last_failure = time.monotonic()
+                    log.warning("ps lost (%s): restoring every ps and resuming", exc)
+                    self.stop.wait(backoff)
+                    self.ps.wait_ready(self.ps_wait)
+                    self._init_or_restore()
+                    dropped = coordinator.recover(_cursors(list(self.ps.state(0).shard_positions)))
+                    log.info("resuming at global step %d (%d queued steps re-planned)",
+                             self.ps.state(0).global_step, dropped)
+            if not self.stop.is_set() and self.checkpointer is not None:
+                self._checkpoint()
         finally:
             coordinator.shutdown()
             self._reporting_done.set()
             reporter.join(timeout=5)
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
         if self.stop.is_set():
             raise Interrupted(f"stopped at global step {self.ps.state(0).global_step} of {cfg.steps}")
         metrics, global_step = evaluate_split(self.model, self.ps)
@@ -101,8 +123,9 @@ class Chief:
             "steps_this_run": global_step - self.start_step,
             "seconds": round(seconds, 3),
             "retried_steps": coordinator.retries,
+            "ps_restores": self.restores,
             "metrics": metrics,
-            "checkpoint": None,
+            "checkpoint": str(self.checkpointer.latest) if self.checkpointer and self.checkpointer.latest else None,
         }
         self._report(final=True)
         self.metrics.write({"time": time.time(), "event": "final", **result})
@@ -115,6 +138,48 @@ class Chief:
             ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "examples"),
         )
         return result
+
+    def _train(self, coordinator: ClusterCoordinator) -> None:
+        """Schedule steps until ps 0's global step reaches the target; checkpoint on the way."""
+        window = 2 * len(self.info.workers) + 2
+        remaining = max(0, self.config.steps - self.ps.state(0).global_step)
+        for _ in range(remaining):
+            if self.stop.is_set():
+                break
+            coordinator.wait_below(window)
+            if self.checkpointer is not None and self.checkpointer.due(self.meter.global_step):
+                coordinator.join()
+                self._checkpoint()
+            coordinator.schedule("train")
+        coordinator.join()
+
+    def _checkpoint(self) -> None:
+        """Snapshot with nothing in flight (consistent), then write in the background."""
+        assert self.checkpointer is not None
+        snapshot = take_snapshot(self.model, self.ps)
+        snapshot.meta = {"optimizer": self.config.optimizer, "program": self.config.program}
+        self.checkpointer.save_async(snapshot)
+
+    def _init_or_restore(self) -> None:
+        """Make every PS hold a consistent model: keep it if all have it (a restarted chief), else restore
+        all from the latest valid checkpoint, else start all from their initializers."""
+        cfg = self.config
+        specs = self.model.shard_specs(cfg.seed)
+        replies = self.ps.init(specs, cfg.optimizer_proto(), self.info.cluster_id)
+        kept = [r.already_initialized for r in replies]
+        if all(kept):
+            log.info("every ps holds the variables: resuming at global step %d", replies[0].global_step)
+            return
+        found = latest_checkpoint(self.checkpointer.directory) if self.checkpointer is not None else None
+        if found is not None:
+            path, snapshot = found
+            restore_snapshot(self.model, self.ps, snapshot)
+            self.restores += any(kept)
+            log.info("restored %s (global step %d)", path, snapshot.global_step)
+        elif any(kept):
+            self.ps.init(specs, cfg.optimizer_proto(), self.info.cluster_id, reset=True)
+            self.restores += 1
+            log.warning("no checkpoint to restore: every ps starts again from its initializers")
 
     def _on_result(self, closure: Closure, response: Any, worker: int) -> None:
         if closure.function == "train":

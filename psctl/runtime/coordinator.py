@@ -11,8 +11,10 @@ What differs from TensorFlow, on purpose:
 
 Worker failures (UNAVAILABLE, CANCELLED, DEADLINE_EXCEEDED, a fenced worker) put the closure back at the
 front of the queue and mark the worker dead; its thread probes it until a process answers again (the same
-address, usually a new incarnation) and then gives it work again. Any other error is not retryable: queued
-closures are cancelled and ``join()`` raises it, naming the worker and the cause.
+address, usually a new incarnation) and then gives it work again. A lost PS pauses the coordinator: no new
+closure starts, and once nothing is in flight ``join()`` raises PsFailure so the chief can restore the PS and
+call ``recover()``. Any other error is not retryable: queued closures are cancelled and ``join()`` raises it,
+naming the worker and the cause.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ class CancelledError(Exception):
     """The closure was cancelled because another one failed; schedule it again."""
 
 
-class PsUnavailableError(Exception):
-    """A PS stayed unreachable longer than the coordinator was allowed to wait."""
+class PsFailure(Exception):
+    """A PS was lost: the coordinator has paused, and the chief must restore the PS before resuming."""
 
 
 class RemoteValue:
@@ -120,7 +122,6 @@ class ClusterCoordinator:
         cursors: dict[int, int] | None = None,
         step_timeout: float | None = None,
         worker_wait: float = 3600.0,
-        ps_wait: float = 300.0,
         probe_interval: float = 0.5,
         on_result: ResultCallback | None = None,
         on_worker_event: Callable[[str], None] | None = None,
@@ -133,7 +134,6 @@ class ClusterCoordinator:
         self.cursors.update(cursors or {})
         self.step_timeout = step_timeout
         self.worker_wait = worker_wait
-        self.ps_wait = ps_wait
         self.probe_interval = probe_interval
         self.on_result = on_result
         self.on_worker_event = on_worker_event or (lambda message: log.warning("%s", message))
@@ -143,7 +143,8 @@ class ClusterCoordinator:
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._stopping = threading.Event()
-        self._ps_down_since: float | None = None
+        self.ps_failed = threading.Event()
+        self._ps_failure = ""
         self._threads = [
             threading.Thread(target=self._run_worker, args=(w,), name=f"coord-worker-{w.index}", daemon=True)
             for w in self.workers
@@ -177,6 +178,7 @@ class ClusterCoordinator:
             while self._queue or self._inflight:
                 if self._error is not None:
                     break
+                self._raise_ps_failure()
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"{len(self._queue)} queued and {self._inflight} running steps remain")
@@ -191,6 +193,7 @@ class ClusterCoordinator:
         """Block until fewer than ``limit`` closures are pending (keeps the queue short), or an error."""
         with self._cond:
             while len(self._queue) + self._inflight >= limit and self._error is None:
+                self._raise_ps_failure()
                 self._cond.wait(timeout=0.5)
             self._raise_error()
 
@@ -211,7 +214,25 @@ class ClusterCoordinator:
         for channel in self._channels:
             channel.close()
 
+    def recover(self, cursors: dict[int, int]) -> int:
+        """After the chief restored the PS: drop every queued closure (their data positions are from before
+        the restore), move each shard's cursor to the restored position, and resume. Returns how many
+        closures were dropped."""
+        with self._cond:
+            dropped = len(self._queue)
+            while self._queue:
+                self._queue.popleft().remote._fail(CancelledError("cancelled by a PS restore"))
+            self.cursors = {i: 0 for i in range(len(self.workers))}
+            self.cursors.update(cursors)
+            self.ps_failed.clear()
+            self._cond.notify_all()
+            return dropped
+
     # -- internals ------------------------------------------------------------------------------------
+    def _raise_ps_failure(self) -> None:
+        if self.ps_failed.is_set() and self._inflight == 0:
+            raise PsFailure(self._ps_failure)
+
     def _raise_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
@@ -226,7 +247,7 @@ class ClusterCoordinator:
 
     def _take(self) -> Closure | None:
         with self._cond:
-            while not self._queue and not self._stopping.is_set():
+            while (not self._queue or self.ps_failed.is_set()) and not self._stopping.is_set():
                 self._cond.wait(timeout=0.5)
             if self._stopping.is_set():
                 return None
@@ -302,8 +323,6 @@ class ClusterCoordinator:
                 self._on_rpc_error(worker, closure, exc)
                 continue
             worker.steps += 1
-            with self._cond:
-                self._ps_down_since = None
             if self.on_result is not None:
                 self.on_result(closure, response, worker.index)
             closure.remote._set(response)
@@ -322,15 +341,10 @@ class ClusterCoordinator:
             return
         if code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith("ps unavailable"):
             with self._cond:
-                now = time.monotonic()
-                if self._ps_down_since is None:
-                    self._ps_down_since = now
-                    self.on_worker_event(f"{details}; pausing until it is back")
-                waited = now - self._ps_down_since
-            if waited > self.ps_wait:
-                self._finish(closure, error=PsUnavailableError(f"{details} for {waited:.0f}s"))
-            else:
-                self._finish(closure, requeue=True)
-                self._stopping.wait(self.probe_interval)
+                if not self.ps_failed.is_set():
+                    self._ps_failure = details
+                    self.ps_failed.set()
+                    self.on_worker_event(f"{details}; pausing training")
+            self._finish(closure, requeue=True)
             return
         self._finish(closure, error=StepError(f"worker:{worker.index}", f"{code.name}: {details}"))

@@ -21,7 +21,7 @@ from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime import wire
 from psctl.runtime.initializers import initialize
 from psctl.runtime.optimizers import Optimizer, make_optimizer
-from psctl.runtime.wire import DENSE, IDS, ROWS, Entry, WireError
+from psctl.runtime.wire import DENSE, IDS, ROWS, SLOT, Entry, WireError
 
 #: Step ids this far below the newest one seen count as applied; older retries are refused as duplicates.
 #: Bounds the memory of the at-most-once check; retries are never anywhere near this old.
@@ -81,10 +81,14 @@ class VariableStore:
     def initialized(self) -> bool:
         return self._optimizer is not None
 
-    def init(self, specs: Sequence[pb.VariableSpec], optimizer: pb.OptimizerConfig) -> bool:
-        """Create the shards; True if exactly these already existed (a restarted chief)."""
+    def init(self, specs: Sequence[pb.VariableSpec], optimizer: pb.OptimizerConfig, *, reset: bool = False) -> bool:
+        """Create the shards; True if exactly these already existed (a restarted chief).
+
+        ``reset`` re-creates them from their initializers and zeroes the global step (recovery without a
+        checkpoint); step ids already applied stay remembered.
+        """
         with self._lock:
-            if self._optimizer is not None:
+            if self._optimizer is not None and not reset:
                 if sorted(map(_spec_key, specs)) != sorted(map(_spec_key, (s.spec for s in self._shards.values()))):
                     raise ValueError("this PS already holds different variables; restart it to re-create them")
                 return True
@@ -106,6 +110,9 @@ class VariableStore:
                 )
                 shards[spec.name] = Shard(spec, value, opt.create_slots(value))
             self._shards, self._optimizer = shards, opt
+            if reset:
+                self.global_step = 0
+                self.shard_positions = {}
             return False
 
     def _shard(self, name: str) -> Shard:
@@ -117,11 +124,16 @@ class VariableStore:
         return shard
 
     # -- reads ----------------------------------------------------------------------------------------
-    def pull(self, entries: Sequence[Entry]) -> list[Entry]:
+    def pull(self, entries: Sequence[Entry], *, include_slots: bool = False) -> list[Entry]:
         out: list[Entry] = []
         for entry in entries:
             shard = self._shard(entry.name)
             if entry.kind == DENSE:
+                if include_slots:  # a consistent copy of a shard and its slots, for checkpoints
+                    with shard.lock:
+                        out.append(Entry(entry.name, DENSE, shard.value.copy()))
+                        out.extend(Entry(f"{entry.name}#{k}", SLOT, v.copy()) for k, v in shard.slots.items())
+                    continue
                 out.append(Entry(entry.name, DENSE, shard.value))
             elif entry.kind == IDS:
                 rows = _check_ids(entry, shard)
@@ -197,6 +209,45 @@ class VariableStore:
             updates.append((shard, local, rows[name].array))
         return updates
 
+    def assign(self, entries: Sequence[Entry], global_step: int, positions: Sequence[int]) -> None:
+        """Replace every shard's value and slots (restoring a checkpoint). Validates all, then applies all."""
+        values: dict[str, np.ndarray] = {}
+        slots: dict[str, dict[str, np.ndarray]] = {}
+        for entry in entries:
+            if entry.kind == DENSE:
+                shard = self._shard(entry.name)
+                _check_values(entry, shard, shard.value.shape)
+                values[entry.name] = entry.array
+            elif entry.kind == SLOT:
+                name, _, slot = entry.name.partition("#")
+                shard = self._shard(name)
+                current = shard.slots.get(slot)
+                if current is None:
+                    raise WireError(f"{name!r} has no optimizer slot {slot!r} (slots: {sorted(shard.slots)})")
+                if entry.array.dtype != current.dtype or entry.array.shape != current.shape:
+                    raise WireError(
+                        f"slot {entry.name!r} is {entry.array.dtype}{entry.array.shape}, "
+                        f"expected {current.dtype}{current.shape}"
+                    )
+                slots.setdefault(name, {})[slot] = entry.array
+            else:
+                raise WireError(f"assign takes DENSE and SLOT entries, not kind {entry.kind} ({entry.name!r})")
+        missing = sorted(set(self._shards) - set(values))
+        if missing:
+            raise WireError(f"assign must give every variable of this PS; missing {missing}")
+        for name, shard in self._shards.items():
+            lacking = sorted(set(shard.slots) - set(slots.get(name, {})))
+            if lacking:
+                raise WireError(f"assign must give every slot of {name!r}; missing {lacking}")
+        with self._lock:
+            for name, shard in self._shards.items():
+                with shard.lock:
+                    shard.value[...] = values[name]
+                    for slot, array in slots[name].items():
+                        shard.slots[slot][...] = array
+            self.global_step = int(global_step)
+            self.shard_positions = {i: int(p) for i, p in enumerate(positions) if p >= 0}
+
     # -- inspection -----------------------------------------------------------------------------------
     def state(self, *, include_step_ids: bool = False) -> pb.StateResponse:
         with self._lock:
@@ -259,7 +310,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 f"this PS belongs to cluster {self.store.cluster_id!r}, not {request.cluster_id!r}",
             )
         try:
-            already = self.store.init(list(request.variables), request.optimizer)
+            already = self.store.init(list(request.variables), request.optimizer, reset=request.reset)
         except ValueError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION if "already" in str(exc) else
                           grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -267,7 +318,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> list[Entry]:
         try:
-            return self.store.pull(wire.decode_entries(request.entries))
+            return self.store.pull(wire.decode_entries(request.entries), include_slots=request.include_slots)
         except (ValueError, NotInitializedError) as exc:
             self._abort(context, exc)
             raise
@@ -320,6 +371,44 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             self._abort(context, exc)
             raise
         return self._push(header, entries, context)
+
+    def _assign(
+        self, request: pb.AssignRequest, entries: list[Entry], context: grpc.ServicerContext
+    ) -> pb.AssignResponse:
+        try:
+            self.store.assign(entries, request.global_step, list(request.shard_positions))
+        except (ValueError, NotInitializedError) as exc:
+            self._abort(context, exc)
+            raise
+        return pb.AssignResponse(global_step=self.store.global_step)
+
+    def Assign(self, request: pb.AssignRequest, context: grpc.ServicerContext) -> pb.AssignResponse:
+        try:
+            entries = wire.decode_entries(request.entries)
+        except WireError as exc:
+            self._abort(context, exc)
+            raise
+        return self._assign(request, entries, context)
+
+    def AssignStream(
+        self, request_iterator: Iterator[pb.AssignChunk], context: grpc.ServicerContext
+    ) -> pb.AssignResponse:
+        header: pb.AssignRequest | None = None
+        assembler = wire.Assembler()
+        try:
+            for chunk in request_iterator:
+                if header is None:
+                    header = pb.AssignRequest()
+                    header.CopyFrom(chunk.part)
+                    del header.entries[:]
+                assembler.add(chunk.part.entries)
+            if header is None:
+                raise WireError("empty assign stream")
+            entries = assembler.entries()
+        except WireError as exc:
+            self._abort(context, exc)
+            raise
+        return self._assign(header, entries, context)
 
     def GetState(self, request: pb.StateRequest, context: grpc.ServicerContext) -> pb.StateResponse:
         return self.store.state(include_step_ids=request.include_step_ids)

@@ -55,22 +55,29 @@ class PsClient:
             channel.close()
 
     def _wrap(self, ps: int, exc: grpc.RpcError) -> Exception:
-        if exc.code() in _UNAVAILABLE:  # type: ignore[attr-defined]
-            return PsUnavailable(ps, self.addresses[ps], exc.details() or str(exc.code()))  # type: ignore[attr-defined]
+        code, details = exc.code(), exc.details() or ""  # type: ignore[attr-defined]
+        if code in _UNAVAILABLE:
+            return PsUnavailable(ps, self.addresses[ps], details or str(code))
+        if code == grpc.StatusCode.FAILED_PRECONDITION and "no variables" in details:
+            return PsUnavailable(ps, self.addresses[ps], "it restarted and lost its variables")
         return exc
 
     # -- pull -----------------------------------------------------------------------------------------
     def pull(
-        self, plan: Mapping[int, Sequence[Entry]], expected_bytes: Mapping[int, int] | None = None
+        self,
+        plan: Mapping[int, Sequence[Entry]],
+        expected_bytes: Mapping[int, int] | None = None,
+        *,
+        include_slots: bool = False,
     ) -> tuple[dict[int, list[Entry]], int]:
         """Pull from every PS in the plan in parallel; returns entries per PS and ps 0's global step."""
         calls: dict[int, Future] = {}
         for ps, entries in plan.items():
             if not entries and ps != 0:
                 continue
-            request = pb.PullRequest()
+            request = pb.PullRequest(include_slots=include_slots)
             wire.add_entries(request.entries, entries)
-            if (expected_bytes or {}).get(ps, 0) > wire.UNARY_MAX_BYTES:
+            if include_slots or (expected_bytes or {}).get(ps, 0) > wire.UNARY_MAX_BYTES:
                 calls[ps] = self._pool.submit(self._pull_stream, ps, request)
             else:
                 calls[ps] = self.stubs[ps].Pull.future(request, timeout=self.timeout)
@@ -144,12 +151,34 @@ class PsClient:
 
         return self.stubs[ps].PushStream(chunks(), timeout=self.timeout)  # type: ignore[no-any-return]
 
+    def assign(self, per_ps: Mapping[int, Sequence[Entry]], global_step: int, positions: Sequence[int]) -> None:
+        """Replace every PS's variables and slots (restore), all PS in parallel, streamed."""
+
+        def one(ps: int) -> pb.AssignResponse:
+            def chunks():  # type: ignore[no-untyped-def]
+                for i, group in enumerate(wire.iter_chunks(per_ps.get(ps, []))):
+                    part = pb.AssignRequest(global_step=global_step, shard_positions=list(positions)) if i == 0 \
+                        else pb.AssignRequest()
+                    part.entries.extend(group)
+                    yield pb.AssignChunk(part=part)
+
+            return self.stubs[ps].AssignStream(chunks(), timeout=self.timeout)  # type: ignore[no-any-return]
+
+        calls = {ps: self._pool.submit(one, ps) for ps in range(len(self.stubs))}
+        for ps, call in calls.items():
+            try:
+                call.result()
+            except grpc.RpcError as exc:
+                raise self._wrap(ps, exc) from None
+
     # -- control --------------------------------------------------------------------------------------
     def init(self, specs: Mapping[int, Sequence[pb.VariableSpec]], optimizer: pb.OptimizerConfig,
-             cluster_id: str) -> list[pb.InitResponse]:
+             cluster_id: str, *, reset: bool = False) -> list[pb.InitResponse]:
         calls = [
             self.stubs[ps].Init.future(
-                pb.InitRequest(variables=list(specs.get(ps, [])), optimizer=optimizer, cluster_id=cluster_id),
+                pb.InitRequest(
+                    variables=list(specs.get(ps, [])), optimizer=optimizer, cluster_id=cluster_id, reset=reset
+                ),
                 timeout=self.timeout,
             )
             for ps in range(len(self.stubs))

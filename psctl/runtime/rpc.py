@@ -19,7 +19,15 @@ def _read(path: str) -> bytes:
 
 
 def make_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
-    options = [*grpc_options(), ("grpc.enable_retries", 0)]
+    # Reconnect quickly: a restarted role answers at the same address within seconds, and gRPC's default
+    # backoff (up to 120 s) would leave the cluster idle long after it is back.
+    options = [
+        *grpc_options(),
+        ("grpc.enable_retries", 0),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
     if tls is None:
         return grpc.insecure_channel(address, options=options)
     creds = grpc.ssl_channel_credentials(

@@ -33,6 +33,7 @@ MAX_MESSAGE_BYTES = UNARY_MAX_BYTES + (1 << 20)
 DENSE = pb.DENSE
 IDS = pb.IDS
 ROWS = pb.ROWS
+SLOT = pb.SLOT
 
 
 class WireError(ValueError):
@@ -149,7 +150,7 @@ class Assembler:
 
     def add(self, items: Iterable[pb.NamedTensor]) -> None:
         for item in items:
-            if item.kind not in (DENSE, IDS, ROWS):
+            if item.kind not in (DENSE, IDS, ROWS, SLOT):
                 raise WireError(f"entry {item.name!r}: unknown kind {item.kind}")
             key = (item.name, int(item.kind))
             dtype, shape, nbytes = _declared(item.tensor)

@@ -88,6 +88,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             code = exc.code()  # type: ignore[attr-defined]
             if code == grpc.StatusCode.PERMISSION_DENIED:
                 self.fenced.set()
+            if code == grpc.StatusCode.FAILED_PRECONDITION:  # a PS without variables: it was restarted
+                context.abort(code, f"ps unavailable: {exc.details()}")  # type: ignore[attr-defined]
             context.abort(code, f"{self.task}: {exc.details()}")  # type: ignore[attr-defined]
         except Exception as exc:  # the program's own code failed: report it, do not crash the server
             context.abort(grpc.StatusCode.INTERNAL, f"{self.task}: program error: {type(exc).__name__}: {exc}")

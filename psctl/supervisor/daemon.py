@@ -153,12 +153,15 @@ class Supervisor:
         jobs: dict[str, list[str]] = {}
         for r in self.record.roles:
             jobs.setdefault(r.role, []).append(f"{r.address}:{r.port}")
+        training = dict(self.spec.training)
+        if isinstance(training.get("checkpoint"), dict) and not training["checkpoint"].get("dir"):
+            training["checkpoint"] = {**training["checkpoint"], "dir": str(self.cdir.root / "checkpoints")}
         cluster = {
             "cluster": jobs,
             "task": {"type": role.role, "index": role.index},
             "cluster_id": self.record.cluster_id,
             "incarnation": role.incarnation,
-            "training": self.spec.training,
+            "training": training,
             "run_dir": str(self.cdir.run_dir),
             "supervisor": self.record.supervisor_address,
         }

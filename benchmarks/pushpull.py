@@ -1,0 +1,263 @@
+"""Push/pull throughput of one real PS against its ceilings: loopback TCP between two plain Python processes,
+and an in-memory numpy copy. One JSON line per size.
+
+    python -m benchmarks.pushpull [--sizes 1,8,64] [--repeats 10] [--warmup 2]
+
+For each size S (MiB) the PS holds a float32 variable of S MiB (created by Init, SGD optimizer). The client
+(this process, psctl.runtime.ps_client.PsClient) measures, as the median of ``--repeats`` timed repeats after
+``--warmup`` untimed ones:
+
+- pull: read the whole variable (the unary rpc up to 16 MiB, the chunked stream above);
+- push: send an S MiB dense gradient, which the PS validates and applies;
+- pushpull: one pull then one push, as a worker's step does (2 S bytes moved).
+
+The TCP ceiling is the time for a sender process to ``sendall`` S bytes to a receiver process that
+``recv_into``s them into a preallocated buffer and answers one byte; memcpy is ``np.copyto`` of S bytes.
+``ratio`` = pushpull MB/s / TCP MB/s (the issue's target: >= 0.5 at 64 MiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import (
+    MB,
+    MIB,
+    REPO_ROOT,
+    Monitor,
+    bench_cluster,
+    emit,
+    install_signal_handlers,
+    log,
+    machine,
+    median,
+    rounded,
+    run_directory,
+)
+from psctl.proto import psctl_pb2 as pb
+from psctl.runtime import wire
+from psctl.runtime.ps_client import PsClient, PushHeader
+from psctl.runtime.wire import DENSE, Entry
+
+_HEADER = struct.Struct("<Q")
+
+
+# -- the ceilings -----------------------------------------------------------------------------------------
+def timed(fn: Callable[[], object], repeats: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def memcpy_seconds(nbytes: int, repeats: int, warmup: int) -> list[float]:
+    src = np.ones(nbytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    return timed(lambda: np.copyto(dst, src), repeats, warmup)
+
+
+def tcp_receiver(max_bytes: int) -> int:
+    """The receiving process: prints its port, then for each transfer (8-byte length, payload) fills a
+    preallocated buffer with recv_into and answers one byte. A length of 0 ends it."""
+    buf = bytearray(max_bytes)
+    view = memoryview(buf)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        print(server.getsockname()[1], flush=True)
+        conn, _ = server.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            header = bytearray(_HEADER.size)
+            while True:
+                got = 0
+                while got < _HEADER.size:
+                    n = conn.recv_into(memoryview(header)[got:])
+                    if n == 0:
+                        return 0
+                    got += n
+                (length,) = _HEADER.unpack(header)
+                if length == 0:
+                    return 0
+                got = 0
+                while got < length:
+                    n = conn.recv_into(view[got:length])
+                    if n == 0:
+                        return 1
+                    got += n
+                conn.sendall(b"\x01")
+
+
+def tcp_seconds(sizes: list[int], repeats: int, warmup: int) -> dict[int, list[float]]:
+    """Per size: seconds for one transfer to a receiver process, until its one-byte answer arrived."""
+    receiver = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.pushpull", "--tcp-receiver", str(max(sizes))],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        assert receiver.stdout is not None
+        port = int(receiver.stdout.readline())
+        out: dict[int, list[float]] = {}
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            ack = bytearray(1)
+            for nbytes in sizes:
+                payload = np.ones(nbytes, dtype=np.uint8)  # touched pages, like a real gradient
+
+                def send(payload: np.ndarray = payload, nbytes: int = nbytes) -> None:
+                    conn.sendall(_HEADER.pack(nbytes))
+                    conn.sendall(memoryview(payload))
+                    if conn.recv_into(ack) != 1:
+                        raise RuntimeError("the tcp receiver hung up")
+
+                out[nbytes] = timed(send, repeats, warmup)
+            conn.sendall(_HEADER.pack(0))
+        receiver.wait(timeout=10)
+        return out
+    finally:
+        if receiver.poll() is None:
+            receiver.kill()
+            receiver.wait()
+
+
+# -- psctl ------------------------------------------------------------------------------------------------
+def variable_name(nbytes: int) -> str:
+    return f"bench/v{nbytes}"
+
+
+def pushpull_seconds(client: PsClient, nbytes: int, repeats: int, warmup: int, step_ids: list[int]) -> dict[str, list[float]]:
+    name = variable_name(nbytes)
+    elements = nbytes // 4
+    grad = np.full(elements, 1e-6, dtype=np.float32)
+    pull_plan = {0: [Entry(name, DENSE, np.zeros(0, dtype=np.float32))]}
+    expected = {0: nbytes}
+
+    def pull() -> None:
+        pulled, _ = client.pull(pull_plan, expected)
+        if pulled[0][0].array.shape != (elements,):
+            raise RuntimeError(f"pulled {pulled[0][0].array.shape}, expected ({elements},)")
+
+    def push() -> None:
+        step_ids[0] += 1
+        client.push(PushHeader(step_id=step_ids[0], task="bench:0", incarnation=1), {0: [Entry(name, DENSE, grad)]})
+
+    def both() -> None:
+        pull()
+        push()
+
+    return {
+        "pull": timed(pull, repeats, warmup),
+        "push": timed(push, repeats, warmup),
+        "pushpull": timed(both, repeats, warmup),
+    }
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    sizes = [int(float(s) * MIB) for s in args.sizes.split(",")]
+    log("measuring memcpy and the loopback tcp ceiling")
+    memcpy = {n: memcpy_seconds(n, args.repeats, args.warmup) for n in sizes}
+    tcp = tcp_seconds(sizes, args.repeats, args.warmup)
+    records = []
+    with run_directory(args.run_dir) as run_dir, bench_cluster(
+        run_dir, {}, num_ps=1, num_workers=0, with_chief=False, threads=args.threads
+    ) as cluster:
+        monitor = Monitor(cluster, poll_steps=False)
+        cluster.start_all()
+        monitor.start()
+        client = PsClient(cluster.jobs["ps"], timeout=120.0)
+        try:
+            client.wait_ready(60.0)
+            specs = [
+                pb.VariableSpec(name=variable_name(n), dtype="float32", shape=[n // 4], full_shape=[n // 4],
+                                initializer="zeros")
+                for n in sizes
+            ]
+            client.init({0: specs}, pb.OptimizerConfig(name="sgd", learning_rate=0.01), cluster.cluster_id)
+            step_ids = [0]
+            psctl: dict[int, dict[str, list[float]]] = {}
+            for n in sizes:
+                log(f"measuring pull / push of {n / MIB:g} MiB")
+                psctl[n] = pushpull_seconds(client, n, args.repeats, args.warmup, step_ids)
+                cluster.check_alive()
+        except BaseException:
+            log(cluster.logs())
+            raise
+        finally:
+            client.close()
+            monitor.stop()
+        for n in sizes:
+            times = {k: median(v) for k, v in psctl[n].items()}
+            tcp_s, memcpy_s = median(tcp[n]), median(memcpy[n])
+            rates = {
+                "pull_MBps": n / times["pull"] / MB,
+                "push_MBps": n / times["push"] / MB,
+                "pushpull_MBps": 2 * n / times["pushpull"] / MB,
+            }
+            tcp_rate = n / tcp_s / MB
+            records.append({
+                "benchmark": "pushpull",
+                "size_mib": n / MIB,
+                "bytes": n,
+                "rpc": "stream" if n > wire.UNARY_MAX_BYTES else "unary",
+                "repeats": args.repeats,
+                "warmup": args.warmup,
+                **{k: rounded(v, 1) for k, v in rates.items()},
+                "tcp_MBps": rounded(tcp_rate, 1),
+                "memcpy_MBps": rounded(n / memcpy_s / MB, 1),
+                "ratio": rounded(rates["pushpull_MBps"] / tcp_rate),
+                "pull_ratio": rounded(rates["pull_MBps"] / tcp_rate),
+                "push_ratio": rounded(rates["push_MBps"] / tcp_rate),
+                "median_ms": {
+                    **{k: rounded(v * 1e3, 2) for k, v in times.items()},
+                    "tcp": rounded(tcp_s * 1e3, 2),
+                    "memcpy": rounded(memcpy_s * 1e3, 2),
+                },
+                "ps_peak_rss_mb": monitor.peak_rss_mb().get("ps:0"),
+                "machine": machine(),
+            })
+    return records
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1,8,64", help="comma-separated sizes in MiB (default 1,8,64)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed repeats per figure (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed repeats first (default 2)")
+    parser.add_argument("--threads", type=int, default=1, help="OMP/OPENBLAS threads of the PS (default 1)")
+    parser.add_argument("--run-dir", help="keep the PS log here (default: a temp dir)")
+    parser.add_argument("--tcp-receiver", type=int, metavar="MAX_BYTES", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error("--repeats must be >= 1 and --warmup >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.tcp_receiver is not None:
+        return tcp_receiver(args.tcp_receiver)
+    install_signal_handlers()
+    try:
+        for record in run(args):
+            emit(record)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        emit({"benchmark": "pushpull", "ok": False, "error": str(exc).splitlines()[0]})
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

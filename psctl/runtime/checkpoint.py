@@ -1,0 +1,285 @@
+"""Consistent, atomic, checksummed checkpoints, restorable into any number of ps and any partitioning.
+
+A checkpoint is a folder ``ckpt-<global step>/`` holding ``arrays.npz`` (every variable joined whole, and its
+optimizer slots), ``state.json`` (global step, each data shard's input position, the optimizer) and
+``manifest.json`` (sha256 and size of each file), written last. The folder is built under a temporary name,
+every file fsynced, then renamed: a crash mid-write never leaves a folder that looks complete, and a folder
+whose files do not match its manifest is skipped (with a warning) in favour of the previous one.
+
+Numbering is by global step, so a restarted cluster never overwrites an older checkpoint (TensorFlow's save
+counter restarts at 1 in a process that did not restore).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from psctl.runtime.model import ShardedModel
+from psctl.runtime.ps_client import PsClient
+from psctl.runtime.wire import DENSE, SLOT, Entry
+
+log = logging.getLogger("psctl.checkpoint")
+
+PREFIX = "ckpt-"
+
+
+class CheckpointError(Exception):
+    """A checkpoint is missing, incomplete or corrupt."""
+
+
+@dataclass
+class Snapshot:
+    """The whole model at one global step: variables joined whole, slots likewise."""
+
+    global_step: int
+    shard_positions: list[int]
+    variables: dict[str, np.ndarray]
+    slots: dict[str, dict[str, np.ndarray]]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def take_snapshot(model: ShardedModel, ps: PsClient) -> Snapshot:
+    """Pull every shard and its slots from every PS (the caller has made sure no update is in flight)."""
+    plan = model.pull_plan(full=True)
+    pulled, global_step = ps.pull(plan, include_slots=True)
+    by_name: dict[str, np.ndarray] = {}
+    for entries in pulled.values():
+        for entry in entries:
+            by_name[entry.name] = entry.array
+    state = ps.state(0)
+    variables: dict[str, np.ndarray] = {}
+    slots: dict[str, dict[str, np.ndarray]] = {}
+    for name, layout in model.layouts.items():
+        parts = [by_name[s.name] for s in layout.shards]
+        variables[name] = parts[0].copy() if len(parts) == 1 else layout.join(parts)
+        slot_names = sorted({k.split("#", 1)[1] for k in by_name if k.split("#", 1)[0] in
+                             {s.name for s in layout.shards} and "#" in k})
+        slots[name] = {}
+        for slot in slot_names:
+            pieces = [by_name[f"{s.name}#{slot}"] for s in layout.shards]
+            if pieces[0].ndim == 0:  # a per-shard counter (Adam's t): the most advanced shard's
+                slots[name][slot] = np.asarray(np.max(np.stack(pieces)), dtype=pieces[0].dtype)
+            else:
+                slots[name][slot] = pieces[0].copy() if len(pieces) == 1 else np.concatenate(pieces, axis=0)
+    return Snapshot(global_step, list(state.shard_positions), variables, slots)
+
+
+def restore_snapshot(model: ShardedModel, ps: PsClient, snapshot: Snapshot) -> None:
+    """Split the snapshot into this model's current layout (any ps count or partitioning) and assign it."""
+    per_ps: dict[int, list[Entry]] = {i: [] for i in range(model.num_ps)}
+    for name, layout in model.layouts.items():
+        if name not in snapshot.variables:
+            raise CheckpointError(f"the checkpoint has no variable {name!r}")
+        full = snapshot.variables[name]
+        if full.shape != layout.variable.shape:
+            raise CheckpointError(
+                f"{name!r} is {full.shape} in the checkpoint, the program says {layout.variable.shape}"
+            )
+        parts = [full] if len(layout.shards) == 1 else layout.split(full)
+        for shard, part in zip(layout.shards, parts, strict=True):
+            per_ps[shard.ps].append(Entry(shard.name, DENSE, np.ascontiguousarray(part)))
+            for slot, value in snapshot.slots.get(name, {}).items():
+                if value.ndim == 0:
+                    piece = value
+                else:
+                    piece = value[shard.row_offset : shard.row_offset + shard.shape[0]] if len(layout.shards) > 1 \
+                        else value
+                # np.require keeps 0-d arrays 0-d (np.ascontiguousarray would make them 1-d)
+                per_ps[shard.ps].append(Entry(f"{shard.name}#{slot}", SLOT, np.require(piece, requirements="C")))
+    ps.assign(per_ps, snapshot.global_step, snapshot.shard_positions)
+
+
+# -- files ------------------------------------------------------------------------------------------------
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoint_path(directory: Path, step: int) -> Path:
+    return directory / f"{PREFIX}{step:012d}"
+
+
+def write_checkpoint(directory: str | Path, snapshot: Snapshot) -> Path:
+    directory = Path(directory).expanduser()
+    directory.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(directory, snapshot.global_step)
+    if final.exists():
+        return final  # the same global step is already saved: never overwrite
+    tmp = directory / f".tmp-{final.name}-{os.getpid()}-{threading.get_ident()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    arrays = {f"var:{k}": v for k, v in snapshot.variables.items()}
+    for name, slots in snapshot.slots.items():
+        arrays.update({f"slot:{name}#{slot}": v for slot, v in slots.items()})
+    with open(tmp / "arrays.npz", "wb") as f:
+        np.savez(f, **arrays)  # type: ignore[arg-type]
+        f.flush()
+        os.fsync(f.fileno())
+    state = {"global_step": snapshot.global_step, "shard_positions": snapshot.shard_positions,
+             "time": time.time(), **snapshot.meta}
+    with open(tmp / "state.json", "w") as f:
+        json.dump(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    manifest = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
+    with open(tmp / "manifest.json", "w") as f:
+        json.dump({"files": manifest, "global_step": snapshot.global_step}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    os.rename(tmp, final)
+    _fsync_dir(directory)
+    return final
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """Complete-looking checkpoint folders, oldest first (temporary folders are not listed)."""
+    directory = Path(directory).expanduser()
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
+    return sorted(found, key=lambda p: p.name)
+
+
+def verify_checkpoint(path: Path) -> None:
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())["files"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{path}: no readable manifest ({exc})") from None
+    for name, info in manifest.items():
+        file = path / name
+        if not file.is_file() or file.stat().st_size != info["bytes"]:
+            raise CheckpointError(f"{path}: {name} is missing or truncated")
+        if _sha256(file) != info["sha256"]:
+            raise CheckpointError(f"{path}: {name} does not match its checksum")
+
+
+def load_checkpoint(path: str | Path, *, verify: bool = True) -> Snapshot:
+    path = Path(path)
+    if verify:
+        verify_checkpoint(path)
+    try:
+        state = json.loads((path / "state.json").read_text())
+        variables: dict[str, np.ndarray] = {}
+        slots: dict[str, dict[str, np.ndarray]] = {}
+        with np.load(path / "arrays.npz", allow_pickle=False) as npz:
+            for key in npz.files:
+                kind, _, name = key.partition(":")
+                if kind == "var":
+                    variables[name] = npz[key]
+                elif kind == "slot":
+                    var, _, slot = name.partition("#")
+                    slots.setdefault(var, {})[slot] = npz[key]
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+        raise CheckpointError(f"{path}: cannot load ({exc})") from None
+    return Snapshot(int(state["global_step"]), list(state.get("shard_positions", [])), variables, slots,
+                    {k: v for k, v in state.items() if k not in ("global_step", "shard_positions")})
+
+
+def latest_checkpoint(directory: str | Path) -> tuple[Path, Snapshot] | None:
+    """The newest checkpoint that verifies; a corrupt newer one is skipped with a warning."""
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            return path, load_checkpoint(path)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint: %s", exc)
+    return None
+
+
+def prune(directory: str | Path, *, max_to_keep: int | None, keep_every_hours: float = 0.0) -> list[Path]:
+    """Delete the oldest checkpoints beyond ``max_to_keep``, except one every ``keep_every_hours``."""
+    paths = list_checkpoints(directory)
+    if not max_to_keep or len(paths) <= max_to_keep:
+        return []
+    removed = []
+    last_kept_time = None
+    for path in paths[: len(paths) - max_to_keep]:
+        if keep_every_hours > 0:
+            try:
+                stamp = float(json.loads((path / "state.json").read_text())["time"])
+            except (OSError, ValueError, KeyError):
+                stamp = 0.0
+            if last_kept_time is None or stamp - last_kept_time >= keep_every_hours * 3600:
+                last_kept_time = stamp
+                continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def export_arrays(snapshot: Snapshot, out: str | Path) -> Path:
+    """The trained variables as plain arrays (sharded ones joined), for serving: one ``.npz``."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, **snapshot.variables)  # type: ignore[arg-type]
+    os.replace(tmp, out)
+    return out
+
+
+class Checkpointer:
+    """When to save, and saving in the background so training waits only for the snapshot."""
+
+    def __init__(self, config: Mapping[str, Any], *, get_time: Any = time.monotonic) -> None:
+        self.directory = Path(str(config["dir"])).expanduser()
+        self.every_steps = int(config.get("every_steps") or 0)
+        self.every_seconds = float(config.get("every_seconds") or 0)
+        self.max_to_keep = config.get("max_to_keep")
+        self.keep_every_hours = float(config.get("keep_every_hours") or 0)
+        self._time = get_time
+        self._last_step = 0
+        self._last_time = get_time()
+        self._writer: threading.Thread | None = None
+        self.latest: Path | None = None
+        self.saved = 0
+
+    def due(self, global_step: int) -> bool:
+        if self.every_steps and global_step - self._last_step >= self.every_steps:
+            return True
+        return bool(self.every_seconds) and self._time() - self._last_time >= self.every_seconds
+
+    def save_async(self, snapshot: Snapshot) -> None:
+        self.wait()
+        self._last_step, self._last_time = snapshot.global_step, self._time()
+        self._writer = threading.Thread(target=self._write, args=(snapshot,), name="checkpoint", daemon=True)
+        self._writer.start()
+
+    def _write(self, snapshot: Snapshot) -> None:
+        started = time.monotonic()
+        try:
+            self.latest = write_checkpoint(self.directory, snapshot)
+            self.saved += 1
+            prune(self.directory, max_to_keep=self.max_to_keep, keep_every_hours=self.keep_every_hours)
+            log.info("checkpoint %s written in %.2fs", self.latest, time.monotonic() - started)
+        except OSError as exc:
+            log.error("checkpoint at step %d failed: %s", snapshot.global_step, exc)
+
+    def wait(self) -> None:
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
