@@ -17,6 +17,7 @@ from psctl import __version__, operations
 from psctl.errors import PsctlError, TrainingFailed
 from psctl.home import ClusterDir, list_clusters
 from psctl.render import plan_table, progress_line, status_dict, status_view
+from psctl.runtime.checkpoint import export_arrays
 from psctl.supervisor.state import ClusterState, load_state
 
 console = Console()
@@ -212,6 +213,20 @@ def events(name: str | None, tail: int) -> None:
         stamp = time.strftime("%H:%M:%S", time.localtime(ev.get("time", 0)))
         reason = f"  {ev['reason']}" if ev.get("reason") else ""
         click.echo(f"{stamp}  {ev.get('role', '?'):<12} {ev.get('from')} -> {ev.get('to')}{reason}")
+
+
+@cli.command()
+@click.argument("name", required=False)
+@click.option("--checkpoint", "checkpoint", type=click.Path(file_okay=False), default=None,
+              help="A checkpoint folder or a folder of checkpoints (default: the cluster's).")
+@click.option("--out", "-o", type=click.Path(dir_okay=False), required=True, help="The .npz file to write.")
+def export(name: str | None, checkpoint: str | None, out: str) -> None:
+    """Write the trained variables of the latest valid checkpoint as plain arrays (.npz), for serving."""
+    path, snapshot = operations.find_snapshot(name, checkpoint)
+    written = export_arrays(snapshot, out)
+    shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in snapshot.variables.items())
+    console.print(f"exported {path.name} (global step {snapshot.global_step}) to {written}: {shapes}",
+                  highlight=False)
 
 
 def main() -> None:

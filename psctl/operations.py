@@ -20,6 +20,7 @@ from psctl.errors import ClusterNotFound, LaunchError, UsageError
 from psctl.home import ClusterDir, list_clusters
 from psctl.launch.base import ProcessHandle, stop_processes
 from psctl.launch.local import LocalRunner
+from psctl.runtime.checkpoint import CheckpointError, Snapshot, latest_checkpoint, load_checkpoint
 from psctl.spec import ClusterSpec, Plan, load_spec, make_plan
 from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, load_state, save_state
 
@@ -159,6 +160,24 @@ def tear_down(cdir: ClusterDir, *, grace: float = 5.0, purge: bool = False) -> T
         if not any(cdir.root.iterdir()):
             cdir.root.rmdir()
     return TeardownReport(stopped=len({h.pid for h in live}), survivors=survivors, was_running=was_running)
+
+
+def find_snapshot(name: str | None, checkpoint: str | None) -> tuple[Path, Snapshot]:
+    """The checkpoint to export: a given folder (one checkpoint, or the newest valid one inside), or the
+    newest valid checkpoint of the cluster."""
+    if checkpoint is None:
+        cdir = resolve_cluster(name)
+        checkpoint = str(cdir.root / "checkpoints")
+    path = Path(checkpoint).expanduser()
+    try:
+        if (path / "manifest.json").is_file():
+            return path, load_checkpoint(path)
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    found = latest_checkpoint(path)
+    if found is None:
+        raise ClusterNotFound(f"no valid checkpoint in {path}")
+    return found
 
 
 # -- logs ---------------------------------------------------------------------------------------------

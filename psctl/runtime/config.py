@@ -30,6 +30,8 @@ class TrainingConfig:
     checkpoint: dict[str, Any] | None = None
     log_every_seconds: float = 1.0
     eval_every_steps: int = 0
+    #: The evaluator stops after this many evaluations (0: when training is done).
+    max_evaluations: int = 0
     #: Seconds a step may run before it is re-scheduled on another worker (0: no deadline).
     step_timeout: float = 0.0
 

@@ -22,7 +22,7 @@ from psctl.spec.loader import KeyPath
 TRAINING_KEYS = (
     "program", "args", "data", "batch_size", "optimizer", "mode", "replicas_to_aggregate",
     "total_replicas", "staleness", "steps", "seed", "partitioner", "checkpoint",
-    "log_every_seconds", "eval_every_steps",
+    "log_every_seconds", "eval_every_steps", "max_evaluations",
 )  # fmt: skip
 MODES = ("async", "sync", "bounded")
 #: Each optimizer's parameters besides learning_rate (the runtime's make_optimizer accepts exactly these).
@@ -86,6 +86,7 @@ def normalise_training(c: Checker, value: object, *, base_dir: Path, worker_repl
     out["checkpoint"] = _checkpoint(c, t.get("checkpoint"))
     out["log_every_seconds"] = c.duration((*T, "log_every_seconds"), t.get("log_every_seconds", 1.0))
     out["eval_every_steps"] = _int(c, t, "eval_every_steps", 0, minimum=0, example="100")
+    out["max_evaluations"] = _int(c, t, "max_evaluations", 0, minimum=0, example="10")
     return out
 
 

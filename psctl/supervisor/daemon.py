@@ -35,6 +35,8 @@ log = logging.getLogger("psctl.supervisor")
 #: Roles whose exit with code 0 means their job is done. ps and workers serve until told to stop, so any
 #: exit of theirs while training runs (preemption sends SIGTERM, which they answer with exit 0) is a loss.
 FINISHING_ROLES = ("chief", "evaluator")
+#: Seconds an evaluator gets, after training finished, to evaluate the final checkpoint.
+EVALUATOR_GRACE = 120.0
 
 
 def describe_exit(code: int) -> str:
@@ -102,6 +104,8 @@ class Supervisor:
         self._dirty = True
         self._last_save = 0.0
         self._server: grpc.Server | None = None
+        #: Set when the chief finished while an evaluator still had checkpoints to evaluate.
+        self._evaluator_deadline: float | None = None
 
     # -- events ---------------------------------------------------------------------------------------
     def transition(self, role: RoleRecord, state: RoleState, reason: str = "") -> None:
@@ -263,6 +267,9 @@ class Supervisor:
                     self.on_lost(role, f"no heartbeat for {silent:.1f}s (hung or cut off)")
             elif now - live.started > sup.startup_grace:
                 self.on_lost(role, f"no heartbeat within the start-up grace of {sup.startup_grace:.0f}s")
+        if self._evaluator_deadline is not None and now > self._evaluator_deadline:
+            self.finish(ClusterState.SUCCEEDED, "training finished (the evaluator was stopped after its grace)")
+            return
         if self.record.state == ClusterState.STARTING and all(
             r.state in (RoleState.RUNNING, RoleState.SUCCEEDED) for r in self.record.roles
         ):
@@ -273,7 +280,13 @@ class Supervisor:
         if code == 0 and role.role in FINISHING_ROLES:
             self.transition(role, RoleState.SUCCEEDED, "finished")
             if role.role == "chief":
+                self.on_training_done()
+            elif self._evaluator_deadline is not None:
                 self.finish(ClusterState.SUCCEEDED, "training finished")
+            return
+        if self._evaluator_deadline is not None:  # training is over; nothing is restarted any more
+            self.transition(role, RoleState.FAILED, what)
+            self.finish(ClusterState.SUCCEEDED, "training finished (the evaluator did not finish cleanly)")
             return
         tail = log_tail(self.cdir.role_log(role.name, role.attempt))
         reason = f"{what}" + (f"; last log lines: {tail}" if tail else "")
@@ -283,6 +296,19 @@ class Supervisor:
             return
         self.transition(role, RoleState.LOST, reason)
         self.maybe_restart(role, code)
+
+    def on_training_done(self) -> None:
+        """Stop ps and workers at once; give a running evaluator time to evaluate the final checkpoint."""
+        evaluators = [r for r in self.record.roles if r.role == "evaluator" and not r.state.terminal]
+        if not evaluators:
+            self.finish(ClusterState.SUCCEEDED, "training finished")
+            return
+        others = [r for r in self.record.roles if r.role in ("ps", "worker") and not r.state.terminal]
+        handles = [self.live[r.name].handle for r in others]
+        stop_processes(self.runner, [h for h in handles if h is not None], grace=5.0)
+        for role in others:
+            self.transition(role, RoleState.STOPPED, "training finished")
+        self._evaluator_deadline = self.time() + EVALUATOR_GRACE
 
     def on_lost(self, role: RoleRecord, reason: str) -> None:
         live = self.live[role.name]
@@ -333,6 +359,12 @@ class Supervisor:
 
     def read_result(self) -> dict[str, Any] | None:
         try:
-            return json.loads((self.cdir.run_dir / "result.json").read_text())  # type: ignore[no-any-return]
+            result: dict[str, Any] = json.loads((self.cdir.run_dir / "result.json").read_text())
         except (OSError, ValueError):
             return None
+        try:
+            lines = (self.cdir.run_dir / "eval.jsonl").read_text().strip().splitlines()
+            result["evaluation"] = json.loads(lines[-1]) if lines else None
+        except (OSError, ValueError):
+            pass
+        return result

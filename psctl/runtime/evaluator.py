@@ -1,0 +1,104 @@
+"""The evaluator: follows the checkpoint folder and evaluates each new checkpoint on the test split.
+
+Like TensorFlow's SidecarEvaluator it evaluates only the newest checkpoint (skipping intermediate ones when it
+falls behind) and skips, with a warning, one it cannot load. It needs no PS: it reads checkpoints, so it
+never slows training. It stops after ``max_evaluations``, or once training is done and the final checkpoint
+has been evaluated. Results go to ``eval.jsonl`` (JSON lines with the global step) and to its heartbeats.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from psctl.runtime.checkpoint import CheckpointError, Snapshot, list_checkpoints, load_checkpoint
+from psctl.runtime.cluster import ClusterInfo
+from psctl.runtime.config import TrainingConfig
+from psctl.runtime.heartbeat import PROGRESS
+from psctl.runtime.metrics import MetricsFile
+from psctl.runtime.program import EmbeddingRows, Program, ProgramRef, load_program
+
+log = logging.getLogger("psctl.evaluator")
+
+
+def evaluate_snapshot(program: Program, snapshot: Snapshot, split: str = "test") -> dict[str, float]:
+    """The program's metrics over a whole split, with the checkpoint's variables."""
+    dataset = program.dataset(split, 0, 1)
+    batch = dataset.batch(0, dataset.num_examples)
+    params: dict[str, np.ndarray | EmbeddingRows] = dict(snapshot.variables)
+    for name, ids in program.embedding_ids(batch).items():
+        ids = np.asarray(ids, dtype=np.int64)
+        params[name] = EmbeddingRows(ids=ids, rows=snapshot.variables[name][ids])
+    metrics = {k: float(v) for k, v in program.evaluate(params, batch).items()}
+    metrics["examples"] = float(dataset.num_examples)
+    return metrics
+
+
+class Evaluator:
+    def __init__(self, info: ClusterInfo, *, stop: threading.Event, poll_seconds: float = 1.0) -> None:
+        cfg = TrainingConfig.from_dict(info.training)
+        if not (cfg.checkpoint or {}).get("dir"):
+            raise ValueError("the evaluator needs checkpoints: set training.checkpoint.dir")
+        self.directory = Path(str(cfg.checkpoint["dir"])).expanduser()  # type: ignore[index]
+        self.program = load_program(ProgramRef(cfg.program, cfg.args, cfg.data, cfg.seed))
+        self.max_evaluations = cfg.max_evaluations
+        self.run_dir = Path(info.run_dir)
+        self.stop = stop
+        self.poll_seconds = poll_seconds
+        self.metrics = MetricsFile(self.run_dir / "eval.jsonl")
+        self.evaluated = 0
+        self.last_step = -1
+        self._bad: set[str] = set()
+
+    def training_done(self) -> bool:
+        return (self.run_dir / "result.json").is_file()
+
+    def run(self) -> int:
+        PROGRESS.status = "waiting for a checkpoint"
+        while not self.stop.is_set():
+            done = self.training_done()  # read before listing: the final checkpoint precedes result.json
+            newest = [p for p in list_checkpoints(self.directory) if p.name not in self._bad]
+            if newest and _step(newest[-1]) > self.last_step:
+                self._evaluate(newest[-1])
+                if self.max_evaluations and self.evaluated >= self.max_evaluations:
+                    log.info("stopping after %d evaluations", self.evaluated)
+                    return 0
+                continue
+            if done:
+                log.info("training is done and its last checkpoint evaluated: stopping")
+                return 0
+            self.stop.wait(self.poll_seconds)
+        return 0
+
+    def _evaluate(self, path: Path) -> None:
+        started = time.monotonic()
+        try:
+            snapshot = load_checkpoint(path)
+        except CheckpointError as exc:
+            log.warning("skipping a checkpoint that cannot be loaded: %s", exc)
+            self._bad.add(path.name)
+            return
+        metrics = evaluate_snapshot(self.program, snapshot)
+        self.evaluated += 1
+        self.last_step = snapshot.global_step
+        PROGRESS.global_step = snapshot.global_step
+        PROGRESS.metrics = {k: v for k, v in metrics.items() if k != "examples"}
+        PROGRESS.loss = metrics.get("loss", float("nan"))
+        PROGRESS.status = "evaluated"
+        self.metrics.write({"time": time.time(), "global_step": snapshot.global_step, "checkpoint": str(path),
+                            **metrics})
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "examples")
+        log.info("evaluated %s (global step %d) in %.2fs: %s", path.name, snapshot.global_step,
+                 time.monotonic() - started, shown)
+
+
+def _step(path: Path) -> int:
+    return int(path.name.rsplit("-", 1)[1])
+
+
+def run_evaluator(info: ClusterInfo, stop: threading.Event) -> int:
+    return Evaluator(info, stop=stop).run()
