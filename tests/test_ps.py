@@ -18,7 +18,7 @@ from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime import wire
 from psctl.runtime.initializers import initialize
 from psctl.runtime.ps import ParameterServerServicer, VariableStore
-from psctl.runtime.ps_client import PsClient, PushHeader
+from psctl.runtime.ps_client import PsClient, PsUnavailable, PushHeader
 from psctl.runtime.rpc import make_server
 from psctl.runtime.wire import DENSE, IDS, ROWS, Entry
 
@@ -338,6 +338,13 @@ def _push_entries(entries: list[Entry], step_id: int = BAD_STEP) -> Callable[[Ps
     return lambda ps: push(ps, step_id, entries)
 
 
+def _stub_push(entries: list[Entry], step_id: int = BAD_STEP) -> Callable[[Ps], object]:
+    """A push straight through the stub (PsClient reads some codes as "PS unavailable")."""
+    request = pb.PushRequest(step_id=step_id, task="worker:0", incarnation=1, increment_global_step=True)
+    wire.add_entries(request.entries, entries)
+    return lambda ps: ps.stub.Push(request, timeout=30)
+
+
 def _raw_push(*pieces: pb.NamedTensor, step_id: int = BAD_STEP) -> Callable[[Ps], object]:
     request = pb.PushRequest(step_id=step_id, task="worker:0", incarnation=1, increment_global_step=True)
     request.entries.extend(pieces)
@@ -523,21 +530,25 @@ def test_requests_before_init_are_refused_with_failed_precondition(ps: Ps) -> No
         "pull": _pull([Entry("w", DENSE, EMPTY)]),
         "pull-stream": _pull([Entry("w", DENSE, EMPTY)], stream=True),
         "pull-ids": _pull([Entry(EMB_IDS, IDS, np.array([0]))]),
-        "push": _push_entries([GOOD_W], step_id=1),
+        "push": _stub_push([GOOD_W], step_id=1),
         "push-stream": _stream_push([[p] for p in W_PIECES]),
     }
     for name, call in calls.items():
         assert rpc_code(lambda call=call: call(ps)) == grpc.StatusCode.FAILED_PRECONDITION, name
         assert state(ps) == before, name
+    # PsClient reads "no variables" as a PS that restarted and lost them
+    with pytest.raises(PsUnavailable, match="lost its variables"):
+        push(ps, 1, [GOOD_W])
+    assert state(ps) == before
     init(ps)
-    assert push(ps, 1, [GOOD_W]).applied  # step 1 was not used up by the refused push
+    assert push(ps, 1, [GOOD_W]).applied  # step 1 was not used up by the refused pushes
 
 
 def test_empty_push_before_init_is_refused_and_records_nothing(ps: Ps) -> None:
-    # A PS that restarted empty can receive a worker's empty push (every PS gets one per step). It must be
-    # refused like any other request before Init, without recording the step id as applied.
+    # A PS that restarted empty still receives workers' empty pushes (every PS gets one per step). They
+    # must be refused like any other request before Init, without recording the step id as applied.
     before = state(ps)
-    assert rpc_code(lambda: push(ps, 1, [])) == grpc.StatusCode.FAILED_PRECONDITION
+    assert rpc_code(lambda: _stub_push([], step_id=1)(ps)) == grpc.StatusCode.FAILED_PRECONDITION
     assert state(ps) == before
     init(ps)
     assert push(ps, 1, []).applied

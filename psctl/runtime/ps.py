@@ -144,6 +144,8 @@ class VariableStore:
 
     # -- updates --------------------------------------------------------------------------------------
     def push(self, request: pb.PushRequest, entries: Sequence[Entry]) -> PushOutcome:
+        if self._optimizer is None:
+            raise NotInitializedError("this PS has no variables yet (the chief has not initialised it)")
         updates = self._validate_update(entries)
         with self._lock:
             if request.step_id == 0:

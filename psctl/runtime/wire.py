@@ -75,11 +75,14 @@ def _declared(tensor: pb.Tensor) -> tuple[np.dtype, tuple[int, ...], int]:
     if any(d < 0 for d in shape):
         raise WireError(f"negative dimension in shape {shape}")
     dtype = np.dtype(tensor.dtype).newbyteorder("<")
-    nbytes = dtype.itemsize
+    # Bound the product of the non-zero dimensions too: a zero dimension must not hide a huge one, which
+    # numpy would refuse later with an error of its own.
+    bound = dtype.itemsize
     for d in shape:
-        nbytes *= d
-        if nbytes > MAX_ARRAY_BYTES:
+        bound *= max(d, 1)
+        if bound > MAX_ARRAY_BYTES:
             raise WireError(f"array of shape {shape} exceeds the limit of {MAX_ARRAY_BYTES} bytes")
+    nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
     return dtype, shape, nbytes
 
 

@@ -1,0 +1,237 @@
+"""The command line in-process (click's CliRunner): plans, one-line errors with exit codes, and the commands that
+read a cluster's state. Where a test needs a real cluster it starts one with the installed ``psctl up --detach``
+and the ``psctl_env`` fixture takes it down again."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from psctl import __version__
+from psctl.cli import cli
+from psctl.errors import EXIT_NOT_FOUND, EXIT_USAGE
+
+ROLES_2X2 = ("chief-0", "ps-0", "ps-1", "worker-0", "worker-1")
+
+
+def flat(text: str) -> str:
+    """Output with every run of whitespace made one space (rich wraps long lines at the console width)."""
+    return " ".join(text.split())
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args))
+
+
+def assert_one_line_error(result: Result, code: int, expected: str) -> str:
+    """Exit ``code``, nothing on stdout, exactly one ``error:`` line on stderr containing ``expected``, and no
+    traceback anywhere."""
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr, result.exception)
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.stdout + result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: "), lines[0]
+    assert expected in lines[0], f"{expected!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+def test_validate_prints_the_plan(psctl_env) -> None:
+    spec = psctl_env.write_spec("plan", ps=2, workers=2)
+    result = invoke("validate", str(spec))
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    assert result.stderr == ""
+    for role in ROLES_2X2:
+        assert re.search(rf"\b{role}\b", result.stdout), f"{role} missing from the plan:\n{result.stdout}"
+    assert "plan for cluster 'plan'" in result.stdout
+    assert f"{spec}: valid (5 roles)" in flat(result.stdout)
+    # Every role gets its own free local port.
+    ports = re.findall(r"127\.0\.0\.1\s*\S\s*(\d+)", result.stdout)
+    assert len(ports) == 5 and len(set(ports)) == 5, result.stdout
+    assert not psctl_env.home.exists(), "validate must not create any cluster state"
+
+
+def test_up_dry_run_starts_nothing(psctl_env) -> None:
+    spec = psctl_env.write_spec("dry", ps=2, workers=2)
+    result = invoke("up", "--dry-run", str(spec))
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    for role in ROLES_2X2:
+        assert role in result.stdout
+    assert "dry run: nothing started (5 roles planned)" in flat(result.stdout)
+    assert not (psctl_env.home / "dry").exists(), "a dry run must not create the cluster's state folder"
+    assert psctl_env.processes() == []
+
+
+GOOD = """\
+name: mistakes
+roles:
+  chief: {}
+  ps: {replicas: 1}
+  worker: {replicas: 2}
+training:
+  program: psctl.models.mlp
+  data: {name: digits}
+  steps: 100
+"""
+
+# (id, file content (str or bytes; None: no file at all), what the one error line must contain)
+SPEC_MISTAKES = [
+    (
+        "unknown key with did-you-mean",
+        GOOD.replace("{replicas: 2}", "{replicas: 2, restrat: {policy: never}}"),
+        "cluster.yaml:5: roles.worker.restrat: unknown key; did you mean 'restart'?",
+    ),
+    (
+        "wrong type",
+        GOOD.replace("{replicas: 1}", "{replicas: two}"),
+        "cluster.yaml:4: roles.ps.replicas: expected an integer >= 1, got 'two'",
+    ),
+    (
+        "missing role",
+        GOOD.replace("  chief: {}\n", ""),
+        "cluster.yaml:2: roles.chief: required role missing",
+    ),
+    (
+        "invalid YAML",
+        GOOD.replace("{replicas: 1}", "{replicas: 1"),
+        "cluster.yaml:5: invalid YAML",
+    ),
+    (
+        "not UTF-8",
+        GOOD.encode() + b"# \xff\xfe\n",
+        "cluster.yaml: cannot read the spec: not UTF-8 text",
+    ),
+    (
+        "no such file",
+        None,
+        "cluster.yaml: cannot read the spec: No such file or directory",
+    ),
+]
+
+
+@pytest.mark.parametrize("command", [["validate"], ["up"], ["up", "--dry-run"]], ids=" ".join)
+@pytest.mark.parametrize(
+    ("content", "expected"), [m[1:] for m in SPEC_MISTAKES], ids=[m[0] for m in SPEC_MISTAKES]
+)
+def test_spec_mistake_is_one_line_with_exit_code_2(
+    psctl_env, monkeypatch: pytest.MonkeyPatch, command: list[str], content: str | bytes | None, expected: str
+) -> None:
+    monkeypatch.chdir(psctl_env.tmp_path)
+    path = Path("cluster.yaml")
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content, encoding="utf-8")
+    result = invoke(*command, str(path))
+    assert_one_line_error(result, EXIT_USAGE, expected)
+    assert not psctl_env.home.exists(), "a bad spec must start nothing and write no state"
+
+
+def test_debug_shows_the_traceback(psctl_env, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(psctl_env.tmp_path)
+    Path("cluster.yaml").write_text(GOOD.replace("{replicas: 1}", "{replicas: two}"), encoding="utf-8")
+    plain = invoke("validate", "cluster.yaml")
+    assert "Traceback" not in plain.stderr
+    result = invoke("--debug", "validate", "cluster.yaml")
+    assert result.exit_code == EXIT_USAGE, (result.stdout, result.stderr)
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "SpecError" in result.stderr
+    # The one-line message still ends the output, as without --debug.
+    assert result.stderr.strip().splitlines()[-1] == plain.stderr.strip()
+
+
+@pytest.mark.parametrize(
+    "spec_path",
+    [
+        # A folder whose name is rich markup: it must be printed as written, not eaten as a style tag.
+        "specs[red]/cluster.yaml",
+        # A closing tag that matches nothing: rich raises MarkupError unless the message is escaped.
+        "specs[/x]/cluster.yaml",
+    ],
+)
+def test_error_message_is_printed_verbatim(psctl_env, monkeypatch: pytest.MonkeyPatch, spec_path: str) -> None:
+    monkeypatch.chdir(psctl_env.tmp_path)
+    path = Path(spec_path)
+    path.parent.mkdir()
+    path.write_text(GOOD.replace("{replicas: 1}", "{replicas: two}"), encoding="utf-8")
+    result = invoke("validate", spec_path)
+    assert_one_line_error(result, EXIT_USAGE, f"{spec_path}:4: roles.ps.replicas")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["status"], ["status", "--json"], ["logs", "chief-0"], ["down"], ["events"]],
+    ids=" ".join,
+)
+def test_no_cluster_is_exit_4_with_a_hint(psctl_env, args: list[str]) -> None:
+    result = invoke(*args)
+    line = assert_one_line_error(result, EXIT_NOT_FOUND, "no cluster found")
+    assert "psctl up" in line
+
+
+def test_unknown_cluster_name_is_exit_4(psctl_env) -> None:
+    result = invoke("status", "ghost")
+    line = assert_one_line_error(result, EXIT_NOT_FOUND, "no cluster named 'ghost'")
+    assert "psctl up" in line
+
+
+def up_detached(psctl_env, name: str, **spec: object) -> dict[str, object]:
+    """A real cluster, started by the installed psctl; returns its state once every role has been started."""
+    path = psctl_env.write_spec(name, **spec)
+    done = psctl_env.run("up", "--detach", str(path))
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    return psctl_env.state(name)
+
+
+def test_logs_unknown_role_lists_the_valid_roles(psctl_env) -> None:
+    up_detached(psctl_env, "lg", steps=100_000, ps=1, workers=2)
+    result = invoke("logs", "worker-7")
+    line = assert_one_line_error(result, EXIT_USAGE, "no role 'worker-7' in cluster 'lg'")
+    assert "roles are: chief-0, ps-0, worker-0, worker-1" in line
+    # The same with the cluster named, and for an attempt that does not exist yet.
+    named = invoke("logs", "worker-7", "lg")
+    assert_one_line_error(named, EXIT_USAGE, "roles are: chief-0, ps-0, worker-0, worker-1")
+    attempt = invoke("logs", "worker-0", "lg", "--attempt", "9")
+    assert_one_line_error(attempt, EXIT_USAGE, "--attempt 9 does not exist")
+    # A valid role is fine.
+    ok = invoke("logs", "worker-0", "lg")
+    assert ok.exit_code == 0, (ok.stdout, ok.stderr)
+    assert ok.stderr == ""
+
+
+def test_ls_lists_clusters(psctl_env) -> None:
+    empty = invoke("ls")
+    assert empty.exit_code == 0, (empty.stdout, empty.stderr)
+    assert "name" in empty.stdout and "lsc" not in empty.stdout
+    state = up_detached(psctl_env, "lsc", steps=100_000, ps=1, workers=1)
+    result = invoke("ls")
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert rows[0][:5] == ["name", "state", "roles", "steps", "updated"], result.stdout
+    row = next((r for r in rows if r and r[0] == "lsc"), None)
+    assert row is not None, result.stdout
+    assert row[1] in ("starting", "running"), row
+    assert row[2:4] == ["3", "100000"], row
+    assert state["name"] == "lsc"
+    # Once it is down, it is still listed, as stopped.
+    assert psctl_env.run("down", "lsc", "--grace", "2").returncode == 0
+    after = invoke("ls")
+    row = next(r for r in (line.split() for line in after.stdout.splitlines()) if r and r[0] == "lsc")
+    assert row[1] == "stopped", after.stdout
+
+
+def test_version() -> None:
+    result = invoke("--version")
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"psctl, version {__version__}"
+
+
+def test_help_lists_every_command() -> None:
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for command in ("validate", "up", "status", "ls", "logs", "down", "events"):
+        assert re.search(rf"^\s+{command}\b", result.stdout, re.MULTILINE), command
