@@ -45,15 +45,28 @@ def thread_env(threads: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n, "MKL_NUM_THREADS": n}
 
 
+#: Environment variables that change the figures (glibc malloc tuning), recorded with them when set.
+RECORDED_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX", "GLIBC_TUNABLES")
+
+
 def machine() -> dict[str, Any]:
-    """What the figures were measured on."""
+    """What the figures were measured on, and how busy the machine was (1-minute load average)."""
     model = platform.processor() or "unknown"
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    return {"nproc": os.cpu_count(), "cpu_model": model, "python": platform.python_version()}
+    out: dict[str, Any] = {
+        "nproc": os.cpu_count(),
+        "cpu_model": model,
+        "python": platform.python_version(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+    env = {k: os.environ[k] for k in RECORDED_ENV if k in os.environ}
+    if env:
+        out["env"] = env
+    return out
 
 
 def install_signal_handlers() -> None:

@@ -138,7 +138,9 @@ def variable_name(nbytes: int) -> str:
     return f"bench/v{nbytes}"
 
 
-def pushpull_seconds(client: PsClient, nbytes: int, repeats: int, warmup: int, step_ids: list[int]) -> dict[str, list[float]]:
+def pushpull_seconds(
+    client: PsClient, nbytes: int, repeats: int, warmup: int, step_ids: list[int]
+) -> dict[str, list[float]]:
     name = variable_name(nbytes)
     elements = nbytes // 4
     grad = np.full(elements, 1e-6, dtype=np.float32)

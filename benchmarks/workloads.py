@@ -42,42 +42,48 @@ DEFAULTS: dict[str, dict[str, int]] = {
 }
 
 
-def training_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The chief's training section for the workload (see psctl/runtime/config.py for the keys)."""
-    common: dict[str, Any] = {"steps": args.steps, "mode": "async", "seed": args.seed, "log_every_seconds": 1.0}
-    if args.workload == "w1":
+def training_config(
+    workload: str,
+    *,
+    steps: int,
+    seed: int = 0,
+    batch_size: int = 0,
+    vocab: int = 1_000_000,
+    zipf: float = 0.0,
+    shards: int = 2,
+) -> dict[str, Any]:
+    """The chief's training section for a workload (see psctl/runtime/config.py for the keys)."""
+    common: dict[str, Any] = {"steps": steps, "mode": "async", "seed": seed, "log_every_seconds": 1.0}
+    if workload == "w1":
         return {
             **common,
             "program": "psctl.models.mlp",
             "args": {"hidden_units": 100},
             "data": {"name": "synthetic_classification", "num_features": 784, "num_classes": 10},
-            "batch_size": args.batch_size or 100,
+            "batch_size": batch_size or 100,
             "optimizer": {"name": "adam", "learning_rate": 0.01},
         }
-    if args.workload == "w2":
+    if workload == "w2":
         return {
             **common,
             "program": "psctl.models.wide_embedding",
-            "args": {"vocab_size": args.vocab, "dim": 64},
-            "data": {
-                "name": "synthetic_embedding",
-                "vocab_size": args.vocab,
-                "ids_per_example": 10,
-                "zipf": args.zipf,
-            },
-            "batch_size": args.batch_size or 512,
+            "args": {"vocab_size": vocab, "dim": 64},
+            "data": {"name": "synthetic_embedding", "vocab_size": vocab, "ids_per_example": 10, "zipf": zipf},
+            "batch_size": batch_size or 512,
             "optimizer": {"name": "adagrad", "learning_rate": 0.05},
-            # Fixed shards: the table is cut in --shards row ranges, placed round-robin over the ps.
-            "partitioner": {"kind": "fixed", "num_shards": args.shards or max(2, args.ps)},
+            # Fixed shards: the table is cut in `shards` row ranges, placed round-robin over the ps.
+            "partitioner": {"kind": "fixed", "num_shards": shards},
         }
-    return {
-        **common,
-        "program": str(BENCH_DIR / "models.py"),
-        "args": {"hidden_units": 1024},
-        "data": {"name": "synthetic_classification", "num_features": 1024, "num_classes": 10},
-        "batch_size": args.batch_size or 64,
-        "optimizer": {"name": "sgd", "learning_rate": 0.01},
-    }
+    if workload == "w3":
+        return {
+            **common,
+            "program": str(BENCH_DIR / "models.py"),
+            "args": {"hidden_units": 1024},
+            "data": {"name": "synthetic_classification", "num_features": 1024, "num_classes": 10},
+            "batch_size": batch_size or 64,
+            "optimizer": {"name": "sgd", "learning_rate": 0.01},
+        }
+    raise ValueError(f"unknown workload {workload!r}; use one of {', '.join(WORKLOADS)}")
 
 
 def chief_figures(run_dir: Path, launched: float) -> dict[str, Any]:
@@ -90,7 +96,8 @@ def chief_figures(run_dir: Path, launched: float) -> dict[str, Any]:
     if len(training) >= 2:
         first, last = training[0], training[-1]
         if last["time"] > first["time"]:
-            out["chief_steps_per_s"] = rounded((last["global_step"] - first["global_step"]) / (last["time"] - first["time"]), 1)
+            rate = (last["global_step"] - first["global_step"]) / (last["time"] - first["time"])
+            out["chief_steps_per_s"] = rounded(rate, 1)
     result_path = run_dir / "result.json"
     if result_path.is_file():
         result = json.loads(result_path.read_text())
@@ -113,7 +120,10 @@ def wait_for_chief(cluster: BenchCluster, timeout: float) -> int:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    training = training_config(args)
+    training = training_config(
+        args.workload, steps=args.steps, seed=args.seed, batch_size=args.batch_size, vocab=args.vocab,
+        zipf=args.zipf, shards=args.shards or max(2, args.ps),
+    )
     params = {
         "benchmark": args.workload,
         "ps": args.ps,

@@ -50,6 +50,10 @@ class ClusterDir:
     def events_file(self) -> Path:
         return self.root / "events.jsonl"
 
+    @property
+    def tls_dir(self) -> Path:
+        return self.root / "tls"
+
     def role_log(self, role: str, attempt: int) -> Path:
         return self.logs / f"{role}.{attempt}.log"
 

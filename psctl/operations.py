@@ -20,6 +20,7 @@ from psctl.errors import ClusterNotFound, LaunchError, UsageError
 from psctl.home import ClusterDir, list_clusters
 from psctl.launch.base import ProcessHandle, stop_processes
 from psctl.launch.local import LocalRunner
+from psctl.pki import create_cluster_pki
 from psctl.runtime.checkpoint import CheckpointError, Snapshot, latest_checkpoint, load_checkpoint
 from psctl.spec import ClusterSpec, Plan, load_spec, make_plan
 from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, load_state, save_state
@@ -91,6 +92,10 @@ def bring_up(spec: ClusterSpec, plan: Plan, *, wait_started: float = 30.0) -> Cl
             for i in plan.instances
         ],
     )
+    record.tls = spec.security.tls
+    if record.tls:
+        members = [(i.name, i.address) for i in plan.instances] + [("supervisor", "127.0.0.1")]
+        create_cluster_pki(cdir.tls_dir, record.cluster_id, members)
     save_state(cdir.state_file, record)
     with open(cdir.supervisor_log, "ab") as log:
         subprocess.Popen(

@@ -145,21 +145,25 @@ def test_debug_shows_the_traceback(psctl_env, monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.parametrize(
-    "spec_path",
+    ("spec_path", "content", "expected"),
     [
-        # A folder whose name is rich markup: it must be printed as written, not eaten as a style tag.
-        "specs[red]/cluster.yaml",
-        # A closing tag that matches nothing: rich raises MarkupError unless the message is escaped.
-        "specs[/x]/cluster.yaml",
+        # A folder whose name looks like rich markup must be printed as written, not eaten as a style tag.
+        ("specs[red]/cluster.yaml", GOOD.replace("{replicas: 1}", "{replicas: two}"),
+         "specs[red]/cluster.yaml:4: roles.ps.replicas"),
+        # A key that is a closing tag matching nothing: rich raises MarkupError unless the message is escaped.
+        ("cluster.yaml", GOOD + '"[/x]": 1\n', "cluster.yaml:10: [/x]: unknown key"),
     ],
+    ids=["path with [red]", "key [/x]"],
 )
-def test_error_message_is_printed_verbatim(psctl_env, monkeypatch: pytest.MonkeyPatch, spec_path: str) -> None:
+def test_error_message_is_printed_verbatim(
+    psctl_env, monkeypatch: pytest.MonkeyPatch, spec_path: str, content: str, expected: str
+) -> None:
     monkeypatch.chdir(psctl_env.tmp_path)
     path = Path(spec_path)
-    path.parent.mkdir()
-    path.write_text(GOOD.replace("{replicas: 1}", "{replicas: two}"), encoding="utf-8")
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(content, encoding="utf-8")
     result = invoke("validate", spec_path)
-    assert_one_line_error(result, EXIT_USAGE, f"{spec_path}:4: roles.ps.replicas")
+    assert_one_line_error(result, EXIT_USAGE, expected)
 
 
 @pytest.mark.parametrize(

@@ -74,6 +74,14 @@ class SupervisionSpec:
 
 
 @dataclass(frozen=True)
+class SecuritySpec:
+    """Mutual TLS between roles is on by default; turning it off is allowed only for a cluster that runs
+    entirely on this machine, bound to loopback."""
+
+    tls: bool = True
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """A whole validated spec. ``training`` is the normalised, JSON-serialisable dict the runtime gets.
 
@@ -87,6 +95,7 @@ class ClusterSpec:
     roles: dict[str, RoleSpec]
     training: dict[str, Any]
     supervision: SupervisionSpec = field(default_factory=SupervisionSpec)
+    security: SecuritySpec = field(default_factory=lambda: SecuritySpec())
     source: SourceMap = field(default_factory=lambda: SourceMap("<spec>"), repr=False, compare=False)
 
     @property

@@ -15,11 +15,19 @@ from typing import Any
 
 from psctl.spec.checks import Checker, seconds_text, show, suggestion
 from psctl.spec.loader import KeyPath, SourceMap
-from psctl.spec.model import ROLE_NAMES, ClusterSpec, HostSpec, RestartPolicy, RoleSpec, SupervisionSpec
+from psctl.spec.model import (
+    ROLE_NAMES,
+    ClusterSpec,
+    HostSpec,
+    RestartPolicy,
+    RoleSpec,
+    SecuritySpec,
+    SupervisionSpec,
+)
 from psctl.spec.plan import LOCAL_HOST, conflict_error, layout, port_conflict
 from psctl.spec.training import normalise_training
 
-TOP_KEYS = ("name", "hosts", "roles", "training", "supervision")
+TOP_KEYS = ("name", "hosts", "roles", "training", "supervision", "security")
 HOST_KEYS = ("name", "address", "user", "port", "identity_file", "python", "workdir", "host_key_policy")
 ROLE_KEYS = ("replicas", "host", "hosts", "port", "ports", "restart", "env", "threads")
 RESTART_KEYS = ("policy", "max_restarts", "backoff_seconds", "max_backoff_seconds", "permanent_exit_codes")
@@ -62,7 +70,8 @@ def build_spec(data: Any, source: SourceMap, *, path: Path | None, base_dir: Pat
         worker_replicas=roles["worker"].replicas,
     )
     supervision = _supervision(c, top.get("supervision"))
-    return ClusterSpec(name, path, hosts, roles, training, supervision, source)
+    security = _security(c, top.get("security"), local=not hosts)
+    return ClusterSpec(name, path, hosts, roles, training, supervision, security, source)
 
 
 def _name(c: Checker, top: dict[str, Any], default_name: str) -> str:
@@ -311,6 +320,16 @@ def _env(c: Checker, p: KeyPath, value: object) -> dict[str, str]:
             c.fail((*p, key), f"expected a string, got {show(raw)}", 'quote the value, e.g. "1"')
         env[key] = raw
     return env
+
+
+def _security(c: Checker, value: object, *, local: bool) -> SecuritySpec:
+    p: KeyPath = ("security",)
+    d = c.mapping(p, value, ("tls",), example="{tls: true}", none_ok=True)
+    tls = c.boolean((*p, "tls"), d.get("tls", True), fix="write true or false")
+    if not tls and not local:
+        c.fail((*p, "tls"), "TLS can be turned off only for a cluster on this machine (bound to loopback)",
+               "remove `tls: false`: roles on other hosts always talk mutual TLS")
+    return SecuritySpec(tls=tls)
 
 
 def _supervision(c: Checker, value: object) -> SupervisionSpec:

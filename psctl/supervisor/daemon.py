@@ -16,13 +16,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import grpc
 
 from psctl.home import ClusterDir
 from psctl.launch.base import ProcessHandle, Runner, stop_processes
+from psctl.pki import member_files
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.cluster import tf_config
@@ -168,6 +169,7 @@ class Supervisor:
             "training": training,
             "run_dir": str(self.cdir.run_dir),
             "supervisor": self.record.supervisor_address,
+            "tls": asdict(member_files(self.cdir.tls_dir, role.name)) if self.record.tls else None,
         }
         spec_role = self.spec.roles[role.role]
         threads = spec_role.threads or max(1, (os.cpu_count() or 1) // max(1, len(self.record.roles)))
@@ -205,7 +207,8 @@ class Supervisor:
 
     # -- the loop -------------------------------------------------------------------------------------
     def serve_heartbeats(self) -> None:
-        server, port = make_server("127.0.0.1:0", None, max_workers=8)
+        tls = member_files(self.cdir.tls_dir, "supervisor") if self.record.tls else None
+        server, port = make_server("127.0.0.1:0", tls, max_workers=8)
         pb_grpc.add_SupervisorServicer_to_server(HeartbeatServicer(self), server)
         server.start()
         self._server = server

@@ -93,6 +93,8 @@ class ClusterRecord:
     cluster_id: str
     #: The spec file the cluster was started from (the supervisor re-reads it when it is restarted).
     spec_path: str = ""
+    #: Roles talk mutual TLS with certificates under the cluster's tls/ folder.
+    tls: bool = True
     state: ClusterState = ClusterState.STARTING
     supervisor_pid: int | None = None
     supervisor_create_time: float | None = None
