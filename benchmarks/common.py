@@ -136,6 +136,26 @@ class Role:
     def task(self) -> str:
         return f"{self.task_type}:{self.index}"
 
+    def first_log_time(self, marker: str) -> float | None:
+        """Wall time of the first line of this role's log containing ``marker`` (the runtime's logging format,
+        ``2026-01-31 12:00:00,123 INFO ...``, in local time), or None."""
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return None
+        for line in text.splitlines():
+            if marker in line:
+                with contextlib.suppress(ValueError):
+                    stamp, millis = line[:23].split(",")
+                    return time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(millis) / 1000
+        return None
+
+    def count_log_lines(self, marker: str) -> int:
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace").count(marker)
+        except FileNotFoundError:
+            return 0
+
     def log_tail(self, chars: int = 3000) -> str:
         try:
             return self.log_path.read_text(encoding="utf-8", errors="replace")[-chars:]

@@ -200,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, TimeoutError, OSError) as exc:
         emit({"benchmark": "overhead_w1", "ok": False, "error": str(exc).splitlines()[0]})
         return 1
+    except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C or SIGTERM: every process is already stopped
+        emit({"benchmark": "overhead_w1", "ok": False, "error": f"interrupted ({type(exc).__name__})"})
+        return 130
     return 0
 
 

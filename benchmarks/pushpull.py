@@ -25,9 +25,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import psutil
 
 from benchmarks.common import (
     MB,
@@ -138,14 +140,29 @@ def variable_name(nbytes: int) -> str:
     return f"bench/v{nbytes}"
 
 
-def pushpull_seconds(
-    client: PsClient, nbytes: int, repeats: int, warmup: int, step_ids: list[int]
-) -> dict[str, list[float]]:
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
+@dataclass
+class Phase:
+    """Timed repeats of one operation, and the CPU seconds per repeat spent by the client and by the PS."""
+
+    times: list[float]
+    client_cpu: float
+    ps_cpu: float
+
+
+def pushpull_phases(
+    client: PsClient, ps: psutil.Process, nbytes: int, repeats: int, warmup: int, step_ids: list[int]
+) -> dict[str, Phase]:
     name = variable_name(nbytes)
     elements = nbytes // 4
     grad = np.full(elements, 1e-6, dtype=np.float32)
     pull_plan = {0: [Entry(name, DENSE, np.zeros(0, dtype=np.float32))]}
     expected = {0: nbytes}
+    me = psutil.Process()
 
     def pull() -> None:
         pulled, _ = client.pull(pull_plan, expected)
@@ -160,11 +177,13 @@ def pushpull_seconds(
         pull()
         push()
 
-    return {
-        "pull": timed(pull, repeats, warmup),
-        "push": timed(push, repeats, warmup),
-        "pushpull": timed(both, repeats, warmup),
-    }
+    def phase(fn: Callable[[], None]) -> Phase:
+        timed(fn, 0, warmup)
+        client_cpu, ps_cpu = cpu_seconds(me), cpu_seconds(ps)
+        times = timed(fn, repeats, 0)
+        return Phase(times, (cpu_seconds(me) - client_cpu) / repeats, (cpu_seconds(ps) - ps_cpu) / repeats)
+
+    return {"pull": phase(pull), "push": phase(push), "pushpull": phase(both)}
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -189,10 +208,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             ]
             client.init({0: specs}, pb.OptimizerConfig(name="sgd", learning_rate=0.01), cluster.cluster_id)
             step_ids = [0]
-            psctl: dict[int, dict[str, list[float]]] = {}
+            ps_process = cluster.role("ps").process
+            if ps_process is None:
+                raise RuntimeError("the ps exited at once")
+            psctl: dict[int, dict[str, Phase]] = {}
             for n in sizes:
                 log(f"measuring pull / push of {n / MIB:g} MiB")
-                psctl[n] = pushpull_seconds(client, n, args.repeats, args.warmup, step_ids)
+                psctl[n] = pushpull_phases(client, ps_process, n, args.repeats, args.warmup, step_ids)
                 cluster.check_alive()
         except BaseException:
             log(cluster.logs())
@@ -201,7 +223,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             client.close()
             monitor.stop()
         for n in sizes:
-            times = {k: median(v) for k, v in psctl[n].items()}
+            times = {k: median(v.times) for k, v in psctl[n].items()}
             tcp_s, memcpy_s = median(tcp[n]), median(memcpy[n])
             rates = {
                 "pull_MBps": n / times["pull"] / MB,
@@ -226,6 +248,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     **{k: rounded(v * 1e3, 2) for k, v in times.items()},
                     "tcp": rounded(tcp_s * 1e3, 2),
                     "memcpy": rounded(memcpy_s * 1e3, 2),
+                },
+                # CPU per operation, client and PS: near the wall time means CPU bound, far below means waiting.
+                "cpu_ms_per_op": {
+                    k: {"client": rounded(v.client_cpu * 1e3, 2), "ps": rounded(v.ps_cpu * 1e3, 2)}
+                    for k, v in psctl[n].items()
                 },
                 "ps_peak_rss_mb": monitor.peak_rss_mb().get("ps:0"),
                 "machine": machine(),
@@ -258,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, TimeoutError, OSError) as exc:
         emit({"benchmark": "pushpull", "ok": False, "error": str(exc).splitlines()[0]})
         return 1
+    except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C or SIGTERM: every process is already stopped
+        emit({"benchmark": "pushpull", "ok": False, "error": f"interrupted ({type(exc).__name__})"})
+        return 130
     return 0
 
 

@@ -106,6 +106,23 @@ def chief_figures(run_dir: Path, launched: float) -> dict[str, Any]:
     return out
 
 
+def startup(cluster: BenchCluster, launched: float, first_step: float | None) -> dict[str, Any]:
+    """Where start-to-first-step goes, from the roles' own log timestamps (millisecond resolution)."""
+    marks: dict[str, float | None] = {}
+    for role in cluster.roles:
+        marker = "training " if role.task_type == "chief" else "serving on"
+        at = role.first_log_time(f"{role.task} starting")
+        marks[f"{role.task} imported"] = rounded(at - launched) if at else None
+        at = role.first_log_time(marker)
+        marks[f"{role.task} {'scheduling' if role.task_type == 'chief' else 'serving'}"] = (
+            rounded(at - launched) if at else None
+        )
+    marks["first_step"] = rounded(first_step - launched) if first_step else None
+    # Steps the coordinator sent to a worker that was not serving yet: each costs a reconnect back-off.
+    marks["worker_lost_events"] = cluster.role("chief").count_log_lines(" lost (")
+    return marks
+
+
 def wait_for_chief(cluster: BenchCluster, timeout: float) -> int:
     chief = cluster.role("chief")
     deadline = time.monotonic() + timeout
@@ -165,6 +182,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "examples_per_s": rounded(steps_per_s * training["batch_size"], 0),
             "start_to_first_step_s": rounded(first - launched) if first else None,
             "start_to_ps_init_s": rounded(init - launched) if init else None,
+            "startup_s": startup(cluster, launched, first),
             "measured": {"from_step": warm, "steps": counted, "seconds": rounded(seconds)},
             "wall_s": rounded(finished - launched),
             "peak_rss_mb": monitor.peak_rss_mb(),
@@ -211,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, TimeoutError, OSError) as exc:
         emit({"benchmark": args.workload, "ok": False, "error": str(exc).splitlines()[0]})
         return 1
+    except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C or SIGTERM: every process is already stopped
+        emit({"benchmark": args.workload, "ok": False, "error": f"interrupted ({type(exc).__name__})"})
+        return 130
     return 0
 
 

@@ -163,11 +163,43 @@ class LocalCluster:
             for index in range(len(self.jobs[task_type])):
                 self.start(task_type, index)
 
+    def wait_serving(self, timeout: float = 60.0) -> None:
+        """Until every ps and worker answers an rpc (so the chief, started next, finds them all up)."""
+        for task_type in ("ps", "worker"):
+            for index, address in enumerate(self.jobs[task_type]):
+                role = self.current[(task_type, index)]
+
+                def answers(task_type: str = task_type, address: str = address, role: Role = role) -> bool:
+                    if role.popen.poll() is not None:
+                        raise AssertionError(f"{role.task} exited with {role.popen.returncode}\n{role.log()}")
+                    return self._answers(task_type, address)
+
+                wait_until(answers, timeout=timeout, interval=0.1, what=f"{task_type}:{index} to serve",
+                           detail=self.logs)
+
+    @staticmethod
+    def _answers(task_type: str, address: str) -> bool:
+        channel = make_channel(address)
+        try:
+            if task_type == "ps":
+                pb_grpc.ParameterServerStub(channel).GetState(pb.StateRequest(), timeout=2)
+            else:
+                pb_grpc.WorkerStub(channel).Ping(pb.PingRequest(), timeout=2)
+            return True
+        except grpc.RpcError:
+            return False
+        finally:
+            channel.close()
+
     def start_chief(self) -> Role:
         return self.start("chief", 0)
 
     def role(self, task_type: str, index: int = 0) -> Role:
         return self.current[(task_type, index)]
+
+    def send_signal(self, task_type: str, index: int, sig: int) -> None:
+        """Send ``sig`` to a role's whole process group (SIGSTOP / SIGCONT to pause and resume it)."""
+        os.killpg(self.current[(task_type, index)].popen.pid, sig)
 
     def kill(self, task_type: str, index: int, sig: int = signal.SIGKILL, timeout: float = 10.0) -> None:
         """Signal a role's process group and wait until the process is gone (reaped)."""
@@ -226,6 +258,7 @@ class LocalCluster:
         live = [r for r in reversed(self.started) if r.popen.poll() is None]
         for role in live:
             with contextlib.suppress(ProcessLookupError):
+                os.killpg(role.popen.pid, signal.SIGCONT)  # a paused role could not act on SIGTERM
                 os.killpg(role.popen.pid, signal.SIGTERM)
         deadline = time.monotonic() + 5.0
         for role in live:

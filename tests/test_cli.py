@@ -1,6 +1,6 @@
 """The command line in-process (click's CliRunner): plans, one-line errors with exit codes, and the commands that
-read a cluster's state. Where a test needs a real cluster it starts one with the installed ``psctl up --detach``
-and the ``psctl_env`` fixture takes it down again."""
+read a cluster's state. These tests start no training: where a cluster must exist, its state file and logs are
+written as a supervisor writes them (test_e2e_local.py runs the same commands against real clusters)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from click.testing import CliRunner, Result
 from psctl import __version__
 from psctl.cli import cli
 from psctl.errors import EXIT_NOT_FOUND, EXIT_USAGE
+from psctl.home import ClusterDir
+from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, save_state
 
 ROLES_2X2 = ("chief-0", "ps-0", "ps-1", "worker-0", "worker-1")
 
@@ -151,7 +153,7 @@ def test_debug_shows_the_traceback(psctl_env, monkeypatch: pytest.MonkeyPatch) -
         ("specs[red]/cluster.yaml", GOOD.replace("{replicas: 1}", "{replicas: two}"),
          "specs[red]/cluster.yaml:4: roles.ps.replicas"),
         # A key that is a closing tag matching nothing: rich raises MarkupError unless the message is escaped.
-        ("cluster.yaml", GOOD + '"[/x]": 1\n', "cluster.yaml:10: [/x]: unknown key"),
+        ("cluster.yaml", GOOD + '"[/x]": 1\n', "cluster.yaml:10: '[/x]': unknown key"),
     ],
     ids=["path with [red]", "key [/x]"],
 )
@@ -183,49 +185,69 @@ def test_unknown_cluster_name_is_exit_4(psctl_env) -> None:
     assert "psctl up" in line
 
 
-def up_detached(psctl_env, name: str, **spec: object) -> dict[str, object]:
-    """A real cluster, started by the installed psctl; returns its state once every role has been started."""
-    path = psctl_env.write_spec(name, **spec)
-    done = psctl_env.run("up", "--detach", str(path))
-    assert done.returncode == 0, (done.stdout, done.stderr)
-    return psctl_env.state(name)
+def recorded_cluster(name: str, roles: dict[str, int], *, state: ClusterState = ClusterState.SUCCEEDED,
+                     steps: int = 50) -> ClusterDir:
+    """A cluster as a supervisor leaves it on disk: state.json (``roles``: name -> attempts) and each attempt's
+    log. The e2e tests do the same against clusters a real supervisor ran."""
+    cdir = ClusterDir.named(name)
+    cdir.create()
+    records = []
+    for role_name, attempts in roles.items():
+        role, _, index = role_name.rpartition("-")
+        records.append(RoleRecord(name=role_name, role=role, index=int(index), host="localhost",
+                                  address="127.0.0.1", port=7000 + len(records), state=RoleState.STOPPED,
+                                  attempt=attempts, restarts=max(0, attempts - 1)))
+        for attempt in range(1, attempts + 1):
+            cdir.role_log(role_name, attempt).write_text(
+                "".join(f"{role_name} attempt {attempt} line {i}\n" for i in range(1, 6)), encoding="utf-8")
+    save_state(cdir.state_file, ClusterRecord(name=name, cluster_id=f"{name}-0000", state=state, steps=steps,
+                                              roles=records, supervisor_pid=None))
+    return cdir
 
 
 def test_logs_unknown_role_lists_the_valid_roles(psctl_env) -> None:
-    up_detached(psctl_env, "lg", steps=100_000, ps=1, workers=2)
+    recorded_cluster("lg", {"chief-0": 1, "ps-0": 1, "worker-0": 2, "worker-1": 1})
     result = invoke("logs", "worker-7")
     line = assert_one_line_error(result, EXIT_USAGE, "no role 'worker-7' in cluster 'lg'")
     assert "roles are: chief-0, ps-0, worker-0, worker-1" in line
-    # The same with the cluster named, and for an attempt that does not exist yet.
     named = invoke("logs", "worker-7", "lg")
     assert_one_line_error(named, EXIT_USAGE, "roles are: chief-0, ps-0, worker-0, worker-1")
-    attempt = invoke("logs", "worker-0", "lg", "--attempt", "9")
-    assert_one_line_error(attempt, EXIT_USAGE, "--attempt 9 does not exist")
-    # A valid role is fine.
-    ok = invoke("logs", "worker-0", "lg")
-    assert ok.exit_code == 0, (ok.stdout, ok.stderr)
-    assert ok.stderr == ""
+    attempt = invoke("logs", "worker-0", "lg", "--attempt", "3")
+    assert_one_line_error(attempt, EXIT_USAGE, "worker-0 has attempts 1..2; --attempt 3 does not exist")
+
+
+def test_logs_prints_the_current_or_an_earlier_attempt(psctl_env) -> None:
+    recorded_cluster("lg", {"chief-0": 1, "ps-0": 1, "worker-0": 2})
+    current = invoke("logs", "worker-0")
+    assert current.exit_code == 0, (current.stdout, current.stderr)
+    assert current.stdout.splitlines() == [f"worker-0 attempt 2 line {i}" for i in range(1, 6)]
+    first = invoke("logs", "worker-0", "lg", "--attempt", "1")
+    assert first.stdout.splitlines() == [f"worker-0 attempt 1 line {i}" for i in range(1, 6)]
+    tail = invoke("logs", "worker-0", "--tail", "2")
+    assert tail.stdout.splitlines() == ["worker-0 attempt 2 line 4", "worker-0 attempt 2 line 5"]
+    # --follow on a finished cluster prints the log and returns instead of waiting forever.
+    follow = invoke("logs", "chief-0", "-f")
+    assert follow.exit_code == 0, (follow.stdout, follow.stderr)
+    assert follow.stdout.splitlines() == [f"chief-0 attempt 1 line {i}" for i in range(1, 6)]
 
 
 def test_ls_lists_clusters(psctl_env) -> None:
     empty = invoke("ls")
     assert empty.exit_code == 0, (empty.stdout, empty.stderr)
-    assert "name" in empty.stdout and "lsc" not in empty.stdout
-    state = up_detached(psctl_env, "lsc", steps=100_000, ps=1, workers=1)
+    assert [line.split() for line in empty.stdout.splitlines() if line.strip()] == [
+        ["name", "state", "roles", "steps", "updated"]
+    ]
+    # One cluster that finished, and one that says it runs although it has no supervisor (so it is stale).
+    # (test_e2e_local lists a cluster a real supervisor ran.)
+    recorded_cluster("done", {"chief-0": 1, "ps-0": 1, "worker-0": 1})
+    recorded_cluster("orphan", {"chief-0": 1}, state=ClusterState.RUNNING, steps=7)
     result = invoke("ls")
     assert result.exit_code == 0, (result.stdout, result.stderr)
-    rows = [line.split() for line in result.stdout.splitlines()]
-    assert rows[0][:5] == ["name", "state", "roles", "steps", "updated"], result.stdout
-    row = next((r for r in rows if r and r[0] == "lsc"), None)
-    assert row is not None, result.stdout
-    assert row[1] in ("starting", "running"), row
-    assert row[2:4] == ["3", "100000"], row
-    assert state["name"] == "lsc"
-    # Once it is down, it is still listed, as stopped.
-    assert psctl_env.run("down", "lsc", "--grace", "2").returncode == 0
-    after = invoke("ls")
-    row = next(r for r in (line.split() for line in after.stdout.splitlines()) if r and r[0] == "lsc")
-    assert row[1] == "stopped", after.stdout
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip()]
+    assert rows[0] == ["name", "state", "roles", "steps", "updated"], result.stdout
+    assert [r[:-2] for r in rows[1:]] == [["done", "succeeded", "3", "50"], ["orphan", "running", "(stale)", "1", "7"]]
+    for row in rows[1:]:
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d", row[-2]) and re.fullmatch(r"\d\d:\d\d:\d\d", row[-1]), row
 
 
 def test_version() -> None:

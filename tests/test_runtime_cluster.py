@@ -50,13 +50,13 @@ def make_cluster(tmp_path: Path) -> Iterator[MakeCluster]:
             raise failures[0]
 
 
-def mlp_training(steps: int) -> dict[str, Any]:
+def mlp_training(steps: int, learning_rate: float = 0.01) -> dict[str, Any]:
     return {
         "program": "psctl.models.mlp",
         "data": {"name": "digits"},
         "steps": steps,
         "batch_size": 100,
-        "optimizer": {"name": "adam", "learning_rate": 0.01},
+        "optimizer": {"name": "adam", "learning_rate": learning_rate},
         "args": {"hidden_units": 64},
     }
 
@@ -90,6 +90,11 @@ def assert_batches_consumed_exactly(state0: pb.StateResponse, steps: int, worker
     assert sum(p + 1 for p in positions) == steps, positions
 
 
+def position(state: pb.StateResponse, shard: int) -> int:
+    """The highest applied batch position of a data shard on ps 0 (-1: none yet)."""
+    return state.shard_positions[shard] if shard < len(state.shard_positions) else -1
+
+
 def final_record(cluster: LocalCluster) -> dict[str, Any]:
     records = [json.loads(line) for line in (cluster.run_dir / "metrics.jsonl").read_text().splitlines()]
     finals = [r for r in records if r.get("event") == "final"]
@@ -103,6 +108,7 @@ def test_mlp_on_digits_trains_to_accuracy_with_each_step_applied_once(make_clust
     steps = 600
     cluster = make_cluster(mlp_training(steps))
     cluster.start_servers()
+    cluster.wait_serving()
     cluster.start_chief()
     result = run_to_completion(cluster, timeout=90)
 
@@ -110,7 +116,7 @@ def test_mlp_on_digits_trains_to_accuracy_with_each_step_applied_once(make_clust
     assert result["steps_this_run"] == steps
     assert result["metrics"]["accuracy"] >= 0.95, result
     assert result["metrics"]["examples"] == 359  # the whole digits test split (20% of 1797)
-    assert result["retried_steps"] == 0  # nothing failed, so nothing was retried
+    assert result["retried_steps"] == 0  # every worker was up before the chief: nothing failed or retried
     final = final_record(cluster)
     assert final["global_step"] == steps
     assert final["metrics"] == result["metrics"]
@@ -145,6 +151,7 @@ def test_wide_embedding_sharded_over_both_ps_learns(make_cluster: MakeCluster) -
     }
     cluster = make_cluster(training)
     cluster.start_servers()
+    cluster.wait_serving()
     cluster.start_chief()
     result = run_to_completion(cluster, timeout=90)
 
@@ -207,11 +214,11 @@ def _pull_dense(address: str, name: str) -> np.ndarray:
 def test_worker_killed_mid_training_is_replaced_without_losing_or_repeating_a_step(
     make_cluster: MakeCluster,
 ) -> None:
-    # Long enough (~220 steps/s with two workers here) that the replacement, which needs a second or two
-    # to start, has most of the remaining 70% of the run left to work on.
-    steps = 1500
-    cluster = make_cluster(mlp_training(steps))
+    steps = 1000
+    # Adam at 0.01 (as in (a)) spikes now and then over this many epochs of digits; 0.002 does not.
+    cluster = make_cluster(mlp_training(steps, learning_rate=0.002))
     cluster.start_servers()
+    cluster.wait_serving()
     chief = cluster.start_chief()
 
     def past_30_percent() -> bool:
@@ -221,30 +228,39 @@ def test_worker_killed_mid_training_is_replaced_without_losing_or_repeating_a_st
         return step is not None and step >= 0.3 * steps
 
     wait_until(past_30_percent, timeout=60, interval=0.02, what="30% of the steps", detail=cluster.logs)
+    # Pause worker 0 for the duration of the outage, so that whatever progress is made after the kill can
+    # only come from the replacement: on two loaded cores a restarted worker needs seconds to start and to
+    # load its data, and the survivor could otherwise finish the run before the replacement took a step.
+    cluster.send_signal("worker", 0, signal.SIGSTOP)
     cluster.kill("worker", 1, signal.SIGKILL)
     killed_at = cluster.ps_state(0)
-    assert killed_at.global_step < steps, "training finished before the kill: the test proves nothing"
-    # Positions of shard 1 are handed out only by the coordinator's thread for worker 1, one step at a
-    # time; when it died at most one more (its in-flight step, retried elsewhere) was bound.
-    last_before_restart = killed_at.shard_positions[1] + 1
+    assert killed_at.global_step < steps
 
     cluster.start("worker", 1, incarnation=2)
+    # Worker 0 is stopped, so these steps are the replacement's: the step the dead worker held (retried)
+    # and new ones. (At most one push of worker 0 can still have been in flight when it was stopped.)
+    wait_until(
+        lambda: (cluster.global_step() or 0) >= killed_at.global_step + 20,
+        timeout=60, what="the restarted worker to run steps", detail=cluster.logs,
+    )
+    resumed_at = cluster.ps_state(0)
+    cluster.send_signal("worker", 0, signal.SIGCONT)
     result = run_to_completion(cluster, timeout=120)
 
     assert result["global_step"] == steps, result
-    assert result["metrics"]["accuracy"] >= 0.95, result
-    # The dead worker held a step (the chief keeps every worker busy), so at least that one was retried.
+    assert result["steps_this_run"] == steps, result
+    assert result["metrics"]["accuracy"] >= 0.9, result  # training itself survived the failure
+    # The chief keeps every worker busy, so the dead worker held a step: it went back on the queue.
     assert result["retried_steps"] >= 1, result
     states = assert_each_step_applied_once_everywhere(cluster, steps)
     assert_batches_consumed_exactly(states[0], steps, workers=2)
 
     chief_log = cluster.chief_log()
     assert "worker:1 lost (UNAVAILABLE" in chief_log, chief_log[-3000:]
-    # The replacement ran steps: shard 1 advanced past anything the dead process could have been given.
-    assert states[0].shard_positions[1] > last_before_restart, (
-        f"shard 1 stopped at {states[0].shard_positions[1]} (killed at {killed_at.shard_positions[1]}): "
-        f"the restarted worker ran no steps\n{cluster.logs()}"
-    )
+    # Shard 1's positions are handed out only by the coordinator's thread for worker 1, one step at a time:
+    # when the old process died at most one more (its in-flight step) had been bound. Beyond that, shard 1
+    # advanced only through steps given to the new process.
+    assert position(resumed_at, 1) > position(killed_at, 1) + 1, (killed_at, resumed_at)
     # and the process answering at worker 1's address is the new incarnation
     channel = make_channel(cluster.jobs["worker"][1])
     try:
@@ -254,6 +270,9 @@ def test_worker_killed_mid_training_is_replaced_without_losing_or_repeating_a_st
     finally:
         channel.close()
     assert (ping.task, ping.incarnation) == ("worker:1", 2)
-    print(f"retried_steps={result['retried_steps']} killed at global step {killed_at.global_step}, "
-          f"shard 1 at {killed_at.shard_positions[1]} -> {states[0].shard_positions[1]}, "
-          f"duplicates on ps: {[s.duplicate_updates for s in states]}")
+    print(
+        f"retried_steps={result['retried_steps']}; killed at global step {killed_at.global_step}, "
+        f"{resumed_at.global_step - killed_at.global_step} steps by the replacement alone; shard 1 "
+        f"{position(killed_at, 1)} -> {position(states[0], 1)}; "
+        f"duplicate pushes per ps {[s.duplicate_updates for s in states]}"
+    )

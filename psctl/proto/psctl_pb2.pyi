@@ -78,16 +78,20 @@ class OptimizerConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., params: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class InitRequest(_message.Message):
-    __slots__ = ("variables", "optimizer", "cluster_id", "reset")
+    __slots__ = ("variables", "optimizer", "cluster_id", "reset", "replicas_to_aggregate", "distinct_replicas")
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_TO_AGGREGATE_FIELD_NUMBER: _ClassVar[int]
+    DISTINCT_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     variables: _containers.RepeatedCompositeFieldContainer[VariableSpec]
     optimizer: OptimizerConfig
     cluster_id: str
     reset: bool
-    def __init__(self, variables: _Optional[_Iterable[_Union[VariableSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., cluster_id: _Optional[str] = ..., reset: _Optional[bool] = ...) -> None: ...
+    replicas_to_aggregate: int
+    distinct_replicas: bool
+    def __init__(self, variables: _Optional[_Iterable[_Union[VariableSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., cluster_id: _Optional[str] = ..., reset: _Optional[bool] = ..., replicas_to_aggregate: _Optional[int] = ..., distinct_replicas: _Optional[bool] = ...) -> None: ...
 
 class InitResponse(_message.Message):
     __slots__ = ("already_initialized", "global_step")
@@ -177,6 +181,24 @@ class AssignResponse(_message.Message):
     global_step: int
     def __init__(self, global_step: _Optional[int] = ...) -> None: ...
 
+class SyncFlushRequest(_message.Message):
+    __slots__ = ("step", "min_replicas")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    min_replicas: int
+    def __init__(self, step: _Optional[int] = ..., min_replicas: _Optional[int] = ...) -> None: ...
+
+class SyncFlushResponse(_message.Message):
+    __slots__ = ("applied", "replicas", "global_step")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    applied: bool
+    replicas: int
+    global_step: int
+    def __init__(self, applied: _Optional[bool] = ..., replicas: _Optional[int] = ..., global_step: _Optional[int] = ...) -> None: ...
+
 class StateRequest(_message.Message):
     __slots__ = ("include_step_ids",)
     INCLUDE_STEP_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -194,7 +216,7 @@ class VariableInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StateResponse(_message.Message):
-    __slots__ = ("global_step", "variables", "applied_updates", "duplicate_updates", "fenced_updates", "initialized", "applied_step_ids", "shard_positions", "newest_step_id")
+    __slots__ = ("global_step", "variables", "applied_updates", "duplicate_updates", "fenced_updates", "initialized", "applied_step_ids", "shard_positions", "newest_step_id", "sync_gradients_applied", "stale_dropped", "timed_out_steps", "pending_replicas")
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     APPLIED_UPDATES_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +226,10 @@ class StateResponse(_message.Message):
     APPLIED_STEP_IDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     NEWEST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SYNC_GRADIENTS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    STALE_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    TIMED_OUT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     global_step: int
     variables: _containers.RepeatedCompositeFieldContainer[VariableInfo]
     applied_updates: int
@@ -213,7 +239,11 @@ class StateResponse(_message.Message):
     applied_step_ids: _containers.RepeatedScalarFieldContainer[int]
     shard_positions: _containers.RepeatedScalarFieldContainer[int]
     newest_step_id: int
-    def __init__(self, global_step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., applied_updates: _Optional[int] = ..., duplicate_updates: _Optional[int] = ..., fenced_updates: _Optional[int] = ..., initialized: _Optional[bool] = ..., applied_step_ids: _Optional[_Iterable[int]] = ..., shard_positions: _Optional[_Iterable[int]] = ..., newest_step_id: _Optional[int] = ...) -> None: ...
+    sync_gradients_applied: int
+    stale_dropped: int
+    timed_out_steps: int
+    pending_replicas: int
+    def __init__(self, global_step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., applied_updates: _Optional[int] = ..., duplicate_updates: _Optional[int] = ..., fenced_updates: _Optional[int] = ..., initialized: _Optional[bool] = ..., applied_step_ids: _Optional[_Iterable[int]] = ..., shard_positions: _Optional[_Iterable[int]] = ..., newest_step_id: _Optional[int] = ..., sync_gradients_applied: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., timed_out_steps: _Optional[int] = ..., pending_replicas: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "shard", "position", "function")

@@ -75,6 +75,11 @@ class ParameterServerStub:
                 request_serializer=psctl_dot_proto_dot_psctl__pb2.AssignChunk.SerializeToString,
                 response_deserializer=psctl_dot_proto_dot_psctl__pb2.AssignResponse.FromString,
                 _registered_method=True)
+        self.SyncFlush = channel.unary_unary(
+                '/psctl.ParameterServer/SyncFlush',
+                request_serializer=psctl_dot_proto_dot_psctl__pb2.SyncFlushRequest.SerializeToString,
+                response_deserializer=psctl_dot_proto_dot_psctl__pb2.SyncFlushResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -137,6 +142,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SyncFlush(self, request, context):
+        """Synchronous mode: apply the current step short of replicas (replica timeout).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +191,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.AssignStream,
                     request_deserializer=psctl_dot_proto_dot_psctl__pb2.AssignChunk.FromString,
                     response_serializer=psctl_dot_proto_dot_psctl__pb2.AssignResponse.SerializeToString,
+            ),
+            'SyncFlush': grpc.unary_unary_rpc_method_handler(
+                    servicer.SyncFlush,
+                    request_deserializer=psctl_dot_proto_dot_psctl__pb2.SyncFlushRequest.FromString,
+                    response_serializer=psctl_dot_proto_dot_psctl__pb2.SyncFlushResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,6 +415,33 @@ class ParameterServer:
             '/psctl.ParameterServer/AssignStream',
             psctl_dot_proto_dot_psctl__pb2.AssignChunk.SerializeToString,
             psctl_dot_proto_dot_psctl__pb2.AssignResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SyncFlush(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psctl.ParameterServer/SyncFlush',
+            psctl_dot_proto_dot_psctl__pb2.SyncFlushRequest.SerializeToString,
+            psctl_dot_proto_dot_psctl__pb2.SyncFlushResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,7 +17,7 @@ from typing import Any
 from psctl.runtime.checkpoint import Checkpointer, latest_checkpoint, restore_snapshot, take_snapshot
 from psctl.runtime.cluster import ClusterInfo
 from psctl.runtime.config import TrainingConfig
-from psctl.runtime.coordinator import Closure, ClusterCoordinator, PsFailure
+from psctl.runtime.coordinator import Closure, ClusterCoordinator, PsFailure, StepError
 from psctl.runtime.evaluation import evaluate_split
 from psctl.runtime.heartbeat import PROGRESS
 from psctl.runtime.metrics import MetricsFile, TrainingMeter
@@ -57,6 +57,7 @@ class Chief:
         self.result_path = run_dir / "result.json"
         self.start_step = 0
         self._reporting_done = threading.Event()
+        self._advanced = threading.Condition()
         ckpt = cfg.checkpoint or {}
         self.checkpointer = Checkpointer(ckpt) if ckpt.get("dir") else None
         self.ps_wait = 300.0
@@ -83,6 +84,7 @@ class Chief:
             step_timeout=cfg.step_timeout or None,
             on_result=self._on_result,
             on_worker_event=lambda message: log.warning("%s", message),
+            staleness=cfg.staleness if cfg.mode == "bounded" else None,
         )
         reporter = threading.Thread(target=self._report_loop, name="metrics", daemon=True)
         reporter.start()
@@ -124,6 +126,8 @@ class Chief:
             "seconds": round(seconds, 3),
             "retried_steps": coordinator.retries,
             "ps_restores": self.restores,
+            "max_observed_lag": coordinator.max_observed_lag if cfg.mode == "bounded" else None,
+            "sync": self._sync_counters(),
             "metrics": metrics,
             "checkpoint": str(self.checkpointer.latest) if self.checkpointer and self.checkpointer.latest else None,
         }
@@ -141,6 +145,9 @@ class Chief:
 
     def _train(self, coordinator: ClusterCoordinator) -> None:
         """Schedule steps until ps 0's global step reaches the target; checkpoint on the way."""
+        if self.config.mode == "sync":
+            self._train_sync(coordinator)
+            return
         window = 2 * len(self.info.workers) + 2
         remaining = max(0, self.config.steps - self.ps.state(0).global_step)
         for _ in range(remaining):
@@ -152,6 +159,48 @@ class Chief:
                 self._checkpoint()
             coordinator.schedule("train")
         coordinator.join()
+
+    def _train_sync(self, coordinator: ClusterCoordinator) -> None:
+        """One round per global step: schedule max(N, R) steps, wait until every PS applied the step (R fresh
+        gradients averaged), drop the round's unstarted steps. Stragglers' late gradients are stale and
+        dropped by the PS. Missing replicas: after replica_timeout the step proceeds with what arrived if at
+        least min_replicas did, else training fails saying so."""
+        cfg = self.config
+        r = int(cfg.replicas_to_aggregate or len(self.info.workers))
+        n = int(cfg.total_replicas or len(self.info.workers))
+        min_replicas = int(cfg.min_replicas or r)
+        timeout = float(cfg.replica_timeout or 60.0)
+        while not self.stop.is_set():
+            step = self.ps.state(0).global_step
+            if step >= cfg.steps:
+                break
+            if self.checkpointer is not None and self.checkpointer.due(step):
+                self._checkpoint()  # between rounds nothing fresh is in flight: the PS are consistent
+            for _ in range(max(n, r)):
+                coordinator.schedule("train")
+            deadline = time.monotonic() + timeout
+            while True:
+                with self._advanced:  # wake on the result that advanced ps 0 (no missed notification)
+                    self._advanced.wait_for(lambda s=step: self.meter.global_step > s, timeout=0.5)
+                coordinator.check()  # raises a non-retryable error, or PsFailure
+                if self.meter.global_step > step and min(self.ps.global_steps()) > step:
+                    break
+                if time.monotonic() > deadline:
+                    self._flush_short_step(step, r, min_replicas, timeout)
+                    break
+            coordinator.drop_queued()
+
+    def _flush_short_step(self, step: int, r: int, min_replicas: int, timeout: float) -> None:
+        replies = self.ps.sync_flush(step, min_replicas)
+        arrived = min(reply.replicas for reply in replies)
+        if not all(reply.applied for reply in replies):
+            raise StepError(
+                "chief",
+                f"synchronous step {step}: only {arrived} of {r} replicas arrived within {timeout:.0f}s "
+                f"(min_replicas {min_replicas}); lower training.min_replicas or raise training.replica_timeout, "
+                "and check the workers' logs",
+            )
+        log.warning("step %d proceeded with %d of %d replicas after %.0fs", step, arrived, r, timeout)
 
     def _checkpoint(self) -> None:
         """Snapshot with nothing in flight (consistent), then write in the background."""
@@ -165,7 +214,11 @@ class Chief:
         all from the latest valid checkpoint, else start all from their initializers."""
         cfg = self.config
         specs = self.model.shard_specs(cfg.seed)
-        replies = self.ps.init(specs, cfg.optimizer_proto(), self.info.cluster_id)
+        sync = dict(
+            replicas_to_aggregate=int(cfg.replicas_to_aggregate or len(self.info.workers)) if cfg.mode == "sync" else 0,
+            distinct_replicas=bool(cfg.distinct_replicas),
+        )
+        replies = self.ps.init(specs, cfg.optimizer_proto(), self.info.cluster_id, **sync)
         kept = [r.already_initialized for r in replies]
         if all(kept):
             log.info("every ps holds the variables: resuming at global step %d", replies[0].global_step)
@@ -177,13 +230,25 @@ class Chief:
             self.restores += any(kept)
             log.info("restored %s (global step %d)", path, snapshot.global_step)
         elif any(kept):
-            self.ps.init(specs, cfg.optimizer_proto(), self.info.cluster_id, reset=True)
+            self.ps.init(specs, cfg.optimizer_proto(), self.info.cluster_id, reset=True, **sync)
             self.restores += 1
             log.warning("no checkpoint to restore: every ps starts again from its initializers")
 
+    def _sync_counters(self) -> dict[str, int] | None:
+        if self.config.mode != "sync":
+            return None
+        states = [self.ps.state(i) for i in range(len(self.info.ps))]
+        return {
+            "gradients_applied": states[0].sync_gradients_applied,
+            "stale_dropped": states[0].stale_dropped,
+            "timed_out_steps": states[0].timed_out_steps,
+        }
+
     def _on_result(self, closure: Closure, response: Any, worker: int) -> None:
         if closure.function == "train":
-            self.meter.record(loss=response.loss, examples=response.examples, global_step=response.global_step)
+            with self._advanced:
+                self.meter.record(loss=response.loss, examples=response.examples, global_step=response.global_step)
+                self._advanced.notify_all()
 
     def _report(self, *, final: bool = False) -> None:
         report = self.meter.report()

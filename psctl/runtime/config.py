@@ -24,6 +24,11 @@ class TrainingConfig:
     replicas_to_aggregate: int | None = None
     total_replicas: int | None = None
     staleness: int | None = None
+    #: Synchronous mode: seconds to wait for missing replicas, the fewest a step may proceed with after
+    #: that, and whether distinct replicas (not gradients) count towards replicas_to_aggregate.
+    replica_timeout: float | None = None
+    min_replicas: int | None = None
+    distinct_replicas: bool | None = None
     steps: int = 1000
     seed: int = 0
     partitioner: dict[str, Any] | None = None

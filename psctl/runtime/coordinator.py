@@ -125,6 +125,7 @@ class ClusterCoordinator:
         probe_interval: float = 0.5,
         on_result: ResultCallback | None = None,
         on_worker_event: Callable[[str], None] | None = None,
+        staleness: int | None = None,
     ) -> None:
         self.workers = [WorkerState(i, a) for i, a in enumerate(workers)]
         self._channels = [make_channel(a, tls) for a in workers]
@@ -138,6 +139,10 @@ class ClusterCoordinator:
         self.on_result = on_result
         self.on_worker_event = on_worker_event or (lambda message: log.warning("%s", message))
         self.retries = 0
+        #: Bounded staleness: a worker may start a step only while it is at most this many steps ahead of
+        #: the slowest live worker (None: no bound).
+        self.staleness = staleness
+        self.max_observed_lag = 0
         self._queue: collections.deque[Closure] = collections.deque()
         self._inflight = 0
         self._error: BaseException | None = None
@@ -184,6 +189,12 @@ class ClusterCoordinator:
                     raise TimeoutError(f"{len(self._queue)} queued and {self._inflight} running steps remain")
                 self._cond.wait(timeout=0.5 if remaining is None else min(0.5, remaining))
             self._raise_error()
+
+    def check(self) -> None:
+        """Raise a pending non-retryable error, or PsFailure once a lost PS has paused everything."""
+        with self._cond:
+            self._raise_error()
+            self._raise_ps_failure()
 
     def pending(self) -> int:
         with self._cond:
@@ -245,12 +256,29 @@ class ClusterCoordinator:
             self._queue.popleft().remote._fail(CancelledError("cancelled, please reschedule"))
         self._cond.notify_all()
 
-    def _take(self) -> Closure | None:
+    def drop_queued(self) -> int:
+        """Cancel closures not yet started (a synchronous step finished without them)."""
         with self._cond:
-            while (not self._queue or self.ps_failed.is_set()) and not self._stopping.is_set():
+            dropped = len(self._queue)
+            while self._queue:
+                self._queue.popleft().remote._fail(CancelledError("not needed: its step finished without it"))
+            self._cond.notify_all()
+            return dropped
+
+    def _lag(self, worker: WorkerState) -> int:
+        alive = [w.steps for w in self.workers if w.alive]
+        return worker.steps - min(alive, default=worker.steps)
+
+    def _take(self, worker: WorkerState) -> Closure | None:
+        with self._cond:
+            while not self._stopping.is_set():
+                blocked = self.staleness is not None and self._lag(worker) > self.staleness
+                if self._queue and not self.ps_failed.is_set() and not blocked:
+                    break
                 self._cond.wait(timeout=0.5)
             if self._stopping.is_set():
                 return None
+            self.max_observed_lag = max(self.max_observed_lag, self._lag(worker))
             self._inflight += 1
             return self._queue.popleft()
 
@@ -301,7 +329,7 @@ class ClusterCoordinator:
                 if not self._stopping.is_set():
                     self.on_worker_event(f"worker:{worker.index} did not come back within {self.worker_wait:.0f}s")
                 return
-            closure = self._take()
+            closure = self._take(worker)
             if closure is None:
                 return
             if closure.function == "train" and closure.shard is None:
@@ -322,7 +350,9 @@ class ClusterCoordinator:
             except grpc.RpcError as exc:
                 self._on_rpc_error(worker, closure, exc)
                 continue
-            worker.steps += 1
+            with self._cond:
+                worker.steps += 1
+                self._cond.notify_all()  # a slow worker's progress may unblock workers held by the bound
             if self.on_result is not None:
                 self.on_result(closure, response, worker.index)
             closure.remote._set(response)

@@ -9,6 +9,7 @@ an update, as TensorFlow's does); updates to one shard are serialised by that sh
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import numpy as np
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime import wire
+from psctl.runtime.accumulator import StepAccumulator
 from psctl.runtime.initializers import initialize
 from psctl.runtime.optimizers import Optimizer, make_optimizer
 from psctl.runtime.wire import DENSE, IDS, ROWS, SLOT, Entry, WireError
@@ -52,6 +54,7 @@ class Shard:
 class PushOutcome:
     applied: bool
     global_step: int
+    stale: bool = False
 
 
 def _spec_key(spec: pb.VariableSpec) -> tuple[object, ...]:
@@ -67,7 +70,7 @@ class VariableStore:
         self._optimizer: Optimizer | None = None
         self._lock = threading.Lock()  # guards step ids, counters, incarnations, init
         self._applied: set[int] = set()
-        self._applied_log: list[int] = []
+        self._applied_log: collections.deque[int] = collections.deque(maxlen=DEDUPE_WINDOW)
         self._newest_step = 0
         self._incarnations: dict[str, int] = {}
         self.global_step = 0
@@ -75,13 +78,26 @@ class VariableStore:
         self.applied_updates = 0
         self.duplicate_updates = 0
         self.fenced_updates = 0
+        #: Synchronous mode (None: asynchronous, every push applied as it comes).
+        self._sync: StepAccumulator | None = None
+        self.sync_gradients_applied = 0
+        self.stale_dropped = 0
+        self.timed_out_steps = 0
 
     # -- set-up ---------------------------------------------------------------------------------------
     @property
     def initialized(self) -> bool:
         return self._optimizer is not None
 
-    def init(self, specs: Sequence[pb.VariableSpec], optimizer: pb.OptimizerConfig, *, reset: bool = False) -> bool:
+    def init(
+        self,
+        specs: Sequence[pb.VariableSpec],
+        optimizer: pb.OptimizerConfig,
+        *,
+        reset: bool = False,
+        replicas_to_aggregate: int = 0,
+        distinct_replicas: bool = False,
+    ) -> bool:
         """Create the shards; True if exactly these already existed (a restarted chief).
 
         ``reset`` re-creates them from their initializers and zeroes the global step (recovery without a
@@ -113,6 +129,8 @@ class VariableStore:
             if reset:
                 self.global_step = 0
                 self.shard_positions = {}
+            self._sync = StepAccumulator(replicas_to_aggregate, distinct_replicas, step=self.global_step) \
+                if replicas_to_aggregate > 0 else None
             return False
 
     def _shard(self, name: str) -> Shard:
@@ -161,13 +179,9 @@ class VariableStore:
             if step in self._applied or step <= self._newest_step - DEDUPE_WINDOW:
                 self.duplicate_updates += 1
                 return PushOutcome(False, self.global_step)
-            self._applied.add(step)
-            self._applied_log.append(step)
-            if step > self._newest_step:
-                self._newest_step = step
-                floor = step - DEDUPE_WINDOW
-                if len(self._applied) > 2 * DEDUPE_WINDOW:
-                    self._applied = {s for s in self._applied if s > floor}
+            if self._sync is not None:
+                return self._push_sync(request, step, updates)
+            self._record_applied(step)
         assert self._optimizer is not None
         for shard, rows, grad in updates:
             with shard.lock:
@@ -183,6 +197,65 @@ class VariableStore:
                 prev = self.shard_positions.get(request.shard, -1)
                 self.shard_positions[request.shard] = max(prev, int(request.position))
             return PushOutcome(True, self.global_step)
+
+    def _push_sync(self, request: pb.PushRequest, step_id: int, updates: list) -> PushOutcome:  # type: ignore[type-arg]
+        """Accumulate a fresh gradient; apply the average once enough arrived (caller holds the lock)."""
+        acc = self._sync
+        assert acc is not None and self._optimizer is not None
+        if request.local_step < acc.step:
+            self.stale_dropped += 1
+            return PushOutcome(False, self.global_step, stale=True)
+        if request.local_step > acc.step:
+            raise WireError(f"gradient for step {request.local_step}, but this PS is at step {acc.step}")
+        self._record_applied(step_id)
+        acc.add(request.task, updates)
+        if request.position >= 0 and request.shard >= 0:
+            self.shard_positions[request.shard] = max(self.shard_positions.get(request.shard, -1),
+                                                      int(request.position))
+        if acc.ready():
+            self._apply_sync()
+        return PushOutcome(True, self.global_step)
+
+    def _apply_sync(self, *, timed_out: bool = False) -> None:
+        acc = self._sync
+        assert acc is not None and self._optimizer is not None
+        for shard, rows, grad in acc.averaged():
+            with shard.lock:
+                if rows is None:
+                    self._optimizer.apply_dense(shard.value, grad, shard.slots)
+                else:
+                    self._optimizer.apply_sparse(shard.value, rows, grad, shard.slots)
+        self.sync_gradients_applied += acc.gradients
+        self.applied_updates += 1
+        self.timed_out_steps += int(timed_out)
+        self.global_step += 1
+        acc.reset(self.global_step)
+
+    def sync_flush(self, step: int, min_replicas: int) -> tuple[bool, int]:
+        """Apply ``step`` with what arrived if at least ``min_replicas`` did (replica timeout)."""
+        with self._lock:
+            acc = self._sync
+            if acc is None:
+                raise WireError("this PS trains asynchronously: there is nothing to flush")
+            if step < acc.step:
+                return True, 0
+            if step > acc.step:
+                raise WireError(f"step {step} has not started here (this PS is at step {acc.step})")
+            arrived = acc.count()
+            if arrived >= max(1, min_replicas):
+                self._apply_sync(timed_out=True)
+                return True, arrived
+            return False, arrived
+
+    def _record_applied(self, step: int) -> None:
+        """Remember an applied step id (caller holds the lock); memory stays bounded by the window."""
+        self._applied.add(step)
+        self._applied_log.append(step)
+        if step > self._newest_step:
+            self._newest_step = step
+            if len(self._applied) > 2 * DEDUPE_WINDOW:
+                floor = step - DEDUPE_WINDOW
+                self._applied = {s for s in self._applied if s > floor}
 
     def _validate_update(
         self, entries: Sequence[Entry]
@@ -249,6 +322,8 @@ class VariableStore:
                         shard.slots[slot][...] = array
             self.global_step = int(global_step)
             self.shard_positions = {i: int(p) for i, p in enumerate(positions) if p >= 0}
+            if self._sync is not None:
+                self._sync.reset(self.global_step)
 
     # -- inspection -----------------------------------------------------------------------------------
     def state(self, *, include_step_ids: bool = False) -> pb.StateResponse:
@@ -267,6 +342,10 @@ class VariableStore:
                 applied_step_ids=list(self._applied_log) if include_step_ids else [],
                 shard_positions=positions,
                 newest_step_id=self._newest_step,
+                sync_gradients_applied=self.sync_gradients_applied,
+                stale_dropped=self.stale_dropped,
+                timed_out_steps=self.timed_out_steps,
+                pending_replicas=self._sync.count() if self._sync is not None else 0,
             )
 
 
@@ -312,7 +391,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 f"this PS belongs to cluster {self.store.cluster_id!r}, not {request.cluster_id!r}",
             )
         try:
-            already = self.store.init(list(request.variables), request.optimizer, reset=request.reset)
+            already = self.store.init(
+                list(request.variables),
+                request.optimizer,
+                reset=request.reset,
+                replicas_to_aggregate=request.replicas_to_aggregate,
+                distinct_replicas=request.distinct_replicas,
+            )
         except ValueError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION if "already" in str(exc) else
                           grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -346,7 +431,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         except (ValueError, FencedError, NotInitializedError) as exc:
             self._abort(context, exc)
             raise
-        return pb.PushResponse(applied=outcome.applied, global_step=outcome.global_step)
+        return pb.PushResponse(applied=outcome.applied, global_step=outcome.global_step, stale=outcome.stale)
 
     def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushResponse:
         try:
@@ -411,6 +496,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             self._abort(context, exc)
             raise
         return self._assign(header, entries, context)
+
+    def SyncFlush(self, request: pb.SyncFlushRequest, context: grpc.ServicerContext) -> pb.SyncFlushResponse:
+        try:
+            applied, arrived = self.store.sync_flush(request.step, request.min_replicas)
+        except ValueError as exc:
+            self._abort(context, exc)
+            raise
+        return pb.SyncFlushResponse(applied=applied, replicas=arrived, global_step=self.store.global_step)
 
     def GetState(self, request: pb.StateRequest, context: grpc.ServicerContext) -> pb.StateResponse:
         return self.store.state(include_step_ids=request.include_step_ids)

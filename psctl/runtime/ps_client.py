@@ -32,7 +32,8 @@ class PushHeader:
     step_id: int
     task: str
     incarnation: int
-    local_step: int = 0
+    #: Each PS's global step when this step's parameters were pulled from it (synchronous modes).
+    local_steps: Mapping[int, int] | None = None
     shard: int = -1
     position: int = -1
 
@@ -71,10 +72,20 @@ class PsClient:
         include_slots: bool = False,
     ) -> tuple[dict[int, list[Entry]], int]:
         """Pull from every PS in the plan in parallel; returns entries per PS and ps 0's global step."""
+        entries, steps = self.pull_with_steps(plan, expected_bytes, include_slots=include_slots)
+        return entries, steps.get(0, 0)
+
+    def pull_with_steps(
+        self,
+        plan: Mapping[int, Sequence[Entry]],
+        expected_bytes: Mapping[int, int] | None = None,
+        *,
+        include_slots: bool = False,
+    ) -> tuple[dict[int, list[Entry]], dict[int, int]]:
+        """Like pull, returning every PS's own global step at the time it answered."""
         calls: dict[int, Future] = {}
-        for ps, entries in plan.items():
-            if not entries and ps != 0:
-                continue
+        for ps in range(len(self.stubs)):
+            entries = plan.get(ps, [])
             request = pb.PullRequest(include_slots=include_slots)
             wire.add_entries(request.entries, entries)
             if include_slots or (expected_bytes or {}).get(ps, 0) > wire.UNARY_MAX_BYTES:
@@ -82,7 +93,7 @@ class PsClient:
             else:
                 calls[ps] = self.stubs[ps].Pull.future(request, timeout=self.timeout)
         out: dict[int, list[Entry]] = {}
-        global_step = 0
+        steps: dict[int, int] = {}
         for ps, call in calls.items():
             try:
                 result = call.result()
@@ -93,9 +104,8 @@ class PsClient:
             else:
                 entries, step = wire.decode_entries(result.entries), result.global_step
             out[ps] = entries
-            if ps == 0:
-                global_step = step
-        return out, global_step
+            steps[ps] = step
+        return out, steps
 
     def _pull_stream(self, ps: int, request: pb.PullRequest) -> tuple[list[Entry], int]:
         assembler = wire.Assembler()
@@ -123,7 +133,7 @@ class PsClient:
                 step_id=header.step_id,
                 task=header.task,
                 incarnation=header.incarnation,
-                local_step=header.local_step,
+                local_step=(header.local_steps or {}).get(ps, 0),
                 increment_global_step=ps == increment_on,
                 shard=header.shard,
                 position=header.position,
@@ -173,11 +183,13 @@ class PsClient:
 
     # -- control --------------------------------------------------------------------------------------
     def init(self, specs: Mapping[int, Sequence[pb.VariableSpec]], optimizer: pb.OptimizerConfig,
-             cluster_id: str, *, reset: bool = False) -> list[pb.InitResponse]:
+             cluster_id: str, *, reset: bool = False, replicas_to_aggregate: int = 0,
+             distinct_replicas: bool = False) -> list[pb.InitResponse]:
         calls = [
             self.stubs[ps].Init.future(
                 pb.InitRequest(
-                    variables=list(specs.get(ps, [])), optimizer=optimizer, cluster_id=cluster_id, reset=reset
+                    variables=list(specs.get(ps, [])), optimizer=optimizer, cluster_id=cluster_id, reset=reset,
+                    replicas_to_aggregate=replicas_to_aggregate, distinct_replicas=distinct_replicas,
                 ),
                 timeout=self.timeout,
             )
@@ -198,6 +210,20 @@ class PsClient:
             )
         except grpc.RpcError as exc:
             raise self._wrap(ps, exc) from None
+
+    def sync_flush(self, step: int, min_replicas: int) -> list[pb.SyncFlushResponse]:
+        """Ask every PS to apply ``step`` with the gradients that arrived (replica timeout)."""
+        out = []
+        for ps, stub in enumerate(self.stubs):
+            try:
+                out.append(stub.SyncFlush(pb.SyncFlushRequest(step=step, min_replicas=min_replicas),
+                                          timeout=self.timeout))
+            except grpc.RpcError as exc:
+                raise self._wrap(ps, exc) from None
+        return out
+
+    def global_steps(self) -> list[int]:
+        return [self.state(ps).global_step for ps in range(len(self.stubs))]
 
     def wait_ready(self, timeout: float) -> None:
         """Block until every PS channel is connected (roles start in any order)."""

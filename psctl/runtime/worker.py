@@ -101,7 +101,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         batch = self.dataset("train", request.shard).batch(request.position, self.batch_size)
         ids = program.embedding_ids(batch)
         plan = self.model.pull_plan(ids)
-        pulled, global_step = self.ps.pull(plan, self.model.pull_bytes(plan))
+        pulled, steps = self.ps.pull_with_steps(plan, self.model.pull_bytes(plan))
         params = self.model.assemble(ids, pulled)
         compute_start = time.perf_counter()
         loss, grads = program.loss_and_grads(params, batch)
@@ -110,7 +110,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             step_id=request.step_id,
             task=self.task,
             incarnation=self.incarnation,
-            local_step=global_step,
+            local_steps=steps,
             shard=request.shard,
             position=request.position,
         )

@@ -22,7 +22,8 @@ from psctl.spec.loader import KeyPath
 TRAINING_KEYS = (
     "program", "args", "data", "batch_size", "optimizer", "mode", "replicas_to_aggregate",
     "total_replicas", "staleness", "steps", "seed", "partitioner", "checkpoint",
-    "log_every_seconds", "eval_every_steps", "max_evaluations",
+    "log_every_seconds", "eval_every_steps", "max_evaluations", "replica_timeout", "min_replicas",
+    "distinct_replicas",
 )  # fmt: skip
 MODES = ("async", "sync", "bounded")
 #: Each optimizer's parameters besides learning_rate (the runtime's make_optimizer accepts exactly these).
@@ -62,7 +63,9 @@ def normalise_training(c: Checker, value: object, *, base_dir: Path, worker_repl
     out["optimizer"] = _optimizer(c, t.get("optimizer"))
     mode = c.choice((*T, "mode"), t.get("mode", "async"), MODES, noun="mode")
     out["mode"] = mode
-    for key, wanted in (("replicas_to_aggregate", "sync"), ("total_replicas", "sync"), ("staleness", "bounded")):
+    mode_keys = (("replicas_to_aggregate", "sync"), ("total_replicas", "sync"), ("staleness", "bounded"),
+                 ("replica_timeout", "sync"), ("min_replicas", "sync"), ("distinct_replicas", "sync"))
+    for key, wanted in mode_keys:
         if key in t and mode != wanted:
             c.fail(
                 (*T, key),
@@ -73,6 +76,20 @@ def normalise_training(c: Checker, value: object, *, base_dir: Path, worker_repl
     sync = mode == "sync"
     out["replicas_to_aggregate"] = _int(c, t, "replicas_to_aggregate", worker_replicas, minimum=1) if sync else None
     out["total_replicas"] = _int(c, t, "total_replicas", worker_replicas, minimum=1) if sync else None
+    # Never a silent hang: replicas missing for replica_timeout either shrink the step (down to min_replicas)
+    # or fail training with a message that says so.
+    out["replica_timeout"] = c.duration((*T, "replica_timeout"), t.get("replica_timeout", 60.0)) if sync else None
+    out["min_replicas"] = None
+    if sync:
+        r = out["replicas_to_aggregate"]
+        out["min_replicas"] = _int(c, t, "min_replicas", r, minimum=1, example=str(r))
+        if out["min_replicas"] > r:
+            c.fail((*T, "min_replicas"), f"{out['min_replicas']} is more than replicas_to_aggregate ({r})",
+                   f"use at most {r}")
+    out["distinct_replicas"] = (
+        c.boolean((*T, "distinct_replicas"), t.get("distinct_replicas", False), fix="write true or false")
+        if sync else None
+    )
     if mode == "bounded" and "staleness" not in t:
         c.fail(
             (*T, "mode"),

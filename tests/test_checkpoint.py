@@ -1,0 +1,557 @@
+"""Checkpoints: the files (atomic, checksummed, never overwritten, pruned), and restoring them into parameter
+servers with another number of ps and another partitioning, optimizer slots included.
+
+The restore tests run real PS servers (VariableStore behind gRPC on loopback, in this process) and push real
+gradients of a real program through PsClient, so the optimizer slots being checkpointed are the ones training
+produces.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from psctl.proto import psctl_pb2 as pb
+from psctl.proto import psctl_pb2_grpc as pb_grpc
+from psctl.runtime.checkpoint import (
+    PREFIX,
+    Checkpointer,
+    CheckpointError,
+    Snapshot,
+    checkpoint_path,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    prune,
+    restore_snapshot,
+    take_snapshot,
+    verify_checkpoint,
+    write_checkpoint,
+)
+from psctl.runtime.model import ShardedModel
+from psctl.runtime.program import Program, ProgramRef, load_program
+from psctl.runtime.ps import ParameterServerServicer, VariableStore
+from psctl.runtime.ps_client import PsClient, PushHeader
+from psctl.runtime.rpc import make_server
+from psctl.runtime.wire import DENSE, SLOT, Entry
+
+CLUSTER = "ckpt-test"
+
+
+# -- checkpoint files -----------------------------------------------------------------------------------------
+def sample_snapshot(step: int, *, scale: float = 1.0) -> Snapshot:
+    """Variables of several dtypes and ranks (a 0-d one included) and optimizer slots (0-d ``t`` included)."""
+    rng = np.random.default_rng(step)
+    kernel = (rng.standard_normal((5, 3)) * scale).astype(np.float32)
+    return Snapshot(
+        global_step=step,
+        shard_positions=[step // 2, -1, step // 3],
+        variables={
+            "dense/kernel": kernel,
+            "dense/bias": rng.standard_normal(3).astype(np.float64),
+            "scalar": np.asarray(rng.standard_normal(), dtype=np.float32),
+        },
+        slots={
+            "dense/kernel": {
+                "m": rng.standard_normal((5, 3)).astype(np.float32),
+                "v": rng.random((5, 3)).astype(np.float32),
+                "t": np.asarray(step + 7, dtype=np.int64),
+            },
+            "dense/bias": {"accum": rng.random(3).astype(np.float64)},
+            "scalar": {"t": np.asarray(3, dtype=np.int64)},
+        },
+        meta={"optimizer": {"name": "adam", "learning_rate": 0.01}, "program": "psctl.models.mlp"},
+    )
+
+
+def assert_snapshots_equal(got: Snapshot, want: Snapshot) -> None:
+    """Exactly equal: same names, dtypes, shapes (0-d stays 0-d) and values; same step and positions."""
+    assert got.global_step == want.global_step
+    assert list(got.shard_positions) == list(want.shard_positions)
+    assert sorted(got.variables) == sorted(want.variables)
+    for name, value in want.variables.items():
+        assert got.variables[name].dtype == value.dtype, name
+        assert got.variables[name].shape == value.shape, name
+        assert np.array_equal(got.variables[name], value), name
+    assert sorted(k for k, v in got.slots.items() if v) == sorted(k for k, v in want.slots.items() if v)
+    for name, slots in want.slots.items():
+        assert sorted(got.slots.get(name, {})) == sorted(slots), name
+        for slot, value in slots.items():
+            mine = got.slots[name][slot]
+            assert mine.dtype == value.dtype, f"{name}#{slot}"
+            assert mine.shape == value.shape, f"{name}#{slot}"
+            assert np.array_equal(mine, value), f"{name}#{slot}"
+
+
+def leftover_temporaries(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith(".tmp-"))
+
+
+def test_write_and_load_round_trip(tmp_path: Path) -> None:
+    snapshot = sample_snapshot(1234)
+    path = write_checkpoint(tmp_path / "ckpts", snapshot)
+
+    assert path == tmp_path / "ckpts" / f"{PREFIX}000000001234"
+    assert path == checkpoint_path(tmp_path / "ckpts", 1234)
+    assert sorted(p.name for p in path.iterdir()) == ["arrays.npz", "manifest.json", "state.json"]
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["global_step"] == 1234
+    assert sorted(manifest["files"]) == ["arrays.npz", "state.json"]
+    for name, info in manifest["files"].items():
+        assert info["bytes"] == (path / name).stat().st_size
+        assert len(info["sha256"]) == 64
+    verify_checkpoint(path)
+    assert leftover_temporaries(tmp_path / "ckpts") == []
+
+    loaded = load_checkpoint(path)
+    assert_snapshots_equal(loaded, snapshot)
+    assert loaded.slots["dense/kernel"]["t"].ndim == 0
+    assert loaded.slots["scalar"]["t"].ndim == 0
+    assert loaded.variables["scalar"].ndim == 0
+    assert loaded.meta["optimizer"] == snapshot.meta["optimizer"]
+    assert loaded.meta["program"] == "psctl.models.mlp"
+    assert list_checkpoints(tmp_path / "ckpts") == [path]
+    found = latest_checkpoint(tmp_path / "ckpts")
+    assert found is not None and found[0] == path
+
+
+def test_a_second_write_at_the_same_step_does_not_overwrite(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpts"
+    first = write_checkpoint(directory, sample_snapshot(50))
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in first.iterdir()}
+    folder_mtime = first.stat().st_mtime_ns
+
+    other = sample_snapshot(50, scale=100.0)  # same global step, different values
+    assert not np.array_equal(other.variables["dense/kernel"], sample_snapshot(50).variables["dense/kernel"])
+    again = write_checkpoint(directory, other)
+
+    assert again == first
+    assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in first.iterdir()} == before
+    assert first.stat().st_mtime_ns == folder_mtime
+    assert_snapshots_equal(load_checkpoint(first), sample_snapshot(50))
+    assert list_checkpoints(directory) == [first]
+    assert leftover_temporaries(directory) == []
+
+
+def _truncate(path: Path) -> None:
+    data = (path / "arrays.npz").read_bytes()
+    (path / "arrays.npz").write_bytes(data[: len(data) // 2])
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray((path / "arrays.npz").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (path / "arrays.npz").write_bytes(bytes(data))
+
+
+def _drop_manifest(path: Path) -> None:
+    (path / "manifest.json").unlink()  # a crash after the data but before the manifest
+
+
+@pytest.mark.parametrize(
+    "corrupt", [_truncate, _flip_byte, _drop_manifest], ids=["truncated", "flipped", "no-manifest"]
+)
+def test_latest_skips_a_corrupt_newest_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, corrupt: Callable[[Path], None]
+) -> None:
+    directory = tmp_path / "ckpts"
+    older = write_checkpoint(directory, sample_snapshot(100))
+    newest = write_checkpoint(directory, sample_snapshot(200))
+    size = (newest / "arrays.npz").stat().st_size
+    corrupt(newest)
+    if corrupt is _flip_byte:
+        assert (newest / "arrays.npz").stat().st_size == size  # only the checksum can tell
+
+    with pytest.raises(CheckpointError):
+        verify_checkpoint(newest)
+    with pytest.raises(CheckpointError):
+        load_checkpoint(newest)
+    with caplog.at_level(logging.WARNING, logger="psctl.checkpoint"):
+        found = latest_checkpoint(directory)
+
+    assert found is not None
+    path, snapshot = found
+    assert path == older
+    assert_snapshots_equal(snapshot, sample_snapshot(100))
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "psctl.checkpoint"]
+    assert len(warnings) == 1, caplog.text
+    assert newest.name in warnings[0].getMessage()
+    assert "skipping" in warnings[0].getMessage()
+
+
+def test_latest_is_none_when_every_checkpoint_is_corrupt_and_ignores_temporaries(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    directory = tmp_path / "ckpts"
+    assert latest_checkpoint(directory) is None  # no folder at all
+    only = write_checkpoint(directory, sample_snapshot(10))
+    # a writer that crashed mid-write leaves its temporary folder: never listed, never loaded
+    crashed = directory / f".tmp-{PREFIX}000000000020-999-1"
+    crashed.mkdir()
+    (crashed / "arrays.npz").write_bytes(b"partial")
+    assert list_checkpoints(directory) == [only]
+    found = latest_checkpoint(directory)
+    assert found is not None and found[0] == only
+
+    _truncate(only)
+    with caplog.at_level(logging.WARNING, logger="psctl.checkpoint"):
+        assert latest_checkpoint(directory) is None
+    assert only.name in caplog.text
+
+
+def test_prune_keeps_the_newest(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpts"
+    paths = [write_checkpoint(directory, sample_snapshot(step)) for step in (5, 10, 15, 20, 25)]
+
+    assert prune(directory, max_to_keep=None) == []
+    assert prune(directory, max_to_keep=5) == []
+    assert list_checkpoints(directory) == paths
+
+    removed = prune(directory, max_to_keep=2)
+    assert removed == paths[:3]
+    assert list_checkpoints(directory) == paths[3:]
+    assert all(not p.exists() for p in paths[:3])
+    assert latest_checkpoint(directory) is not None
+    assert_snapshots_equal(load_checkpoint(paths[4]), sample_snapshot(25))
+
+
+def test_prune_keeps_one_checkpoint_every_keep_every_hours(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpts"
+    hours = {1: 0.0, 2: 0.5, 3: 1.1, 4: 1.2, 5: 1.3}
+    paths = {}
+    for step, at in hours.items():
+        snapshot = sample_snapshot(step)
+        snapshot.meta = {"time": 1_000_000.0 + at * 3600}  # the save time state.json records
+        paths[step] = write_checkpoint(directory, snapshot)
+    removed = prune(directory, max_to_keep=1, keep_every_hours=1.0)
+    # kept: the first, the first at least an hour after it, and the newest
+    assert removed == [paths[2], paths[4]]
+    assert list_checkpoints(directory) == [paths[1], paths[3], paths[5]]
+
+
+def test_checkpointer_saves_when_due_in_the_background_and_prunes(tmp_path: Path) -> None:
+    now = [0.0]
+    ckpt = Checkpointer({"dir": str(tmp_path / "ckpts"), "every_steps": 10, "every_seconds": 30.0, "max_to_keep": 2},
+                        get_time=lambda: now[0])
+    assert not ckpt.due(9)
+    assert ckpt.due(10)
+    for step in (10, 20, 30):
+        ckpt.save_async(sample_snapshot(step))
+    ckpt.wait()
+    assert ckpt.saved == 3
+    assert ckpt.latest == checkpoint_path(tmp_path / "ckpts", 30)
+    assert [p.name for p in list_checkpoints(tmp_path / "ckpts")] == [f"{PREFIX}000000000020", f"{PREFIX}000000000030"]
+    assert not ckpt.due(39)
+    assert ckpt.due(40)
+    now[0] = 31.0  # every_seconds elapsed since the last save: due whatever the step
+    assert ckpt.due(31)
+
+
+# -- restoring into real parameter servers ------------------------------------------------------------------
+@dataclass
+class PsGroup:
+    stores: list[VariableStore]
+    client: PsClient
+
+
+class PsServers:
+    """In-process PS servers on loopback; every one started is stopped by the fixture."""
+
+    def __init__(self) -> None:
+        self.servers: list[grpc.Server] = []
+        self.clients: list[PsClient] = []
+
+    def start(self, count: int) -> PsGroup:
+        stores, addresses = [], []
+        for _ in range(count):
+            store = VariableStore(cluster_id=CLUSTER)
+            server, port = make_server("127.0.0.1:0")
+            pb_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(store), server)
+            server.start()
+            self.servers.append(server)
+            stores.append(store)
+            addresses.append(f"127.0.0.1:{port}")
+        client = PsClient(addresses, timeout=30)
+        self.clients.append(client)
+        return PsGroup(stores, client)
+
+    def stop(self) -> None:
+        for client in self.clients:
+            client.close()
+        for server in self.servers:
+            server.stop(grace=None).wait()
+
+
+@pytest.fixture
+def ps_servers() -> Iterator[PsServers]:
+    servers = PsServers()
+    try:
+        yield servers
+    finally:
+        servers.stop()
+
+
+ADAM = pb.OptimizerConfig(name="adam", learning_rate=0.05)
+ADAGRAD = pb.OptimizerConfig(name="adagrad", learning_rate=0.1)
+SEED = 3
+
+
+@pytest.fixture(scope="module")
+def program() -> Program:
+    """A sparse embedding table (50 rows) plus dense head variables, on small synthetic id data."""
+    data = {"name": "synthetic_embedding", "num_examples": 400, "vocab_size": 50, "ids_per_example": 4}
+    return load_program(ProgramRef("psctl.models.wide_embedding", {"dim": 4}, data, SEED))
+
+
+def make_model(program: Program, num_ps: int, partitioner: dict[str, Any] | None) -> ShardedModel:
+    return ShardedModel(program, num_ps, partitioner)
+
+
+def init_group(group: PsGroup, model: ShardedModel, optimizer: pb.OptimizerConfig) -> None:
+    replies = group.client.init(model.shard_specs(SEED), optimizer, CLUSTER)
+    assert not any(r.already_initialized for r in replies)
+
+
+def train_steps(group: PsGroup, model: ShardedModel, steps: int, *, num_shards: int = 2, batch: int = 16) -> None:
+    """What workers do: pull the rows a batch needs, compute real gradients, push them (sparse and dense)."""
+    program = model.program
+    for step in range(steps):
+        shard = step % num_shards
+        position = step // num_shards
+        data = program.dataset("train", shard, num_shards).batch(position, batch)
+        ids = program.embedding_ids(data)
+        plan = model.pull_plan(ids)
+        pulled, _ = group.client.pull(plan, model.pull_bytes(plan))
+        _loss, grads = program.loss_and_grads(model.assemble(ids, pulled), data)
+        header = PushHeader(step_id=step + 1, task=f"worker:{shard}", incarnation=1, shard=shard, position=position)
+        responses = group.client.push(header, model.push_plan(grads))
+        assert all(r.applied for r in responses.values())
+
+
+def shard_names(model: ShardedModel) -> set[str]:
+    return {s.name for layout in model.layouts.values() for s in layout.shards}
+
+
+def fixed(n: int) -> dict[str, Any]:
+    return {"kind": "fixed", "num_shards": n}
+
+
+LAYOUTS = [
+    # (ps before, partitioner before, ps after, partitioner after, optimizer)
+    pytest.param(3, fixed(3), 2, fixed(2), ADAM, id="3ps-3shards-to-2ps-2shards-adam"),
+    pytest.param(3, fixed(3), 2, None, ADAM, id="3ps-3shards-to-2ps-unpartitioned-adam"),
+    pytest.param(3, fixed(3), 1, None, ADAGRAD, id="3ps-3shards-to-1ps-adagrad"),
+    pytest.param(1, None, 4, fixed(4), ADAM, id="1ps-to-4ps-4shards-adam"),
+    pytest.param(1, None, 2, fixed(4), ADAGRAD, id="1ps-to-2ps-4shards-adagrad"),
+]
+
+
+@pytest.mark.parametrize(("ps_before", "part_before", "ps_after", "part_after", "optimizer"), LAYOUTS)
+def test_restore_into_another_layout_keeps_variables_and_slots_exactly(
+    tmp_path: Path,
+    ps_servers: PsServers,
+    program: Program,
+    ps_before: int,
+    part_before: dict[str, Any] | None,
+    ps_after: int,
+    part_after: dict[str, Any] | None,
+    optimizer: pb.OptimizerConfig,
+) -> None:
+    source_model = make_model(program, ps_before, part_before)
+    source = ps_servers.start(ps_before)
+    init_group(source, source_model, optimizer)
+    initial = take_snapshot(source_model, source.client)
+    train_steps(source, source_model, 7)
+    original = take_snapshot(source_model, source.client)
+
+    # the updates were real: every variable moved, and every slot holds optimizer state
+    assert original.global_step == 7
+    assert original.shard_positions == [3, 2]  # shard 0 consumed positions 0..3, shard 1 0..2
+    slot_names = {"m", "v", "t"} if optimizer is ADAM else {"accum"}
+    for name in original.variables:
+        assert not np.array_equal(original.variables[name], initial.variables[name]), name
+        assert set(original.slots[name]) == slot_names, name
+        for slot, value in original.slots[name].items():
+            assert not np.array_equal(value, initial.slots[name][slot]), f"{name}#{slot}"
+    if optimizer is ADAM:
+        assert original.slots["head/kernel"]["t"].ndim == 0
+        assert int(original.slots["head/kernel"]["t"]) == 7
+
+    path = write_checkpoint(tmp_path / "ckpts", original)
+    loaded = load_checkpoint(path)
+    assert_snapshots_equal(loaded, original)
+
+    target_model = make_model(program, ps_after, part_after)
+    assert shard_names(target_model) != shard_names(source_model)  # really another layout
+    target = ps_servers.start(ps_after)
+    init_group(target, target_model, optimizer)
+    restore_snapshot(target_model, target.client, loaded)
+
+    # each shard on each PS holds exactly its rows of the checkpoint, slots likewise (read in-process)
+    for layout in target_model.layouts.values():
+        name = layout.variable.name
+        for shard in layout.shards:
+            held = target.stores[shard.ps]._shards[shard.name]
+            rows = slice(shard.row_offset, shard.row_offset + shard.shape[0])
+            want = original.variables[name] if not layout.partitioned else original.variables[name][rows]
+            assert np.array_equal(held.value, want), shard.name
+            for slot, value in original.slots[name].items():
+                want_slot = value if value.ndim == 0 or not layout.partitioned else value[rows]
+                assert held.slots[slot].shape == want_slot.shape, f"{shard.name}#{slot}"
+                assert np.array_equal(held.slots[slot], want_slot), f"{shard.name}#{slot}"
+
+    restored = take_snapshot(target_model, target.client)
+    assert_snapshots_equal(restored, original)
+    state = target.client.state(0)
+    assert state.global_step == 7
+    assert list(state.shard_positions) == [3, 2]
+
+    # and training goes on from there: the restored PS accept and apply updates in the new layout
+    train_steps(target, target_model, 1)
+    assert target.client.state(0).global_step == 8
+
+
+def test_restore_keeps_the_most_advanced_shards_adam_step_count(
+    ps_servers: PsServers, program: Program
+) -> None:
+    """Shards of an embedding see different batches, so their Adam ``t`` differ; the checkpoint keeps the largest,
+    and a restore gives it to every shard of the new layout."""
+    source_model = make_model(program, 3, fixed(3))
+    source = ps_servers.start(3)
+    init_group(source, source_model, ADAM)
+    train_steps(source, source_model, 6, batch=1)  # 4 ids a step: some steps leave a shard untouched
+    per_shard = [int(source.stores[s.ps]._shards[s.name].slots["t"]) for s in source_model.layouts["emb/table"].shards]
+    assert len(set(per_shard)) > 1, per_shard
+    snapshot = take_snapshot(source_model, source.client)
+    assert int(snapshot.slots["emb/table"]["t"]) == max(per_shard)
+
+    target_model = make_model(program, 2, fixed(2))
+    target = ps_servers.start(2)
+    init_group(target, target_model, ADAM)
+    restore_snapshot(target_model, target.client, snapshot)
+    for s in target_model.layouts["emb/table"].shards:
+        assert int(target.stores[s.ps]._shards[s.name].slots["t"]) == max(per_shard)
+
+
+def test_restore_refuses_a_checkpoint_of_another_model(
+    ps_servers: PsServers, program: Program
+) -> None:
+    model = make_model(program, 2, fixed(2))
+    group = ps_servers.start(2)
+    init_group(group, model, ADAM)
+    train_steps(group, model, 2)
+    before = take_snapshot(model, group.client)
+
+    missing = take_snapshot(model, group.client)
+    del missing.variables["head/bias"]
+    with pytest.raises(CheckpointError, match="head/bias"):
+        restore_snapshot(model, group.client, missing)
+    reshaped = take_snapshot(model, group.client)
+    reshaped.variables["emb/table"] = reshaped.variables["emb/table"][:10]
+    with pytest.raises(CheckpointError, match="emb/table"):
+        restore_snapshot(model, group.client, reshaped)
+    assert_snapshots_equal(take_snapshot(model, group.client), before)
+
+
+# -- refused assigns ----------------------------------------------------------------------------------------
+def full_assign(model: ShardedModel, snapshot: Snapshot) -> list[Entry]:
+    """A complete, valid assign for a single-PS model: every variable and every slot."""
+    entries = []
+    for name, value in snapshot.variables.items():
+        entries.append(Entry(name, DENSE, np.ascontiguousarray(value)))
+        for slot, array in snapshot.slots[name].items():
+            entries.append(Entry(f"{name}#{slot}", SLOT, np.require(array, requirements="C")))
+    return entries
+
+
+def _without(name: str) -> Callable[[list[Entry]], list[Entry]]:
+    return lambda entries: [e for e in entries if e.name != name]
+
+
+def _replace(name: str, make: Callable[[np.ndarray], np.ndarray]) -> Callable[[list[Entry]], list[Entry]]:
+    return lambda entries: [Entry(e.name, e.kind, make(e.array)) if e.name == name else e for e in entries]
+
+
+BAD_ASSIGNS = [
+    pytest.param(_without("head/kernel#m"), "missing", id="missing-slot"),
+    pytest.param(_without("head/bias#t"), "missing", id="missing-scalar-slot"),
+    pytest.param(_without("emb/table"), "missing", id="missing-variable"),
+    pytest.param(_replace("emb/table#v", lambda a: np.zeros((a.shape[0], a.shape[1] + 1), a.dtype)), "expected",
+                 id="slot-wrong-shape"),
+    pytest.param(_replace("head/kernel#t", lambda a: np.zeros(1, np.int64)), "expected", id="0d-slot-made-1d"),
+    pytest.param(_replace("head/kernel#m", lambda a: a.astype(np.float64)), "expected", id="slot-wrong-dtype"),
+    pytest.param(_replace("head/kernel", lambda a: np.zeros((a.shape[0] + 1, a.shape[1]), a.dtype)), "shape",
+                 id="variable-wrong-shape"),
+    pytest.param(lambda entries: [*entries, Entry("head/kernel#accum", SLOT, np.zeros((4, 1), np.float32))],
+                 "no optimizer slot", id="unknown-slot"),
+    pytest.param(_replace("head/bias", lambda a: np.full_like(a, np.nan)), "NaN", id="non-finite"),
+]
+
+
+@pytest.mark.parametrize(("corrupt", "message"), BAD_ASSIGNS)
+def test_a_bad_assign_is_refused_and_changes_nothing(
+    ps_servers: PsServers, program: Program, corrupt: Callable[[list[Entry]], list[Entry]], message: str
+) -> None:
+    model = make_model(program, 1, None)
+    group = ps_servers.start(1)
+    init_group(group, model, ADAM)
+    train_steps(group, model, 3)
+    before = take_snapshot(model, group.client)
+    state_before = group.client.state(0, include_step_ids=True)
+
+    # a valid assign of other values would change the PS: the refusal below is what keeps it as it was
+    other = take_snapshot(model, group.client)
+    for value in other.variables.values():
+        value += 1
+    entries = corrupt(full_assign(model, other))
+    with pytest.raises(grpc.RpcError) as info:
+        group.client.assign({0: entries}, 999, [50, 60])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert message in (info.value.details() or "")  # type: ignore[attr-defined]
+
+    assert_snapshots_equal(take_snapshot(model, group.client), before)
+    state_after = group.client.state(0, include_step_ids=True)
+    assert state_after.global_step == state_before.global_step == 3
+    assert list(state_after.shard_positions) == list(state_before.shard_positions)
+    assert list(state_after.applied_step_ids) == list(state_before.applied_step_ids)
+
+    # the same assign, whole and valid, is accepted: the refusal was for the defect alone
+    group.client.assign({0: full_assign(model, other)}, 999, [50, 60])
+    after = take_snapshot(model, group.client)
+    assert after.global_step == 999
+    assert after.shard_positions == [50, 60]
+    assert np.array_equal(after.variables["head/kernel"], other.variables["head/kernel"])
+
+
+def test_restore_with_a_slot_missing_from_the_checkpoint_is_refused(
+    ps_servers: PsServers, program: Program
+) -> None:
+    model = make_model(program, 1, None)
+    group = ps_servers.start(1)
+    init_group(group, model, ADAM)
+    train_steps(group, model, 2)
+    before = take_snapshot(model, group.client)
+    broken = take_snapshot(model, group.client)
+    del broken.slots["emb/table"]["v"]
+    with pytest.raises(grpc.RpcError) as info:
+        restore_snapshot(model, group.client, broken)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert_snapshots_equal(take_snapshot(model, group.client), before)
+
+
+def test_checkpoints_are_listed_in_step_order(tmp_path: Path) -> None:
+    """Folder names sort in step order (zero padded), so the newest is always last, even past 10^9 steps."""
+    directory = tmp_path / "ckpts"
+    steps = [9, 10, 99, 100, 1_000_000_001]
+    for step in reversed(steps):
+        write_checkpoint(directory, sample_snapshot(step))
+    assert [load_checkpoint(p).global_step for p in list_checkpoints(directory)] == steps
+    assert leftover_temporaries(directory) == []

@@ -1,0 +1,348 @@
+"""End to end on this machine: the installed ``psctl`` binary, run as a user would (subprocess, repository root as
+the working directory), starting real supervisors and real training roles.
+
+Every test gets its own ``PSCTL_HOME`` (the ``psctl_env`` fixture); whatever it starts is taken down by the
+fixture even when the test fails, and the fixture fails the test if any process of its clusters survives.
+Clusters are small (1 chief, 1 ps, 1-2 workers, an MLP with 32 hidden units on digits) so the file runs in about
+a minute on two cores. Clusters that are only watched and then stopped get many steps, so that they are still
+training whenever the test looks at them.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from cluster_helpers import wait_until
+
+pytestmark = pytest.mark.slow
+
+TERMINAL_ROLE_STATES = {"succeeded", "failed", "stopped"}
+TERMINAL_CLUSTER_STATES = {"succeeded", "failed", "stopped"}
+#: Enough steps that a cluster is still training whenever a test inspects it before stopping it.
+LONG = 200_000
+
+
+def flat(text: str) -> str:
+    """Output with every run of whitespace made one space (rich wraps long lines at 80 columns in a pipe)."""
+    return " ".join(text.split())
+
+
+def cluster_logs(psctl_env: Any, name: str, chars: int = 1500) -> str:
+    """The end of the supervisor's and every role's log, for assertion messages."""
+    root = psctl_env.home / name
+    parts = []
+    for path in [root / "supervisor.log", *sorted((root / "logs").glob("*.log"))]:
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        parts.append(f"----- {path.name} -----\n{text[-chars:]}")
+    return "\n".join(parts)
+
+
+def check(done: subprocess.CompletedProcess[str], code: int = 0) -> subprocess.CompletedProcess[str]:
+    assert done.returncode == code, (
+        f"`{' '.join(done.args[1:])}` exited {done.returncode}, expected {code}\n"
+        f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    )
+    return done
+
+
+def up_detached(psctl_env: Any, name: str, **spec: Any) -> dict[str, Any]:
+    path = psctl_env.write_spec(name, **spec)
+    done = check(psctl_env.run("up", "--detach", str(path)))
+    assert f"cluster {name!r} is starting" in done.stdout
+    return psctl_env.state(name)  # type: ignore[no-any-return]
+
+
+def status_json(psctl_env: Any, name: str) -> dict[str, Any]:
+    done = check(psctl_env.run("status", name, "--json"))
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def wait_cluster(psctl_env: Any, name: str, pred: Any, *, timeout: float, what: str) -> dict[str, Any]:
+    """Poll the cluster's state.json until ``pred(state)`` holds; the logs go into the failure message."""
+    found: dict[str, Any] = {}
+
+    def cond() -> bool:
+        found.update(psctl_env.state(name))
+        return bool(pred(found))
+
+    wait_until(cond, timeout=timeout, interval=0.1, what=what,
+               detail=lambda: json.dumps(found, indent=1)[-3000:] + "\n" + cluster_logs(psctl_env, name))
+    return found
+
+
+def role_of(state: dict[str, Any], role: str) -> dict[str, Any]:
+    return next(r for r in state["roles"] if r["name"] == role)
+
+
+def same_process(pid: int, create_time: float | None) -> psutil.Process:
+    """The live process ``pid`` started at ``create_time`` (never a stranger that reused the pid)."""
+    proc = psutil.Process(pid)
+    assert create_time is None or abs(proc.create_time() - create_time) < 0.02, f"pid {pid} was reused"
+    return proc
+
+
+def gone(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+# -- (a) ----------------------------------------------------------------------------------------------------
+def test_up_attached_trains_to_the_end(psctl_env) -> None:
+    steps = 300
+    spec = psctl_env.write_spec("att", steps=steps, ps=1, workers=2)
+    done = psctl_env.run("up", str(spec), timeout=180)
+    assert done.returncode == 0, (done.stdout, done.stderr, cluster_logs(psctl_env, "att"))
+    assert "Traceback" not in done.stdout + done.stderr
+
+    status = status_json(psctl_env, "att")
+    psctl_env.cluster_ids.add(status["cluster_id"])
+    assert status["state"] == "succeeded", status
+    assert status["stale"] is False
+    assert {r["name"] for r in status["roles"]} == {"chief-0", "ps-0", "worker-0", "worker-1"}
+    for role in status["roles"]:
+        assert role["state"] in TERMINAL_ROLE_STATES, role
+    assert role_of(status, "chief-0")["state"] == "succeeded"
+    assert status["result"]["global_step"] == steps
+    assert 0.5 < status["result"]["metrics"]["accuracy"] <= 1.0, status["result"]
+
+    listed = check(psctl_env.run("ls")).stdout
+    assert ["att", "succeeded", "4", str(steps)] in [line.split()[:4] for line in listed.splitlines()], listed
+
+    chief_log = check(psctl_env.run("logs", "chief-0")).stdout
+    assert "training done" in chief_log
+    unknown = check(psctl_env.run("logs", "worker-9"), 2)
+    assert "no role 'worker-9' in cluster 'att'; roles are: chief-0, ps-0, worker-0, worker-1" in flat(unknown.stderr)
+    chief_lines = chief_log.splitlines()
+    assert len(chief_lines) > 2
+    assert check(psctl_env.run("logs", "chief-0", "--tail", "2")).stdout.splitlines() == chief_lines[-2:]
+
+    worker_lines = check(psctl_env.run("logs", "worker-1", "att")).stdout.splitlines()
+    assert worker_lines, "worker-1 wrote no log"
+    tail = check(psctl_env.run("logs", "worker-1", "--tail", "3")).stdout.splitlines()
+    assert 1 <= len(tail) <= 3
+    assert tail == worker_lines[-3:]
+
+    down = check(psctl_env.run("down"))
+    assert "cluster 'att': nothing was running; no process of it is left" in flat(down.stdout)
+    assert psctl_env.processes(status["cluster_id"]) == []
+
+    # Last, so that the checks above run even while it fails: the summary is one line, the last one.
+    last = done.stdout.rstrip("\n").splitlines()[-1]
+    assert last.startswith(f"training finished: {steps} steps in "), done.stdout
+    assert "accuracy" in last, done.stdout
+
+
+# -- (b) ----------------------------------------------------------------------------------------------------
+def test_detached_cluster_outlives_its_supervisor_and_down_stops_everything(psctl_env) -> None:
+    roles = ("chief-0", "ps-0", "worker-0", "worker-1")
+    first = up_detached(psctl_env, "det", steps=LONG, ps=1, workers=2)
+    cluster_id = first["cluster_id"]
+
+    def all_running() -> bool:
+        status = status_json(psctl_env, "det")
+        return status["state"] == "running" and all(r["state"] == "running" for r in status["roles"])
+
+    wait_until(all_running, timeout=60, interval=0.2, what="every role of 'det' running",
+               detail=lambda: cluster_logs(psctl_env, "det"))
+    shown = check(psctl_env.run("status")).stdout
+    assert "cluster det running" in shown
+    for role in roles:
+        row = next((line for line in shown.splitlines() if line.startswith(role)), None)
+        assert row is not None and " running " in row, shown
+
+    worker_log = check(psctl_env.run("logs", "worker-0")).stdout
+    assert "worker:0 starting" in worker_log
+
+    state = psctl_env.state("det")
+    role_procs = [same_process(r["pid"], r["create_time"]) for r in state["roles"]]
+    supervisor = same_process(state["supervisor_pid"], state["supervisor_create_time"])
+    supervisor.send_signal(signal.SIGKILL)
+    wait_until(lambda: gone(supervisor), timeout=10, what="the supervisor to die")
+
+    stale = check(psctl_env.run("status"))
+    assert "stale" in stale.stdout
+    assert "psctl down det" in flat(stale.stderr)
+    assert status_json(psctl_env, "det")["stale"] is True
+    # Roles never depend on their supervisor: they keep running without it.
+    assert not any(gone(p) for p in role_procs)
+
+    down = check(psctl_env.run("down"))
+    assert f"cluster 'det': stopped {len(roles)} process(es); no process of it is left" in flat(down.stdout)
+    left = psctl_env.processes(cluster_id)
+    assert left == [], psctl_env.describe(left)
+    assert all(gone(p) for p in role_procs)
+    after = status_json(psctl_env, "det")
+    assert after["state"] == "stopped" and after["stale"] is False
+    assert {r["state"] for r in after["roles"]} == {"stopped"}
+
+    again = check(psctl_env.run("down"))
+    assert "nothing was running" in flat(again.stdout)
+    assert psctl_env.processes(cluster_id) == []
+
+
+# -- (c) ----------------------------------------------------------------------------------------------------
+def test_up_refuses_a_cluster_that_is_already_up(psctl_env) -> None:
+    first = up_detached(psctl_env, "dup", steps=LONG, ps=1, workers=1)
+    spec = psctl_env.tmp_path / "dup.yaml"
+    for args in (["up", str(spec)], ["up", "--detach", str(spec)]):
+        refused = check(psctl_env.run(*args), 2)
+        assert refused.stdout == ""
+        line = flat(refused.stderr)
+        assert "cluster 'dup' is already up" in line
+        assert "psctl down dup" in line
+        assert "Traceback" not in refused.stderr
+    # The running cluster was left alone: same id, same supervisor and roles, all alive.
+    now = psctl_env.state("dup")
+    assert now["cluster_id"] == first["cluster_id"]
+    assert now["supervisor_pid"] == first["supervisor_pid"]
+    procs = [same_process(r["pid"], r["create_time"]) for r in first["roles"]]
+    assert not any(gone(p) for p in procs)
+    # Once it is down, the same name can be brought up again, as a new cluster.
+    check(psctl_env.run("down", "dup"))
+    second = up_detached(psctl_env, "dup", steps=LONG, ps=1, workers=1)
+    assert second["cluster_id"] != first["cluster_id"]
+
+
+# -- (d) ----------------------------------------------------------------------------------------------------
+def write_boom(tmp_path: Path) -> Path:
+    program = tmp_path / "boom_program.py"
+    program.write_text('raise RuntimeError("boom")\n', encoding="utf-8")
+    return program
+
+
+def test_failed_start_names_the_role_and_leaves_nothing(psctl_env) -> None:
+    program = write_boom(psctl_env.tmp_path)
+    never = "restart: {policy: never}"
+    spec = psctl_env.write_spec("bad", program=str(program), workers=1, chief_extra=never, worker_extra=never)
+    done = psctl_env.run("up", str(spec), timeout=120)
+    assert done.returncode == 3, (done.returncode, done.stdout, done.stderr, cluster_logs(psctl_env, "bad"))
+    assert "Traceback" not in done.stderr
+    status = status_json(psctl_env, "bad")
+    assert status["state"] == "failed", status
+    failed = [r["name"] for r in status["roles"] if r["state"] == "failed"]
+    assert failed, status
+    error = flat(done.stderr)
+    assert error.startswith("error: cluster 'bad' failed: "), done.stderr
+    assert any(f"{name} failed" in error for name in failed), (failed, done.stderr)
+    assert "RuntimeError" in error and "boom" in error  # the last lines of the failed role's log
+    # psctl up itself leaves nothing behind: the supervisor stopped every role and exited.
+    wait_until(lambda: not psctl_env.processes(status["cluster_id"]), timeout=15,
+               what="every process of 'bad' to exit",
+               detail=lambda: psctl_env.describe(psctl_env.processes(status["cluster_id"])))
+
+
+def test_program_that_fails_at_import_is_not_restarted(psctl_env) -> None:
+    """An exception while importing the program is a program error: restarting cannot help, so the default
+    restart policy must not restart it (the runtime's exit code 2), and the cluster fails at once."""
+    program = write_boom(psctl_env.tmp_path)
+    up_detached(psctl_env, "imp", program=str(program), workers=1)
+    state = wait_cluster(
+        psctl_env, "imp",
+        lambda s: s["state"] in TERMINAL_CLUSTER_STATES or any(r["restarts"] for r in s["roles"]),
+        timeout=60, what="'imp' to fail or restart a role",
+    )
+    restarted = {r["name"]: r["restarts"] for r in state["roles"] if r["restarts"]}
+    assert restarted == {}, f"restarted a program that cannot import: {restarted}; events:\n" + (
+        (psctl_env.home / "imp" / "events.jsonl").read_text())
+    assert state["state"] == "failed"
+    assert "boom" in state["reason"]
+
+
+# -- (e) ----------------------------------------------------------------------------------------------------
+def test_logs_follow_prints_new_lines_until_the_cluster_ends(psctl_env) -> None:
+    up_detached(psctl_env, "fol", steps=LONG, ps=1, workers=1)
+    follower = psctl_env.popen("logs", "chief-0", "fol", "--follow", "--tail", "1")
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert follower.stdout is not None
+        for line in follower.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    seen: list[str] = []
+    try:
+        def two_step_lines() -> bool:
+            # --tail 1 prints at most one old line: a second "step" line can only come from following.
+            while not lines.empty():
+                line = lines.get()
+                assert line is not None, f"`psctl logs -f` ended while the cluster runs; it printed {seen}"
+                seen.append(line)
+            return sum(" step " in line for line in seen) >= 2
+
+        wait_until(two_step_lines, timeout=30, interval=0.1, what="two 'step' lines from `psctl logs -f`",
+                   detail=lambda: f"seen: {seen}\n{cluster_logs(psctl_env, 'fol')}")
+        assert follower.poll() is None, "logs -f exited while the cluster runs"
+        written = (psctl_env.home / "fol" / "logs" / "chief-0.1.log").read_text(encoding="utf-8").splitlines()
+        assert all(line in written for line in seen), (seen, written)
+        # When the cluster ends, -f prints what is left and exits by itself.
+        check(psctl_env.run("down", "fol", "--grace", "2"))
+        follower.wait(timeout=15)
+        assert follower.returncode == 0
+    finally:
+        if follower.poll() is None:
+            follower.terminate()
+            try:
+                follower.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                follower.kill()
+                follower.wait(timeout=10)
+        reader.join(timeout=10)
+        for pipe in (follower.stdout, follower.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+# -- (f) ----------------------------------------------------------------------------------------------------
+def test_killed_worker_is_restarted_and_training_finishes(psctl_env) -> None:
+    # One worker: while it is down no step can run, so training cannot finish before the restart.
+    steps = 600
+    up_detached(psctl_env, "rst", steps=steps, ps=1, workers=1)
+    before = wait_cluster(
+        psctl_env, "rst",
+        lambda s: role_of(s, "chief-0")["global_step"] > 0 and role_of(s, "worker-0")["state"] == "running",
+        timeout=60, what="training to start",
+    )
+    assert before["state"] == "running", before
+    worker = role_of(before, "worker-0")
+    assert worker["attempt"] == 1
+    first_pid = worker["pid"]
+    same_process(first_pid, worker["create_time"]).send_signal(signal.SIGKILL)
+
+    restarted = wait_cluster(psctl_env, "rst", lambda s: role_of(s, "worker-0")["attempt"] == 2,
+                             timeout=30, what="worker-0 to be restarted (attempt 2)")
+    assert role_of(restarted, "worker-0")["pid"] != first_pid
+    assert role_of(restarted, "worker-0")["restarts"] == 1
+    final = wait_cluster(psctl_env, "rst", lambda s: s["state"] in TERMINAL_CLUSTER_STATES,
+                         timeout=90, what="training to finish")
+    assert final["state"] == "succeeded", final
+    assert final["result"]["global_step"] == steps
+
+    events = [json.loads(line) for line in (psctl_env.home / "rst" / "events.jsonl").read_text().splitlines()]
+    lost = [e for e in events if e["role"] == "worker-0" and e["to"] == "lost"]
+    assert len(lost) == 1 and "killed by SIGKILL" in lost[0]["reason"], lost
+
+    first_log = check(psctl_env.run("logs", "worker-0", "--attempt", "1")).stdout
+    assert f"worker:0 starting (pid {first_pid})" in first_log
+    current = check(psctl_env.run("logs", "worker-0")).stdout
+    assert f"worker:0 starting (pid {role_of(final, 'worker-0')['pid']})" in current
+    assert f"(pid {first_pid})" not in current
+    check(psctl_env.run("logs", "worker-0", "--attempt", "3"), 2)
+
+    check(psctl_env.run("down"))
+    assert psctl_env.processes(final["cluster_id"]) == []

@@ -1,0 +1,223 @@
+"""The evaluator as a real ``python -m psctl.runtime`` process following a checkpoint folder.
+
+Checkpoints of the MLP are written with distinct variables, so each evaluation's metrics identify the checkpoint
+it read; the expected metrics are computed here from the same snapshots.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from cluster_helpers import LocalCluster, Role, wait_until
+
+from psctl.runtime.checkpoint import Snapshot, write_checkpoint
+from psctl.runtime.evaluator import evaluate_snapshot
+from psctl.runtime.metrics import read_metrics
+from psctl.runtime.program import Program, ProgramRef, load_program
+
+PROGRAM = "psctl.models.mlp"
+ARGS = {"hidden_units": 32}
+DATA = {"name": "digits"}
+SEED = 0
+STEPS = (100, 200, 300)
+#: Starting Python, importing numpy/grpc/scikit-learn and loading digits, on a busy 2-core machine.
+START_TIMEOUT = 90.0
+
+
+@pytest.fixture(scope="module")
+def program() -> Program:
+    return load_program(ProgramRef(PROGRAM, ARGS, DATA, SEED))
+
+
+def make_snapshot(program: Program, step: int) -> Snapshot:
+    """Variables (and Adam slots) that differ from one step to the next, so the metrics tell them apart."""
+    rng = np.random.default_rng(step)
+    variables: dict[str, np.ndarray] = {}
+    slots: dict[str, dict[str, np.ndarray]] = {}
+    for var in program.variables():
+        variables[var.name] = (rng.standard_normal(var.shape) * 0.3).astype(var.dtype)
+        slots[var.name] = {
+            "m": np.zeros(var.shape, dtype=var.dtype),
+            "v": np.zeros(var.shape, dtype=var.dtype),
+            "t": np.asarray(step, dtype=np.int64),
+        }
+    return Snapshot(step, [step // 2, step // 2], variables, slots, {"program": PROGRAM})
+
+
+@pytest.fixture
+def evaluators(tmp_path: Path) -> Iterator[list[LocalCluster]]:
+    """Clusters of one evaluator each; every process is stopped, and checked gone, pass or fail."""
+    clusters: list[LocalCluster] = []
+    try:
+        yield clusters
+    finally:
+        failures = []
+        for cluster in clusters:
+            try:
+                cluster.close()
+            except AssertionError as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
+
+
+class EvalRun:
+    def __init__(self, tmp_path: Path, clusters: list[LocalCluster], **training: Any) -> None:
+        self.ckpt_dir = tmp_path / "ckpts"
+        self.run_dir = tmp_path / "run"
+        config = {
+            "program": PROGRAM,
+            "args": ARGS,
+            "data": DATA,
+            "seed": SEED,
+            "checkpoint": {"dir": str(self.ckpt_dir)},
+            **training,
+        }
+        self.cluster = LocalCluster(self.run_dir, config, num_ps=0, num_workers=0, cluster_id="eval-test")
+        clusters.append(self.cluster)
+        # the evaluator needs no port: it only has to be named in the cluster
+        self.cluster.jobs["evaluator"] = ["127.0.0.1:1"]
+
+    def start(self) -> Role:
+        return self.cluster.start("evaluator", 0)
+
+    def write(self, snapshot: Snapshot) -> Path:
+        return write_checkpoint(self.ckpt_dir, snapshot)
+
+    def finish_training(self) -> None:
+        """What the chief writes when training is done."""
+        (self.run_dir / "result.json").write_text(json.dumps({"global_step": STEPS[-1]}))
+
+    def evaluations(self) -> list[dict[str, Any]]:
+        return read_metrics(self.run_dir / "eval.jsonl")
+
+    def evaluated_steps(self) -> list[int]:
+        return [int(r["global_step"]) for r in self.evaluations()]
+
+    def wait_for_exit(self, timeout: float = START_TIMEOUT) -> int:
+        return self.cluster.wait_for_exit("evaluator", timeout=timeout)
+
+    def log(self) -> str:
+        return self.cluster.role("evaluator").log()
+
+
+def assert_metrics_of(record: dict[str, Any], program: Program, snapshot: Snapshot) -> None:
+    want = evaluate_snapshot(program, snapshot)
+    assert record["global_step"] == snapshot.global_step
+    assert record["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    assert record["accuracy"] == pytest.approx(want["accuracy"])
+    assert record["examples"] == want["examples"] > 0
+
+
+def test_evaluates_the_newest_checkpoint_and_stops_once_training_is_done(
+    tmp_path: Path, evaluators: list[LocalCluster], program: Program
+) -> None:
+    run = EvalRun(tmp_path, evaluators)
+    snapshots = {step: make_snapshot(program, step) for step in STEPS}
+    for snapshot in snapshots.values():
+        run.write(snapshot)
+    run.finish_training()
+    # the checkpoints really differ in what they evaluate to
+    assert evaluate_snapshot(program, snapshots[200])["loss"] != evaluate_snapshot(program, snapshots[300])["loss"]
+
+    run.start()
+    rc = run.wait_for_exit()
+    assert rc == 0, run.log()
+
+    # like SidecarEvaluator: only the newest checkpoint, the older ones are skipped
+    records = run.evaluations()
+    assert [r["global_step"] for r in records] == [300], run.log()
+    assert_metrics_of(records[0], program, snapshots[300])
+    assert records[0]["checkpoint"].endswith("ckpt-000000000300")
+    assert "training is done and its last checkpoint evaluated: stopping" in run.log()
+
+
+def test_follows_new_checkpoints_until_training_is_done(
+    tmp_path: Path, evaluators: list[LocalCluster], program: Program
+) -> None:
+    run = EvalRun(tmp_path, evaluators)
+    role = run.start()
+    snapshots = {step: make_snapshot(program, step) for step in STEPS}
+
+    run.write(snapshots[100])
+    wait_until(lambda: 100 in run.evaluated_steps(), timeout=START_TIMEOUT, what="the evaluation of step 100",
+               detail=run.log)
+    assert role.popen.poll() is None, "the evaluator stopped although training is not done"
+
+    run.write(snapshots[200])
+    run.write(snapshots[300])
+    wait_until(lambda: 300 in run.evaluated_steps(), timeout=30, what="the evaluation of step 300", detail=run.log)
+    assert role.popen.poll() is None, "the evaluator stopped although training is not done"
+
+    run.finish_training()
+    rc = run.wait_for_exit(timeout=30)
+    assert rc == 0, run.log()
+
+    steps = run.evaluated_steps()
+    assert steps[0] == 100
+    assert steps[-1] == 300
+    assert steps == sorted(set(steps)), "a checkpoint was evaluated twice or out of order"
+    assert set(steps) <= set(STEPS)  # 200 may have been skipped: the evaluator keeps up with the newest
+    for record in run.evaluations():
+        assert_metrics_of(record, program, snapshots[record["global_step"]])
+
+
+@pytest.mark.parametrize("damage", ["flip-byte", "no-manifest"])
+def test_a_corrupt_newest_checkpoint_is_skipped_with_a_warning(
+    tmp_path: Path, evaluators: list[LocalCluster], program: Program, damage: str
+) -> None:
+    run = EvalRun(tmp_path, evaluators)
+    snapshots = {step: make_snapshot(program, step) for step in STEPS}
+    paths = {step: run.write(snapshot) for step, snapshot in snapshots.items()}
+    newest = paths[300]
+    if damage == "flip-byte":
+        data = bytearray((newest / "arrays.npz").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (newest / "arrays.npz").write_bytes(bytes(data))
+    else:
+        (newest / "manifest.json").unlink()
+    run.finish_training()
+
+    run.start()
+    rc = run.wait_for_exit()
+    log = run.log()
+    assert rc == 0, log
+
+    records = run.evaluations()
+    assert [r["global_step"] for r in records] == [200], log
+    assert_metrics_of(records[0], program, snapshots[200])
+    warnings = [line for line in log.splitlines() if " WARNING " in line]
+    assert any("skipping a checkpoint that cannot be loaded" in w and newest.name in w for w in warnings), log
+
+
+def test_max_evaluations_stops_the_evaluator(
+    tmp_path: Path, evaluators: list[LocalCluster], program: Program
+) -> None:
+    run = EvalRun(tmp_path, evaluators, max_evaluations=1)
+    snapshots = {step: make_snapshot(program, step) for step in STEPS[:2]}
+    for snapshot in snapshots.values():
+        run.write(snapshot)
+    assert not (run.run_dir / "result.json").exists()  # training is not done: only the limit can stop it
+
+    run.start()
+    rc = run.wait_for_exit()
+    assert rc == 0, run.log()
+    records = run.evaluations()
+    assert [r["global_step"] for r in records] == [200]
+    assert_metrics_of(records[0], program, snapshots[200])
+    assert "stopping after 1 evaluations" in run.log()
+
+
+def test_the_evaluator_needs_a_checkpoint_folder(tmp_path: Path, evaluators: list[LocalCluster]) -> None:
+    run = EvalRun(tmp_path, evaluators)
+    run.cluster.training["checkpoint"] = None
+    run.start()
+    rc = run.wait_for_exit()
+    assert rc == 2, run.log()  # a configuration error: permanent, not restarted
+    assert "the evaluator needs checkpoints" in run.log()
+    assert not (run.run_dir / "eval.jsonl").exists()

@@ -1,0 +1,374 @@
+"""Faults injected into real clusters started with the ``psctl`` command: 1 chief, 2 ps, 2 workers training an MLP
+on digits under the supervisor, each role a real process. A role is SIGKILLed or SIGSTOPped mid-training (or
+every process at once) and the cluster must finish with exactly the configured number of steps.
+
+Progress is read the way an operator would: ``psctl status --json`` (its "progress" is the chief's latest
+metrics line, also read straight from ``run/metrics.jsonl`` for polling), the supervisor's ``state.json`` and
+``events.jsonl``, the roles' logs, and the chief's ``run/result.json``.
+
+Every process a test starts is stopped by the ``psctl_env`` fixture (``psctl down``, then SIGKILL of anything
+still carrying the cluster's id, failing the test if something survives); a SIGSTOPped process is also resumed
+and killed by the test itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import signal
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from cluster_helpers import wait_until
+from conftest import PsctlEnv
+
+from psctl.runtime.checkpoint import latest_checkpoint, list_checkpoints
+from psctl.runtime.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+EVERY_STEPS = 100
+HEARTBEAT_INTERVAL = 0.5
+HEARTBEAT_TIMEOUT = 3.0
+#: The chief schedules at most this many steps ahead (2 per worker + 2), so a checkpoint is taken at most
+#: this far past its due step, and at most this many steps are in flight when a role dies.
+WINDOW = 2 * 2 + 2
+#: Starting six Python processes, loading digits in each worker, training, evaluating: on a busy 2-core machine.
+RUN_TIMEOUT = 180.0
+
+
+def spec_text(name: str, steps: int) -> str:
+    return textwrap.dedent(
+        f"""\
+        name: {name}
+        roles:
+          chief: {{}}
+          ps: {{replicas: 2}}
+          worker: {{replicas: 2}}
+        training:
+          program: psctl.models.mlp
+          args: {{hidden_units: 32}}
+          data: {{name: digits}}
+          batch_size: 50
+          optimizer: {{name: adam, learning_rate: 0.01}}
+          mode: async
+          steps: {steps}
+          log_every_seconds: 0.2s
+          checkpoint: {{every_steps: {EVERY_STEPS}, every_seconds: 0, max_to_keep: 100}}
+        supervision: {{heartbeat_interval: {HEARTBEAT_INTERVAL}s, heartbeat_timeout: {HEARTBEAT_TIMEOUT}s}}
+        """
+    )
+
+
+class Cluster:
+    """One named cluster of the test's PSCTL_HOME, driven and read through psctl and its files."""
+
+    def __init__(self, penv: PsctlEnv, name: str, steps: int) -> None:
+        self.penv = penv
+        self.name = name
+        self.steps = steps
+        self.spec = penv.tmp_path / f"{name}.yaml"
+        self.spec.write_text(spec_text(name, steps), encoding="utf-8")
+        self.root = penv.home / name
+
+    # -- commands -------------------------------------------------------------------------------------
+    def up(self) -> str:
+        done = self.penv.run("up", "--detach", str(self.spec), timeout=90)
+        assert done.returncode == 0, f"psctl up failed ({done.returncode}): {done.stdout}\n{done.stderr}"
+        return str(self.penv.state(self.name)["cluster_id"])  # also registers the id for the teardown
+
+    def status(self) -> dict[str, Any]:
+        done = self.penv.run("status", self.name, "--json")
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+    # -- files ----------------------------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.root / "checkpoints"
+
+    def state(self) -> dict[str, Any]:
+        return self.penv.state(self.name)
+
+    def role(self, role: str) -> dict[str, Any]:
+        return self.penv.role(self.name, role)
+
+    def progress_records(self) -> list[dict[str, Any]]:
+        return [r for r in read_metrics(self.root / "run" / "metrics.jsonl") if r.get("event") == "progress"]
+
+    def progress(self) -> int:
+        """The chief's latest reported global step (what ``psctl status`` shows)."""
+        records = self.progress_records()
+        return int(records[-1]["global_step"]) if records else 0
+
+    def checkpoint_steps(self) -> list[int]:
+        return [int(p.name.rsplit("-", 1)[1]) for p in list_checkpoints(self.checkpoint_dir)]
+
+    def events(self, role: str | None = None) -> list[dict[str, Any]]:
+        try:
+            lines = (self.root / "events.jsonl").read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            return []
+        events = [json.loads(line) for line in lines if line.strip()]
+        return [e for e in events if role is None or e["role"] == role]
+
+    def log(self, role: str) -> str:
+        """Every attempt's log of ``role``, in order."""
+        logs = sorted((self.root / "logs").glob(f"{role}.*.log"), key=lambda p: int(p.name.split(".")[-2]))
+        return "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in logs)
+
+    def result(self) -> dict[str, Any]:
+        return json.loads((self.root / "run" / "result.json").read_text())  # type: ignore[no-any-return]
+
+    def describe(self) -> str:
+        """What went on, for assertion messages."""
+        try:
+            state = self.state()
+            roles = ", ".join(f"{r['name']} {r['state']} attempt {r['attempt']}" for r in state["roles"])
+            head = f"cluster {state['state']} ({state.get('reason', '')}); {roles}"
+        except (OSError, ValueError, KeyError) as exc:
+            head = f"no state: {exc}"
+        events = "\n".join(json.dumps(e) for e in self.events()[-25:])
+        return f"{head}\nevents:\n{events}\nchief log:\n{self.log('chief-0')[-3000:]}"
+
+    # -- processes ------------------------------------------------------------------------------------
+    def process(self, role: str) -> psutil.Process:
+        """The live process of ``role`` (checked by pid, creation time and its environment)."""
+        record = self.role(role)
+        proc = psutil.Process(record["pid"])
+        assert abs(proc.create_time() - record["create_time"]) < 0.05, f"pid {record['pid']} was reused"
+        env = proc.environ()
+        assert env.get("PSCTL_ROLE") == role and env.get("PSCTL_CLUSTER_ID") == self.state()["cluster_id"]
+        return proc
+
+    # -- waiting --------------------------------------------------------------------------------------
+    def wait_progress(self, at_least: int, *, checkpoints: int = 0, timeout: float = 120.0) -> int:
+        def reached() -> int | None:
+            step = self.progress()
+            ok = step >= at_least and len(self.checkpoint_steps()) >= checkpoints
+            return step if ok else None
+
+        step: int = wait_until(reached, timeout=timeout, interval=0.02, what=f"global step {at_least}",
+                               detail=self.describe)
+        assert step < self.steps, f"training reached {step} of {self.steps} before the fault could be injected"
+        return step
+
+    def wait_finished(self, timeout: float = RUN_TIMEOUT) -> dict[str, Any]:
+        state = wait_until(
+            lambda: (s := self.state())["state"] in ("succeeded", "failed", "stopped") and s,
+            timeout=timeout, interval=0.2, what=f"cluster {self.name} to finish", detail=self.describe,
+        )
+        assert state["state"] == "succeeded", self.describe()
+        return state
+
+
+def gone(proc: psutil.Process) -> bool:
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def sigkill(proc: psutil.Process) -> float:
+    """SIGKILL ``proc``, wait until it is dead; returns when the signal was sent (time.time())."""
+    sent = time.time()
+    proc.send_signal(signal.SIGKILL)
+    wait_until(lambda: gone(proc), timeout=10, what=f"pid {proc.pid} to die")
+    return sent
+
+
+def assert_finished_with_exactly(cluster: Cluster, steps: int) -> dict[str, Any]:
+    """result.json, state.json and ``psctl status --json`` all say training ended at exactly ``steps``."""
+    result = cluster.result()
+    assert result["global_step"] == steps, f"{result}\n{cluster.describe()}"
+    state = cluster.state()
+    assert state["result"]["global_step"] == steps
+    status = cluster.status()
+    assert status["state"] == "succeeded"
+    assert status["progress"]["global_step"] == steps
+    assert status["result"]["global_step"] == steps
+    assert result["metrics"]["accuracy"] > 0.8, result  # it trained, not just counted
+    return result
+
+
+@pytest.fixture
+def cluster_factory(psctl_env: PsctlEnv) -> Iterator[Any]:
+    def make(name: str, steps: int) -> Cluster:
+        return Cluster(psctl_env, name, steps)
+
+    yield make
+
+
+# -- the tests ----------------------------------------------------------------------------------------------
+def test_sigkill_of_a_worker(cluster_factory: Any) -> None:
+    steps = 1500
+    cluster: Cluster = cluster_factory("killworker", steps)
+    cluster.up()
+    cluster.wait_progress(300)
+    victim = cluster.process("worker-1")
+    sigkill(victim)
+
+    wait_until(lambda: cluster.role("worker-1")["attempt"] == 2, timeout=30, what="worker-1's restart",
+               detail=cluster.describe)
+    cluster.wait_finished()
+    result = assert_finished_with_exactly(cluster, steps)
+    assert result["steps_this_run"] == steps
+
+    lost = [e for e in cluster.events("worker-1") if e["to"] == "lost"]
+    assert len(lost) == 1 and "SIGKILL" in lost[0]["reason"], lost
+    assert cluster.role("worker-1")["restarts"] == 1
+    # nothing else was restarted: a lost worker costs only its in-flight step, retried elsewhere
+    for role in ("chief-0", "ps-0", "ps-1", "worker-0"):
+        assert cluster.role(role)["attempt"] == 1, cluster.describe()
+    assert result["ps_restores"] == 0
+    assert result["retried_steps"] >= 1
+    assert "worker:1 lost" in cluster.log("chief-0")
+    assert (cluster.root / "logs" / "worker-1.2.log").is_file()
+
+
+RESTORED = re.compile(r"restored (\S+) \(global step (\d+)\)")
+
+
+@pytest.mark.parametrize("victim", ["ps-0", "ps-1"])
+def test_sigkill_of_a_ps_restores_the_latest_checkpoint(cluster_factory: Any, victim: str) -> None:
+    steps = 1500
+    cluster: Cluster = cluster_factory(f"kill{victim.replace('-', '')}", steps)
+    cluster.up()
+    cluster.wait_progress(400, checkpoints=2)
+    killed_at = sigkill(cluster.process(victim))
+
+    # the global step the cluster had reached: the chief's meter only grows, and within moments of the kill
+    # nothing more is applied (a step needs every ps), so its highest value shortly after is the step at the kill
+    wait_until(lambda: re.search(RESTORED, cluster.log("chief-0")), timeout=60, what="the chief's restore",
+               detail=cluster.describe)
+    recovered = time.time() - killed_at
+    at_kill = max(int(r["global_step"]) for r in cluster.progress_records() if r["time"] <= killed_at + 0.5)
+    cluster.wait_finished()
+    result = assert_finished_with_exactly(cluster, steps)
+
+    chief_log = cluster.log("chief-0")
+    restores = RESTORED.findall(chief_log)
+    assert restores, chief_log
+    path, restored_step = restores[0][0], int(restores[0][1])
+    assert Path(path).name == f"ckpt-{restored_step:012d}"
+    assert 0 < restored_step <= at_kill
+    # at most one checkpoint interval (plus the steps in flight) is lost
+    assert restored_step >= at_kill - EVERY_STEPS - 2 * WINDOW - 10, (restored_step, at_kill)
+    assert result["ps_restores"] >= 1
+    assert cluster.role(victim)["attempt"] == 2
+    print(f"{victim} SIGKILLed at step {at_kill}: restored step {restored_step} ({at_kill - restored_step} steps "
+          f"lost) {recovered:.2f}s later; chief attempts {cluster.role('chief-0')['attempt']}")
+    lost = [e for e in cluster.events(victim) if e["to"] == "lost"]
+    assert lost and "SIGKILL" in lost[0]["reason"]
+
+
+def test_sigkill_of_the_chief_resumes_from_the_ps(cluster_factory: Any) -> None:
+    steps = 1500
+    cluster: Cluster = cluster_factory("killchief", steps)
+    cluster.up()
+    before = cluster.wait_progress(300)
+    killed_at = sigkill(cluster.process("chief-0"))
+
+    wait_until(lambda: cluster.role("chief-0")["attempt"] == 2, timeout=30, what="the chief's restart",
+               detail=cluster.describe)
+    cluster.wait_finished()
+    result = assert_finished_with_exactly(cluster, steps)
+
+    log = (cluster.root / "logs" / "chief-0.2.log").read_text()
+    found = re.search(r"every ps holds the variables: resuming at global step (\d+)", log)
+    assert found, log
+    resumed_at = int(found.group(1))
+    assert resumed_at >= before > 0  # nothing trained before the kill was lost
+    assert "restored" not in log  # the ps kept everything: no checkpoint was needed
+    assert result["steps_this_run"] == steps - resumed_at
+    assert result["ps_restores"] == 0
+    for role in ("ps-0", "ps-1", "worker-0", "worker-1"):
+        assert cluster.role(role)["attempt"] == 1, cluster.describe()
+    running = next(e for e in cluster.events("chief-0") if e["to"] == "running" and e["attempt"] == 2)
+    back = running["time"] - killed_at
+    print(f"chief SIGKILLed at step >= {before}: resumed at {resumed_at}, running again {back:.2f}s later")
+
+
+def test_sigstop_of_a_worker_is_detected_by_heartbeat_and_the_worker_replaced(cluster_factory: Any) -> None:
+    steps = 2000
+    cluster: Cluster = cluster_factory("stopworker", steps)
+    cluster.up()
+    cluster.wait_progress(300)
+    victim = cluster.process("worker-1")
+    try:
+        stopped_at = time.time()
+        victim.suspend()  # SIGSTOP: alive to the kernel, silent to everyone else
+        lost = wait_until(
+            lambda: next((e for e in cluster.events("worker-1") if e["to"] == "lost"), None),
+            timeout=HEARTBEAT_TIMEOUT + 15, what="worker-1 to be declared lost", detail=cluster.describe,
+        )
+        detection = lost["time"] - stopped_at
+        assert "no heartbeat" in lost["reason"], lost
+        # heartbeats every 0.5s, declared lost after 3s of silence: 2.5..3 s after the stop, plus polling
+        assert HEARTBEAT_TIMEOUT - HEARTBEAT_INTERVAL - 0.3 <= detection <= HEARTBEAT_TIMEOUT + 2.0, detection
+        # the supervisor kills the hung process (SIGKILL reaches a stopped process) and starts another
+        wait_until(lambda: gone(victim), timeout=10, what="the stopped worker to be killed")
+        killed = time.time() - stopped_at
+        restarted = wait_until(
+            lambda: next((e for e in cluster.events("worker-1") if e["to"] == "running" and e["attempt"] == 2), None),
+            timeout=60, what="worker-1's second attempt to run", detail=cluster.describe,
+        )
+        back = restarted["time"] - stopped_at
+        print(f"SIGSTOP: lost after {detection:.2f}s, killed by {killed:.2f}s, replacement running after {back:.2f}s")
+    finally:
+        if not gone(victim):
+            with contextlib.suppress(psutil.Error):
+                victim.resume()
+                victim.kill()
+
+    cluster.wait_finished()
+    assert_finished_with_exactly(cluster, steps)
+    assert cluster.role("worker-1")["attempt"] == 2
+    for role in ("chief-0", "ps-0", "ps-1", "worker-0"):
+        assert cluster.role(role)["attempt"] == 1, cluster.describe()
+
+
+def test_resume_after_every_process_was_killed(cluster_factory: Any, psctl_env: PsctlEnv) -> None:
+    steps = 1500
+    cluster: Cluster = cluster_factory("killall", steps)
+    first_id = cluster.up()
+    killed_step = cluster.wait_progress(500, checkpoints=3)
+
+    # the supervisor first (so it restarts nothing), then every role, all with SIGKILL
+    supervisor = psutil.Process(cluster.state()["supervisor_pid"])
+    victims = [supervisor] + [p for p in psctl_env.processes(first_id) if p.pid != supervisor.pid]
+    assert len(victims) == 6, psctl_env.describe(victims)  # supervisor, chief, 2 ps, 2 workers
+    for proc in victims:
+        proc.send_signal(signal.SIGKILL)
+    wait_until(lambda: all(gone(p) for p in victims), timeout=15, what="every process to die")
+    assert psctl_env.processes(first_id) == []
+
+    found = latest_checkpoint(cluster.checkpoint_dir)
+    assert found is not None
+    latest_path, latest = found
+    assert 0 < latest.global_step < steps
+
+    status = cluster.status()
+    assert status["stale"] is True  # the state file says running, but its supervisor is gone
+    down = psctl_env.run("down", cluster.name, "--grace", "2")
+    assert down.returncode == 0, down.stderr
+    assert cluster.state()["state"] == "stopped"
+    assert latest_path.is_dir()  # down keeps the checkpoints
+
+    second_id = cluster.up()
+    assert second_id != first_id
+    cluster.wait_finished()
+    result = assert_finished_with_exactly(cluster, steps)
+
+    chief_log = cluster.log("chief-0")
+    restores = RESTORED.findall(chief_log)
+    assert restores == [(str(latest_path), str(latest.global_step))], chief_log
+    assert result["steps_this_run"] == steps - latest.global_step
+    print(f"every process SIGKILLed at step >= {killed_step}: resumed from checkpoint {latest.global_step}")
+    assert cluster.checkpoint_steps()[-1] == steps
