@@ -19,15 +19,17 @@ The TCP ceiling is the time for a sender process to ``sendall`` S bytes to a rec
 from __future__ import annotations
 
 import argparse
+import signal
 import socket
 import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import numpy as np
 import psutil
 
@@ -135,6 +137,109 @@ def tcp_seconds(sizes: list[int], repeats: int, warmup: int) -> dict[int, list[f
             receiver.wait()
 
 
+# -- gRPC itself -----------------------------------------------------------------------------------------
+_RAW_SERVICE = "psctlbench.Raw"
+
+
+def grpc_raw_server(port: int) -> int:
+    """A gRPC server of raw bytes (no protobuf), with psctl's server options and thread pool: Sink takes a
+    message (unary) or a stream of chunks, Source returns ``n`` bytes whole or in CHUNK_BYTES chunks."""
+    from concurrent import futures
+    from threading import Event
+
+    payloads: dict[int, bytes] = {}
+
+    def payload(request: bytes) -> bytes:
+        n = int(request.decode())
+        if n not in payloads:
+            payloads[n] = np.ones(n, dtype=np.uint8).tobytes()
+        return payloads[n]
+
+    def sink(request: bytes, context: grpc.ServicerContext) -> bytes:
+        return b""
+
+    def sink_stream(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        for _ in requests:
+            pass
+        return b""
+
+    def source(request: bytes, context: grpc.ServicerContext) -> bytes:
+        return payload(request)
+
+    def source_stream(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        view = memoryview(payload(request))
+        for offset in range(0, len(view), wire.CHUNK_BYTES):
+            yield bytes(view[offset : offset + wire.CHUNK_BYTES])
+
+    handlers = {
+        "Sink": grpc.unary_unary_rpc_method_handler(sink),
+        "SinkStream": grpc.stream_unary_rpc_method_handler(sink_stream),
+        "Source": grpc.unary_unary_rpc_method_handler(source),
+        "SourceStream": grpc.unary_stream_rpc_method_handler(source_stream),
+    }
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=wire.grpc_options())
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(_RAW_SERVICE, handlers)])
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    print(bound, flush=True)
+    stop = Event()
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: stop.set())
+    stop.wait()
+    server.stop(0)
+    return 0
+
+
+def grpc_raw_seconds(sizes: list[int], repeats: int, warmup: int) -> dict[int, dict[str, list[float]]]:
+    """Per size: seconds to send / receive the bytes over gRPC without protobuf or psctl, unary (sizes psctl
+    sends unary) and as a stream of CHUNK_BYTES pieces (what psctl streams above UNARY_MAX_BYTES)."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.pushpull", "--grpc-raw-server", "0"],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=wire.grpc_options())
+        try:
+            grpc.channel_ready_future(channel).result(timeout=30)
+            sink = channel.unary_unary(f"/{_RAW_SERVICE}/Sink")
+            sink_stream = channel.stream_unary(f"/{_RAW_SERVICE}/SinkStream")
+            source = channel.unary_unary(f"/{_RAW_SERVICE}/Source")
+            source_stream = channel.unary_stream(f"/{_RAW_SERVICE}/SourceStream")
+            out: dict[int, dict[str, list[float]]] = {}
+            for nbytes in sizes:
+                data = np.ones(nbytes, dtype=np.uint8).tobytes()
+                view = memoryview(data)
+                ask = str(nbytes).encode()
+
+                def chunks(view: memoryview = view) -> Iterator[bytes]:
+                    for offset in range(0, len(view), wire.CHUNK_BYTES):
+                        yield bytes(view[offset : offset + wire.CHUNK_BYTES])
+
+                def send_stream(chunks: Callable[[], Iterator[bytes]] = chunks) -> None:
+                    sink_stream(chunks(), timeout=120)
+
+                def recv_stream(ask: bytes = ask) -> None:
+                    for _ in source_stream(ask, timeout=120):
+                        pass
+
+                runs: dict[str, Callable[[], object]] = {"stream_send": send_stream, "stream_recv": recv_stream}
+                if nbytes <= wire.UNARY_MAX_BYTES:
+                    runs["unary_send"] = lambda data=data: sink(data, timeout=120)  # type: ignore[misc]
+                    runs["unary_recv"] = lambda ask=ask: source(ask, timeout=120)  # type: ignore[misc]
+                out[nbytes] = {name: timed(fn, repeats, warmup) for name, fn in runs.items()}
+            return out
+        finally:
+            channel.close()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
 # -- psctl ------------------------------------------------------------------------------------------------
 def variable_name(nbytes: int) -> str:
     return f"bench/v{nbytes}"
@@ -191,6 +296,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     log("measuring memcpy and the loopback tcp ceiling")
     memcpy = {n: memcpy_seconds(n, args.repeats, args.warmup) for n in sizes}
     tcp = tcp_seconds(sizes, args.repeats, args.warmup)
+    log("measuring raw gRPC (bytes, no protobuf)")
+    raw = grpc_raw_seconds(sizes, args.repeats, args.warmup)
     records = []
     with run_directory(args.run_dir) as run_dir, bench_cluster(
         run_dir, {}, num_ps=1, num_workers=0, with_chief=False, threads=args.threads
@@ -241,6 +348,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 **{k: rounded(v, 1) for k, v in rates.items()},
                 "tcp_MBps": rounded(tcp_rate, 1),
                 "memcpy_MBps": rounded(n / memcpy_s / MB, 1),
+                # gRPC alone (bytes in, bytes out, psctl's options): what psctl could reach on gRPC Python.
+                "grpc_raw_MBps": {k: rounded(n / median(v) / MB, 1) for k, v in raw[n].items()},
                 "ratio": rounded(rates["pushpull_MBps"] / tcp_rate),
                 "pull_ratio": rounded(rates["pull_MBps"] / tcp_rate),
                 "push_ratio": rounded(rates["push_MBps"] / tcp_rate),
@@ -268,6 +377,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="OMP/OPENBLAS threads of the PS (default 1)")
     parser.add_argument("--run-dir", help="keep the PS log here (default: a temp dir)")
     parser.add_argument("--tcp-receiver", type=int, metavar="MAX_BYTES", help=argparse.SUPPRESS)
+    parser.add_argument("--grpc-raw-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
@@ -278,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.tcp_receiver is not None:
         return tcp_receiver(args.tcp_receiver)
+    if args.grpc_raw_server is not None:
+        return grpc_raw_server(args.grpc_raw_server)
     install_signal_handlers()
     try:
         for record in run(args):

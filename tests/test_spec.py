@@ -71,7 +71,7 @@ MISTAKES = [
         """\
         colour: red
         """,
-        "cluster.yaml:1: colour: unknown key; expected one of: name, hosts, roles, training, supervision",
+        "cluster.yaml:1: colour: unknown key; expected one of: name, hosts, roles, training, supervision, security",
     ),
     (
         "unknown nested key",
