@@ -618,6 +618,9 @@ def test_valid_spec_is_normalised_with_defaults(tmp_path: Path) -> None:
         "log_every_seconds": 1.0,
         "eval_every_steps": 0,
         "max_evaluations": 0,
+        "replica_timeout": None,
+        "min_replicas": None,
+        "distinct_replicas": None,
     }
     assert json.loads(json.dumps(spec.training, allow_nan=False)) == spec.training
 
