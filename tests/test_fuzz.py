@@ -211,7 +211,7 @@ yaml_values = st.recursive(
         st.lists(children, max_size=4),
         st.dictionaries(st.sampled_from(SCHEMA_WORDS) | st.text(max_size=6), children, max_size=4),
     ),
-    max_leaves=12,
+    max_leaves=8,
 )
 random_documents = st.dictionaries(st.sampled_from(SCHEMA_WORDS), yaml_values, max_size=6).map(
     lambda d: yaml.safe_dump(d, sort_keys=False, allow_unicode=True)
@@ -242,7 +242,7 @@ def check_spec(text: str) -> str:
     return "planned"
 
 
-SPEC_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SPEC_SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def test_the_valid_specs_are_valid() -> None:
@@ -262,7 +262,7 @@ def test_random_yaml_documents_are_a_spec_or_a_spec_error(text: str) -> None:
     check_spec(text)
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(base=st.sampled_from(VALID), mutations=ops)
 def test_a_mutated_valid_spec_is_a_spec_or_a_spec_error(base: str, mutations: list[Op]) -> None:
     check_spec(mutate(base, mutations))
@@ -279,7 +279,7 @@ HOSTILE = (
     "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
     "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
     "e: [*d, *d, *d, *d, *d, *d, *d, *d, *d]\n",  # an alias bomb
-    "[" * 5000 + "]" * 5000,  # nesting too deep
+    "[" * 200 + "]" * 200,  # nesting too deep (PyYAML's scanner is quadratic in the depth: kept small)
     "name: !!python/object/apply:os.system [echo pwned]\n",
     LOCAL.replace("tls: true", "tls: true\n  tls: false"),  # a duplicate key
 )
@@ -617,9 +617,10 @@ def test_a_push_with_step_id_zero_or_no_chunks_is_refused(ps: Ps) -> None:
 )  # fmt: skip
 def test_huge_repeated_fields_are_refused(ps: Ps, what: str) -> None:
     if what == "many-duplicate-entries":
-        entries = [good_entry("w")] * 20_000
+        entries = [good_entry("w")] * 10_000
     elif what == "many-unknown-entries":
-        entries = [good_entry("w"), *(tensor(f"v{i}", wire.DENSE, np.zeros(1, np.float32)) for i in range(50_000))]
+        entry = tensor("v", wire.DENSE, np.zeros(1, np.float32))
+        entries = [good_entry("w")] + [pb.NamedTensor(name=f"v{i}", tensor=entry.tensor) for i in range(10_000)]
     elif what == "huge-shape-field":
         entries = [raw_tensor("w", wire.DENSE, "float32", [1] * 1_000_000, bytes(4))]
     else:
