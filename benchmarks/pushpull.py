@@ -1,5 +1,5 @@
 """Push/pull throughput of one real PS against its ceilings: loopback TCP between two plain Python processes,
-and an in-memory numpy copy. One JSON line per size.
+gRPC itself (raw bytes, no protobuf), and an in-memory numpy copy. One JSON line per size.
 
     python -m benchmarks.pushpull [--sizes 1,8,64] [--repeats 10] [--warmup 2]
 
@@ -11,14 +11,22 @@ For each size S (MiB) the PS holds a float32 variable of S MiB (created by Init,
 - push: send an S MiB dense gradient, which the PS validates and applies;
 - pushpull: one pull then one push, as a worker's step does (2 S bytes moved).
 
-The TCP ceiling is the time for a sender process to ``sendall`` S bytes to a receiver process that
-``recv_into``s them into a preallocated buffer and answers one byte; memcpy is ``np.copyto`` of S bytes.
-``ratio`` = pushpull MB/s / TCP MB/s (the issue's target: >= 0.5 at 64 MiB).
+Ceilings, measured in the same run:
+
+- tcp: a sender (this process) ``sendall``s S bytes to a receiver process that ``recv_into``s them into a
+  preallocated buffer and answers one byte; the time until that byte arrives;
+- grpc_raw: the same bytes over gRPC Python with psctl's channel and server options but no protobuf and no
+  psctl code (bytes in, bytes out), unary and as a stream of 4 MiB chunks, to a server process;
+- memcpy: ``np.copyto`` of S bytes.
+
+Every repeat runs every operation once, in turn, so that a busy machine slows all of them alike.
+``ratio`` = pushpull MB/s / tcp MB/s (the issue's target: >= 0.5 at 64 MiB).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import socket
 import struct
@@ -26,7 +34,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -52,32 +60,40 @@ from psctl.runtime import wire
 from psctl.runtime.ps_client import PsClient, PushHeader
 from psctl.runtime.wire import DENSE, Entry
 
+Op = Callable[[], object]
 _HEADER = struct.Struct("<Q")
+_RAW_SERVICE = "psctlbench.Raw"
 
 
-# -- the ceilings -----------------------------------------------------------------------------------------
-def timed(fn: Callable[[], object], repeats: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def memcpy_seconds(nbytes: int, repeats: int, warmup: int) -> list[float]:
-    src = np.ones(nbytes // 4, dtype=np.float32)
-    dst = np.empty_like(src)
-    return timed(lambda: np.copyto(dst, src), repeats, warmup)
+# -- helper processes -------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def helper(flag: str, value: int) -> Iterator[int]:
+    """Run this module with a hidden ``flag`` in its own process (group); yields the port it prints."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.pushpull", flag, str(value)],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {flag} helper exited with code {process.wait()}")
+        yield int(line)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 def tcp_receiver(max_bytes: int) -> int:
     """The receiving process: prints its port, then for each transfer (8-byte length, payload) fills a
-    preallocated buffer with recv_into and answers one byte. A length of 0 ends it."""
-    buf = bytearray(max_bytes)
-    view = memoryview(buf)
+    preallocated buffer with recv_into and answers one byte. A length of 0 (or a closed socket) ends it."""
+    view = memoryview(bytearray(max_bytes))
+    header = bytearray(_HEADER.size)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
         server.bind(("127.0.0.1", 0))
         server.listen(1)
@@ -85,7 +101,6 @@ def tcp_receiver(max_bytes: int) -> int:
         conn, _ = server.accept()
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            header = bytearray(_HEADER.size)
             while True:
                 got = 0
                 while got < _HEADER.size:
@@ -105,45 +120,9 @@ def tcp_receiver(max_bytes: int) -> int:
                 conn.sendall(b"\x01")
 
 
-def tcp_seconds(sizes: list[int], repeats: int, warmup: int) -> dict[int, list[float]]:
-    """Per size: seconds for one transfer to a receiver process, until its one-byte answer arrived."""
-    receiver = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.pushpull", "--tcp-receiver", str(max(sizes))],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
-    )
-    try:
-        assert receiver.stdout is not None
-        port = int(receiver.stdout.readline())
-        out: dict[int, list[float]] = {}
-        with socket.create_connection(("127.0.0.1", port)) as conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            ack = bytearray(1)
-            for nbytes in sizes:
-                payload = np.ones(nbytes, dtype=np.uint8)  # touched pages, like a real gradient
-
-                def send(payload: np.ndarray = payload, nbytes: int = nbytes) -> None:
-                    conn.sendall(_HEADER.pack(nbytes))
-                    conn.sendall(memoryview(payload))
-                    if conn.recv_into(ack) != 1:
-                        raise RuntimeError("the tcp receiver hung up")
-
-                out[nbytes] = timed(send, repeats, warmup)
-            conn.sendall(_HEADER.pack(0))
-        receiver.wait(timeout=10)
-        return out
-    finally:
-        if receiver.poll() is None:
-            receiver.kill()
-            receiver.wait()
-
-
-# -- gRPC itself -----------------------------------------------------------------------------------------
-_RAW_SERVICE = "psctlbench.Raw"
-
-
 def grpc_raw_server(port: int) -> int:
-    """A gRPC server of raw bytes (no protobuf), with psctl's server options and thread pool: Sink takes a
-    message (unary) or a stream of chunks, Source returns ``n`` bytes whole or in CHUNK_BYTES chunks."""
+    """A gRPC server of raw bytes with psctl's server options and thread pool: Sink takes a message (unary) or
+    a stream of chunks; Source returns ``n`` bytes whole, or as CHUNK_BYTES chunks (SourceStream)."""
     from concurrent import futures
     from threading import Event
 
@@ -189,85 +168,63 @@ def grpc_raw_server(port: int) -> int:
     return 0
 
 
-def grpc_raw_seconds(sizes: list[int], repeats: int, warmup: int) -> dict[int, dict[str, list[float]]]:
-    """Per size: seconds to send / receive the bytes over gRPC without protobuf or psctl, unary (sizes psctl
-    sends unary) and as a stream of CHUNK_BYTES pieces (what psctl streams above UNARY_MAX_BYTES)."""
-    server = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.pushpull", "--grpc-raw-server", "0"],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
-    )
-    try:
-        assert server.stdout is not None
-        port = int(server.stdout.readline())
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=wire.grpc_options())
-        try:
-            grpc.channel_ready_future(channel).result(timeout=30)
-            sink = channel.unary_unary(f"/{_RAW_SERVICE}/Sink")
-            sink_stream = channel.stream_unary(f"/{_RAW_SERVICE}/SinkStream")
-            source = channel.unary_unary(f"/{_RAW_SERVICE}/Source")
-            source_stream = channel.unary_stream(f"/{_RAW_SERVICE}/SourceStream")
-            out: dict[int, dict[str, list[float]]] = {}
-            for nbytes in sizes:
-                data = np.ones(nbytes, dtype=np.uint8).tobytes()
-                view = memoryview(data)
-                ask = str(nbytes).encode()
-
-                def chunks(view: memoryview = view) -> Iterator[bytes]:
-                    for offset in range(0, len(view), wire.CHUNK_BYTES):
-                        yield bytes(view[offset : offset + wire.CHUNK_BYTES])
-
-                def send_stream(chunks: Callable[[], Iterator[bytes]] = chunks) -> None:
-                    sink_stream(chunks(), timeout=120)
-
-                def recv_stream(ask: bytes = ask) -> None:
-                    for _ in source_stream(ask, timeout=120):
-                        pass
-
-                runs: dict[str, Callable[[], object]] = {"stream_send": send_stream, "stream_recv": recv_stream}
-                if nbytes <= wire.UNARY_MAX_BYTES:
-                    runs["unary_send"] = lambda data=data: sink(data, timeout=120)  # type: ignore[misc]
-                    runs["unary_recv"] = lambda ask=ask: source(ask, timeout=120)  # type: ignore[misc]
-                out[nbytes] = {name: timed(fn, repeats, warmup) for name, fn in runs.items()}
-            return out
-        finally:
-            channel.close()
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+# -- the operations ---------------------------------------------------------------------------------------
+def memcpy_op(nbytes: int) -> Op:
+    src = np.ones(nbytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    return lambda: np.copyto(dst, src)
 
 
-# -- psctl ------------------------------------------------------------------------------------------------
+def tcp_op(conn: socket.socket, nbytes: int) -> Op:
+    payload = np.ones(nbytes, dtype=np.uint8)  # touched pages, like a real gradient
+    ack = bytearray(1)
+
+    def send() -> None:
+        conn.sendall(_HEADER.pack(nbytes))
+        conn.sendall(memoryview(payload))
+        if conn.recv_into(ack) != 1:
+            raise RuntimeError("the tcp receiver hung up")
+
+    return send
+
+
+def grpc_raw_ops(channel: grpc.Channel, nbytes: int) -> dict[str, Op]:
+    sink = channel.unary_unary(f"/{_RAW_SERVICE}/Sink")
+    sink_stream = channel.stream_unary(f"/{_RAW_SERVICE}/SinkStream")
+    source = channel.unary_unary(f"/{_RAW_SERVICE}/Source")
+    source_stream = channel.unary_stream(f"/{_RAW_SERVICE}/SourceStream")
+    data = np.ones(nbytes, dtype=np.uint8).tobytes()
+    ask = str(nbytes).encode()
+
+    def chunks() -> Iterator[bytes]:
+        view = memoryview(data)
+        for offset in range(0, nbytes, wire.CHUNK_BYTES):
+            yield bytes(view[offset : offset + wire.CHUNK_BYTES])
+
+    def recv_stream() -> None:
+        for _ in source_stream(ask, timeout=120):
+            pass
+
+    ops: dict[str, Op] = {
+        "stream_send": lambda: sink_stream(chunks(), timeout=120),
+        "stream_recv": recv_stream,
+    }
+    if nbytes <= wire.UNARY_MAX_BYTES:  # psctl's message limit: larger ones must be streamed
+        ops["unary_send"] = lambda: sink(data, timeout=120)
+        ops["unary_recv"] = lambda: source(ask, timeout=120)
+    return ops
+
+
 def variable_name(nbytes: int) -> str:
     return f"bench/v{nbytes}"
 
 
-def cpu_seconds(process: psutil.Process) -> float:
-    times = process.cpu_times()
-    return float(times.user + times.system)
-
-
-@dataclass
-class Phase:
-    """Timed repeats of one operation, and the CPU seconds per repeat spent by the client and by the PS."""
-
-    times: list[float]
-    client_cpu: float
-    ps_cpu: float
-
-
-def pushpull_phases(
-    client: PsClient, ps: psutil.Process, nbytes: int, repeats: int, warmup: int, step_ids: list[int]
-) -> dict[str, Phase]:
+def psctl_ops(client: PsClient, nbytes: int, step_ids: list[int]) -> dict[str, Op]:
     name = variable_name(nbytes)
     elements = nbytes // 4
     grad = np.full(elements, 1e-6, dtype=np.float32)
     pull_plan = {0: [Entry(name, DENSE, np.zeros(0, dtype=np.float32))]}
     expected = {0: nbytes}
-    me = psutil.Process()
 
     def pull() -> None:
         pulled, _ = client.pull(pull_plan, expected)
@@ -278,35 +235,103 @@ def pushpull_phases(
         step_ids[0] += 1
         client.push(PushHeader(step_id=step_ids[0], task="bench:0", incarnation=1), {0: [Entry(name, DENSE, grad)]})
 
-    def both() -> None:
+    def pushpull() -> None:
         pull()
         push()
 
-    def phase(fn: Callable[[], None]) -> Phase:
-        timed(fn, 0, warmup)
-        client_cpu, ps_cpu = cpu_seconds(me), cpu_seconds(ps)
-        times = timed(fn, repeats, 0)
-        return Phase(times, (cpu_seconds(me) - client_cpu) / repeats, (cpu_seconds(ps) - ps_cpu) / repeats)
+    return {"pull": pull, "push": push, "pushpull": pushpull}
 
-    return {"pull": phase(pull), "push": phase(push), "pushpull": phase(both)}
+
+@dataclass
+class Sample:
+    """Timed repeats of one operation, and the CPU seconds spent by this process and by the PS meanwhile."""
+
+    times: list[float] = field(default_factory=list)
+    client_cpu: float = 0.0
+    ps_cpu: float = 0.0
+
+    def per_op_ms(self, seconds: float) -> float | None:
+        return rounded(seconds / max(1, len(self.times)) * 1e3, 2)
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
+def measure(ops: dict[str, Op], repeats: int, warmup: int, ps: psutil.Process) -> dict[str, Sample]:
+    """Warm every operation up, then run them in turn ``repeats`` times (interleaved)."""
+    me = psutil.Process()
+    for op in ops.values():
+        for _ in range(warmup):
+            op()
+    samples = {name: Sample() for name in ops}
+    for _ in range(repeats):
+        for name, op in ops.items():
+            client_cpu, ps_cpu = cpu_seconds(me), cpu_seconds(ps)
+            start = time.perf_counter()
+            op()
+            samples[name].times.append(time.perf_counter() - start)
+            samples[name].client_cpu += cpu_seconds(me) - client_cpu
+            samples[name].ps_cpu += cpu_seconds(ps) - ps_cpu
+    return samples
+
+
+def record(nbytes: int, samples: dict[str, Sample], args: argparse.Namespace) -> dict[str, Any]:
+    seconds = {name: median(s.times) for name, s in samples.items()}
+
+    def rate(name: str, moved: int = nbytes) -> float:
+        return moved / seconds[name] / MB
+
+    tcp = rate("tcp")
+    rates = {"pull_MBps": rate("pull"), "push_MBps": rate("push"), "pushpull_MBps": rate("pushpull", 2 * nbytes)}
+    raw = [k for k in samples if k.startswith("grpc_")]
+    return {
+        "benchmark": "pushpull",
+        "size_mib": nbytes / MIB,
+        "bytes": nbytes,
+        "rpc": "stream" if nbytes > wire.UNARY_MAX_BYTES else "unary",
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        **{k: rounded(v, 1) for k, v in rates.items()},
+        "tcp_MBps": rounded(tcp, 1),
+        "memcpy_MBps": rounded(rate("memcpy"), 1),
+        # gRPC alone (bytes in, bytes out, psctl's options): what psctl could reach on gRPC Python.
+        "grpc_raw_MBps": {k.removeprefix("grpc_"): rounded(rate(k), 1) for k in raw},
+        "ratio": rounded(rates["pushpull_MBps"] / tcp),
+        "pull_ratio": rounded(rates["pull_MBps"] / tcp),
+        "push_ratio": rounded(rates["push_MBps"] / tcp),
+        "median_ms": {k: rounded(v * 1e3, 2) for k, v in seconds.items()},
+        # CPU per operation of this process (the client) and of the PS: near the wall time means CPU bound.
+        "cpu_ms_per_op": {
+            k: {"client": samples[k].per_op_ms(samples[k].client_cpu), "ps": samples[k].per_op_ms(samples[k].ps_cpu)}
+            for k in ("pull", "push", "pushpull")
+        },
+    }
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     sizes = [int(float(s) * MIB) for s in args.sizes.split(",")]
-    log("measuring memcpy and the loopback tcp ceiling")
-    memcpy = {n: memcpy_seconds(n, args.repeats, args.warmup) for n in sizes}
-    tcp = tcp_seconds(sizes, args.repeats, args.warmup)
-    log("measuring raw gRPC (bytes, no protobuf)")
-    raw = grpc_raw_seconds(sizes, args.repeats, args.warmup)
     records = []
-    with run_directory(args.run_dir) as run_dir, bench_cluster(
-        run_dir, {}, num_ps=1, num_workers=0, with_chief=False, threads=args.threads
-    ) as cluster:
+    with contextlib.ExitStack() as stack:
+        run_dir = stack.enter_context(run_directory(args.run_dir))
+        cluster = stack.enter_context(
+            bench_cluster(run_dir, {}, num_ps=1, num_workers=0, with_chief=False, threads=args.threads)
+        )
         monitor = Monitor(cluster, poll_steps=False)
         cluster.start_all()
         monitor.start()
+        stack.callback(monitor.stop)
+        tcp_port = stack.enter_context(helper("--tcp-receiver", max(sizes)))
+        raw_port = stack.enter_context(helper("--grpc-raw-server", 0))
+        conn = stack.enter_context(socket.create_connection(("127.0.0.1", tcp_port)))
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        channel = grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=wire.grpc_options())
+        stack.callback(channel.close)
         client = PsClient(cluster.jobs["ps"], timeout=120.0)
+        stack.callback(client.close)
         try:
+            grpc.channel_ready_future(channel).result(timeout=30)
             client.wait_ready(60.0)
             specs = [
                 pb.VariableSpec(name=variable_name(n), dtype="float32", shape=[n // 4], full_shape=[n // 4],
@@ -314,59 +339,24 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for n in sizes
             ]
             client.init({0: specs}, pb.OptimizerConfig(name="sgd", learning_rate=0.01), cluster.cluster_id)
-            step_ids = [0]
             ps_process = cluster.role("ps").process
             if ps_process is None:
                 raise RuntimeError("the ps exited at once")
-            psctl: dict[int, dict[str, Phase]] = {}
+            step_ids = [0]
             for n in sizes:
-                log(f"measuring pull / push of {n / MIB:g} MiB")
-                psctl[n] = pushpull_phases(client, ps_process, n, args.repeats, args.warmup, step_ids)
+                log(f"measuring {n / MIB:g} MiB: memcpy, tcp, raw grpc, psctl pull / push (interleaved)")
+                ops: dict[str, Op] = {"memcpy": memcpy_op(n), "tcp": tcp_op(conn, n)}
+                ops.update({f"grpc_{k}": op for k, op in grpc_raw_ops(channel, n).items()})
+                ops.update(psctl_ops(client, n, step_ids))
+                samples = measure(ops, args.repeats, args.warmup, ps_process)
                 cluster.check_alive()
+                records.append(record(n, samples, args))
+            conn.sendall(_HEADER.pack(0))
         except BaseException:
             log(cluster.logs())
             raise
-        finally:
-            client.close()
-            monitor.stop()
-        for n in sizes:
-            times = {k: median(v.times) for k, v in psctl[n].items()}
-            tcp_s, memcpy_s = median(tcp[n]), median(memcpy[n])
-            rates = {
-                "pull_MBps": n / times["pull"] / MB,
-                "push_MBps": n / times["push"] / MB,
-                "pushpull_MBps": 2 * n / times["pushpull"] / MB,
-            }
-            tcp_rate = n / tcp_s / MB
-            records.append({
-                "benchmark": "pushpull",
-                "size_mib": n / MIB,
-                "bytes": n,
-                "rpc": "stream" if n > wire.UNARY_MAX_BYTES else "unary",
-                "repeats": args.repeats,
-                "warmup": args.warmup,
-                **{k: rounded(v, 1) for k, v in rates.items()},
-                "tcp_MBps": rounded(tcp_rate, 1),
-                "memcpy_MBps": rounded(n / memcpy_s / MB, 1),
-                # gRPC alone (bytes in, bytes out, psctl's options): what psctl could reach on gRPC Python.
-                "grpc_raw_MBps": {k: rounded(n / median(v) / MB, 1) for k, v in raw[n].items()},
-                "ratio": rounded(rates["pushpull_MBps"] / tcp_rate),
-                "pull_ratio": rounded(rates["pull_MBps"] / tcp_rate),
-                "push_ratio": rounded(rates["push_MBps"] / tcp_rate),
-                "median_ms": {
-                    **{k: rounded(v * 1e3, 2) for k, v in times.items()},
-                    "tcp": rounded(tcp_s * 1e3, 2),
-                    "memcpy": rounded(memcpy_s * 1e3, 2),
-                },
-                # CPU per operation, client and PS: near the wall time means CPU bound, far below means waiting.
-                "cpu_ms_per_op": {
-                    k: {"client": rounded(v.client_cpu * 1e3, 2), "ps": rounded(v.ps_cpu * 1e3, 2)}
-                    for k, v in psctl[n].items()
-                },
-                "ps_peak_rss_mb": monitor.peak_rss_mb().get("ps:0"),
-                "machine": machine(),
-            })
-    return records
+    peak = monitor.peak_rss_mb().get("ps:0")
+    return [{**r, "ps_peak_rss_mb": peak, "machine": machine()} for r in records]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -392,8 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         return grpc_raw_server(args.grpc_raw_server)
     install_signal_handlers()
     try:
-        for record in run(args):
-            emit(record)
+        for line in run(args):
+            emit(line)
     except (RuntimeError, TimeoutError, OSError) as exc:
         emit({"benchmark": "pushpull", "ok": False, "error": str(exc).splitlines()[0]})
         return 1

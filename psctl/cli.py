@@ -11,6 +11,7 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from psctl import __version__, operations
@@ -33,7 +34,8 @@ class PsctlGroup(click.Group):
         except PsctlError as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 traceback.print_exc()
-            err_console.print(f"[red]error:[/red] {exc.format_message()}", highlight=False, soft_wrap=True)
+            # escape: a path or key in the message may look like rich markup ("[red]")
+            err_console.print(f"[red]error:[/red] {escape(exc.format_message())}", highlight=False, soft_wrap=True)
             ctx.exit(exc.exit_code)
 
 

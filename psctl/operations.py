@@ -70,6 +70,11 @@ def resolve_cluster(name: str | None) -> ClusterDir:
 
 def bring_up(spec: ClusterSpec, plan: Plan, *, wait_started: float = 30.0) -> ClusterDir:
     """Persist the plan and start the cluster's supervisor; returns once the supervisor is running."""
+    if not spec.is_local:
+        raise UsageError(
+            f"{spec.path or spec.name}: hosts: launching on remote hosts over SSH is not available in this "
+            "version of psctl; remove `hosts:` (and the roles' `host`/`hosts`) to run on this machine"
+        )
     cdir = ClusterDir.named(spec.name)
     if cdir.state_file.is_file():
         old = load_state(cdir.state_file)

@@ -38,7 +38,11 @@ T = TypeVar("T")
 
 
 def wait_until(
-    condition: Callable[[], T | None], *, timeout: float, interval: float = 0.05, what: str = "condition",
+    condition: Callable[[], T | None],
+    *,
+    timeout: float,
+    interval: float = 0.05,
+    what: str = "condition",
     detail: Callable[[], str] | None = None,
 ) -> T:
     """Poll ``condition`` until it returns something truthy (returned), or fail after ``timeout`` seconds."""
@@ -174,8 +178,9 @@ class LocalCluster:
                         raise AssertionError(f"{role.task} exited with {role.popen.returncode}\n{role.log()}")
                     return self._answers(task_type, address)
 
-                wait_until(answers, timeout=timeout, interval=0.1, what=f"{task_type}:{index} to serve",
-                           detail=self.logs)
+                wait_until(
+                    answers, timeout=timeout, interval=0.1, what=f"{task_type}:{index} to serve", detail=self.logs
+                )
 
     @staticmethod
     def _answers(task_type: str, address: str) -> bool:
@@ -220,8 +225,9 @@ class LocalCluster:
         parts = []
         for role in self.started:
             text = role.log()
-            parts.append(f"----- {role.task} incarnation {role.incarnation} (pid {role.popen.pid}) -----\n"
-                         f"{text[-tail:]}")
+            parts.append(
+                f"----- {role.task} incarnation {role.incarnation} (pid {role.popen.pid}) -----\n{text[-tail:]}"
+            )
         return "\n".join(parts)
 
     # -- inspection -----------------------------------------------------------------------------------

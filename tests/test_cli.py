@@ -168,6 +168,17 @@ def test_error_message_is_printed_verbatim(
     assert_one_line_error(result, EXIT_USAGE, expected)
 
 
+@pytest.mark.parametrize("spec_path", ["specs[red]/cluster.yaml", "x[/b]/cluster.yaml"])
+def test_valid_spec_path_is_printed_verbatim(psctl_env, monkeypatch: pytest.MonkeyPatch, spec_path: str) -> None:
+    monkeypatch.chdir(psctl_env.tmp_path)
+    path = Path(spec_path)
+    path.parent.mkdir(parents=True)
+    path.write_text(GOOD, encoding="utf-8")
+    result = invoke("validate", spec_path)
+    assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
+    assert f"{spec_path}: valid (4 roles)" in flat(result.stdout)
+
+
 @pytest.mark.parametrize(
     "args",
     [["status"], ["status", "--json"], ["logs", "chief-0"], ["down"], ["events"]],

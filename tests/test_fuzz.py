@@ -268,7 +268,7 @@ def test_a_mutated_valid_spec_is_a_spec_or_a_spec_error(base: str, mutations: li
     check_spec(mutate(base, mutations))
 
 
-@SPEC_SETTINGS
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(text=structural_mutants())
 def test_a_structurally_mutated_spec_is_a_spec_or_a_spec_error(text: str) -> None:
     check_spec(text)
@@ -319,6 +319,24 @@ def test_the_command_line_never_prints_a_traceback_for_a_fuzzed_spec(tmp_path: P
     assert outcomes == {0, 2}, "the fuzzed files should include valid and invalid specs"
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: psctl/cli.py PsctlGroup.invoke prints the error message through rich markup: '[/]' in a spec "
+    "crashes the CLI with a MarkupError traceback (exit 1), '[bold]' is swallowed from the message",
+)
+@pytest.mark.parametrize("key", ["[/]", "[bold]x", "[/red]"])
+def test_a_spec_error_shows_what_the_user_wrote_verbatim(tmp_path: Path, key: str) -> None:
+    path = tmp_path / "markup.yaml"
+    path.write_text(LOCAL.replace("  evaluator: {}\n", f"  evaluator: {{}}\n  '{key}': 1\n"), encoding="utf-8")
+    result = CliRunner().invoke(cli, ["validate", str(path)])
+    output = result.stdout + result.stderr
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in output
+    assert result.exit_code == 2, (result.exit_code, output, result.exception)
+    (line,) = result.stderr.strip().splitlines()
+    assert f"roles.'{key}': unknown key" in line, line
+
+
 # =================================================================================================================
 # The parameter server's wire protocol
 # =================================================================================================================
@@ -331,8 +349,8 @@ SPECS = [
 ]
 SHAPES = {s.name: tuple(s.shape) for s in SPECS}
 DTYPES = {s.name: s.dtype for s in SPECS}
-WORKER = ("worker:0", 5)
-EMPTY = np.zeros(0, dtype=np.float32)  # a DENSE entry of a pull names a whole shard (as PsClient sends it)  # the task and incarnation of the one push applied before fuzzing
+WORKER = ("worker:0", 5)  # the task and incarnation of the one push applied before fuzzing
+EMPTY = np.zeros(0, dtype=np.float32)  # a DENSE entry of a pull names a whole shard (as PsClient sends it)
 
 
 def tensor(name: str, kind: int, array: np.ndarray) -> pb.NamedTensor:
@@ -456,7 +474,7 @@ def mangled_push_bytes(draw: st.DrawFn) -> bytes:
     return bytes(data)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(payload=st.binary(max_size=300) | mangled_push_bytes())
 def test_random_bytes_as_a_push_are_refused(ps: Ps, payload: bytes) -> None:
     # Protobuf reads many byte strings as *some* message. Ending with step_id = 0 (the last value of a field
@@ -474,7 +492,7 @@ def test_random_bytes_as_a_push_are_refused(ps: Ps, payload: bytes) -> None:
         assert code == grpc.StatusCode.INVALID_ARGUMENT
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(payload=st.binary(max_size=300))
 def test_random_bytes_to_every_other_rpc_never_crash_the_ps(ps: Ps, payload: bytes) -> None:
     before = ps.snapshot()
@@ -579,7 +597,7 @@ def bad_entries(draw: st.DrawFn) -> list[pb.NamedTensor]:
     return entries
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(entries=bad_entries(), stream=st.booleans())
 def test_malformed_pushes_are_refused_and_change_nothing(ps: Ps, entries: list[pb.NamedTensor], stream: bool) -> None:
     request = ps.push_request(*entries, increment_global_step=True)
@@ -590,7 +608,7 @@ def test_malformed_pushes_are_refused_and_change_nothing(ps: Ps, entries: list[p
         ps.refused(lambda: ps.stub.Push(request, timeout=30), grpc.StatusCode.INVALID_ARGUMENT)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pieces=st.lists(st.tuples(st.integers(-8, 64), st.integers(0, 64)), min_size=1, max_size=5))
 def test_streamed_pieces_that_do_not_tile_the_array_are_refused(ps: Ps, pieces: list[tuple[int, int]]) -> None:
     """Pieces of "w" (48 bytes of zeros) at drawn offsets and lengths: only an exact in-order tiling is valid."""
@@ -620,7 +638,7 @@ def test_huge_repeated_fields_are_refused(ps: Ps, what: str) -> None:
         entries = [good_entry("w")] * 10_000
     elif what == "many-unknown-entries":
         entry = tensor("v", wire.DENSE, np.zeros(1, np.float32))
-        entries = [good_entry("w")] + [pb.NamedTensor(name=f"v{i}", tensor=entry.tensor) for i in range(10_000)]
+        entries = [good_entry("w")] + [pb.NamedTensor(name=f"v{i}", tensor=entry.tensor) for i in range(5_000)]
     elif what == "huge-shape-field":
         entries = [raw_tensor("w", wire.DENSE, "float32", [1] * 1_000_000, bytes(4))]
     else:
@@ -658,7 +676,7 @@ def test_refused_requests_leave_a_ps_that_still_applies_valid_pushes(ps: Ps) -> 
 
 
 # -- malformed pulls and assigns -----------------------------------------------------------------------------------
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(entries=bad_entries())
 def test_malformed_pulls_are_refused_or_answered_never_crash(ps: Ps, entries: list[pb.NamedTensor]) -> None:
     request = pb.PullRequest(entries=entries)
@@ -713,3 +731,36 @@ def test_a_complete_assign_to_a_ps_without_optimizer_slots_is_applied(sgd_ps: Ps
     wire.add_entries(request.entries, (wire.Entry(n, wire.DENSE, EMPTY) for n in values))
     pulled = sgd_ps.stub.Pull(request, timeout=30)
     assert {e.name: e.tensor.data for e in pulled.entries} == {n: v.tobytes() for n, v in values.items()}
+
+
+@pytest.fixture
+def sync_ps() -> Iterator[Ps]:
+    store = VariableStore(cluster_id="fuzz-sync")
+    server, port = make_server("127.0.0.1:0", max_workers=4)
+    pb_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(store), server)
+    server.start()
+    channel = make_channel(f"127.0.0.1:{port}")
+    handle = Ps(f"127.0.0.1:{port}", store, channel, pb_grpc.ParameterServerStub(channel), iter(range(1000, 10**9)))
+    try:
+        handle.stub.Init(
+            pb.InitRequest(variables=SPECS, optimizer=pb.OptimizerConfig(name="sgd", learning_rate=0.1),
+                           cluster_id="fuzz-sync", replicas_to_aggregate=2),
+            timeout=30,
+        )  # fmt: skip
+        yield handle
+    finally:
+        channel.close()
+        server.stop(grace=None).wait(timeout=10)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: VariableStore.push (psctl/runtime/ps.py) records the pushing task's incarnation before "
+    "_push_sync refuses a gradient for a future step, so a refused push fences the task's real incarnation",
+)
+def test_a_refused_synchronous_push_does_not_fence_anyone(sync_ps: Ps) -> None:
+    bogus = sync_ps.push_request(good_entry("w"), incarnation=10**12, local_step=99)
+    sync_ps.refused(lambda: sync_ps.stub.Push(bogus, timeout=30), grpc.StatusCode.INVALID_ARGUMENT)
+    # The refused push must not have changed anything, the fencing table included: the worker's own push works.
+    reply = sync_ps.stub.Push(sync_ps.push_request(good_entry("w"), local_step=0), timeout=30)
+    assert reply.applied

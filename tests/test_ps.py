@@ -26,8 +26,14 @@ CLUSTER = "test-cluster"
 W = pb.VariableSpec(name="w", dtype="float32", shape=[4, 3], full_shape=[4, 3], initializer="glorot_uniform", seed=11)
 # the second shard of a 10-row embedding: rows 5..9 of the whole variable's initial values
 EMB = pb.VariableSpec(
-    name="emb/part_1", dtype="float32", shape=[5, 2], full_shape=[10, 2], row_offset=5, initializer="normal",
-    init_scale=0.5, seed=22,
+    name="emb/part_1",
+    dtype="float32",
+    shape=[5, 2],
+    full_shape=[10, 2],
+    row_offset=5,
+    initializer="normal",
+    init_scale=0.5,
+    seed=22,
 )
 B = pb.VariableSpec(name="b", dtype="float64", shape=[3], full_shape=[3], initializer="ones", seed=33)
 SPECS = [W, EMB, B]
@@ -94,8 +100,9 @@ def initial_value(spec: pb.VariableSpec) -> np.ndarray:
     )
 
 
-def init(ps: Ps, specs: Sequence[pb.VariableSpec] = SPECS, optimizer: pb.OptimizerConfig = SGD,
-         cluster_id: str = CLUSTER) -> pb.InitResponse:
+def init(
+    ps: Ps, specs: Sequence[pb.VariableSpec] = SPECS, optimizer: pb.OptimizerConfig = SGD, cluster_id: str = CLUSTER
+) -> pb.InitResponse:
     return ps.stub.Init(pb.InitRequest(variables=list(specs), optimizer=optimizer, cluster_id=cluster_id), timeout=30)
 
 
@@ -104,8 +111,17 @@ def pull_dense(ps: Ps, names: Sequence[str] = ("w", "emb/part_1", "b")) -> dict[
     return {e.name: np.array(e.array) for e in pulled[0]}
 
 
-def push(ps: Ps, step_id: int, entries: Sequence[Entry], *, increment: bool = True, task: str = "worker:0",
-         incarnation: int = 1, shard: int = -1, position: int = -1) -> pb.PushResponse:
+def push(
+    ps: Ps,
+    step_id: int,
+    entries: Sequence[Entry],
+    *,
+    increment: bool = True,
+    task: str = "worker:0",
+    incarnation: int = 1,
+    shard: int = -1,
+    position: int = -1,
+) -> pb.PushResponse:
     header = PushHeader(step_id=step_id, task=task, incarnation=incarnation, shard=shard, position=position)
     return ps.client.push(header, {0: list(entries)}, increment_on=0 if increment else None)[0]
 
@@ -175,8 +191,13 @@ def test_init_creates_initializer_values_and_reinit_is_idempotent(ps: Ps) -> Non
         [pb.VariableSpec(name="w", dtype="float32", shape=[3, 4], initializer="zeros"), EMB, B],
         [W, EMB],
         [W, EMB, B, pb.VariableSpec(name="extra", dtype="float32", shape=[1], initializer="zeros")],
-        [pb.VariableSpec(name="w", dtype="float64", shape=[4, 3], full_shape=[4, 3],
-                         initializer="glorot_uniform", seed=11), EMB, B],
+        [
+            pb.VariableSpec(
+                name="w", dtype="float64", shape=[4, 3], full_shape=[4, 3], initializer="glorot_uniform", seed=11
+            ),
+            EMB,
+            B,
+        ],
     ],
     ids=["other-shape", "fewer", "more", "other-dtype"],
 )
@@ -354,9 +375,13 @@ def _raw_push(*pieces: pb.NamedTensor, step_id: int = BAD_STEP) -> Callable[[Ps]
 def _stream_push(chunks: list[list[pb.NamedTensor]]) -> Callable[[Ps], object]:
     def call(ps: Ps) -> object:
         parts = [
-            pb.PushChunk(part=pb.PushRequest(step_id=BAD_STEP, task="worker:0", incarnation=1,
-                                             increment_global_step=True, entries=group) if i == 0
-                         else pb.PushRequest(entries=group))
+            pb.PushChunk(
+                part=pb.PushRequest(
+                    step_id=BAD_STEP, task="worker:0", incarnation=1, increment_global_step=True, entries=group
+                )
+                if i == 0
+                else pb.PushRequest(entries=group)
+            )
             for i, group in enumerate(chunks)
         ]
         return ps.stub.PushStream(iter(parts), timeout=30)
@@ -375,8 +400,9 @@ def _pull(entries: list[Entry], stream: bool = False) -> Callable[[Ps], object]:
     return call
 
 
-def _piece(name: str, dtype: str, shape: list[int], data: bytes, *, kind: int = DENSE, offset: int = 0
-           ) -> pb.NamedTensor:
+def _piece(
+    name: str, dtype: str, shape: list[int], data: bytes, *, kind: int = DENSE, offset: int = 0
+) -> pb.NamedTensor:
     return pb.NamedTensor(name=name, kind=kind, tensor=pb.Tensor(dtype=dtype, shape=shape, data=data, offset=offset))
 
 
@@ -392,8 +418,7 @@ W_PIECES = _pieces(GOOD_W, 16)  # 48 bytes -> offsets 0, 16, 32
 #: name -> (the refused call, the status code it must get)
 REFUSALS: dict[str, tuple[Callable[[Ps], object], grpc.StatusCode]] = {
     "unknown-variable": (_push_entries([Entry("nope", DENSE, w_grad())]), grpc.StatusCode.INVALID_ARGUMENT),
-    "wrong-dtype": (_push_entries([Entry("w", DENSE, w_grad().astype(np.float64))]),
-                    grpc.StatusCode.INVALID_ARGUMENT),
+    "wrong-dtype": (_push_entries([Entry("w", DENSE, w_grad().astype(np.float64))]), grpc.StatusCode.INVALID_ARGUMENT),
     "wrong-shape": (_push_entries([Entry("w", DENSE, w_grad().reshape(3, 4))]), grpc.StatusCode.INVALID_ARGUMENT),
     "wrong-rank": (_push_entries([Entry("w", DENSE, w_grad().reshape(12))]), grpc.StatusCode.INVALID_ARGUMENT),
     "ids-out-of-range": (
@@ -405,8 +430,12 @@ REFUSALS: dict[str, tuple[Callable[[Ps], object], grpc.StatusCode]] = {
         grpc.StatusCode.INVALID_ARGUMENT,
     ),
     "huge-uint64-ids": (
-        _push_entries([Entry(EMB_IDS, IDS, np.array([2**64 - 1], dtype=np.uint64)),
-                       Entry(EMB_IDS, ROWS, np.ones((1, 2), np.float32))]),
+        _push_entries(
+            [
+                Entry(EMB_IDS, IDS, np.array([2**64 - 1], dtype=np.uint64)),
+                Entry(EMB_IDS, ROWS, np.ones((1, 2), np.float32)),
+            ]
+        ),
         grpc.StatusCode.INVALID_ARGUMENT,
     ),
     "float-ids": (
@@ -418,8 +447,10 @@ REFUSALS: dict[str, tuple[Callable[[Ps], object], grpc.StatusCode]] = {
         grpc.StatusCode.INVALID_ARGUMENT,
     ),
     "ids-without-rows": (_push_entries([Entry(EMB_IDS, IDS, np.array([1]))]), grpc.StatusCode.INVALID_ARGUMENT),
-    "rows-without-ids": (_push_entries([Entry(EMB_IDS, ROWS, np.ones((1, 2), np.float32))]),
-                         grpc.StatusCode.INVALID_ARGUMENT),
+    "rows-without-ids": (
+        _push_entries([Entry(EMB_IDS, ROWS, np.ones((1, 2), np.float32))]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
     "rows-count-mismatch": (
         _push_entries([Entry(EMB_IDS, IDS, np.array([1, 2])), Entry(EMB_IDS, ROWS, np.ones((3, 2), np.float32))]),
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -429,11 +460,14 @@ REFUSALS: dict[str, tuple[Callable[[Ps], object], grpc.StatusCode]] = {
         grpc.StatusCode.INVALID_ARGUMENT,
     ),
     "nan-gradient": (_push_entries([NAN_W]), grpc.StatusCode.INVALID_ARGUMENT),
-    "inf-float64-gradient": (_push_entries([Entry("b", DENSE, np.array([0.0, np.inf, 1.0]))]),
-                             grpc.StatusCode.INVALID_ARGUMENT),
+    "inf-float64-gradient": (
+        _push_entries([Entry("b", DENSE, np.array([0.0, np.inf, 1.0]))]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
     "nan-sparse-rows": (
-        _push_entries([Entry(EMB_IDS, IDS, np.array([1])),
-                       Entry(EMB_IDS, ROWS, np.array([[np.nan, 0.0]], np.float32))]),
+        _push_entries(
+            [Entry(EMB_IDS, IDS, np.array([1])), Entry(EMB_IDS, ROWS, np.array([[np.nan, 0.0]], np.float32))]
+        ),
         grpc.StatusCode.INVALID_ARGUMENT,
     ),
     # atomicity: a good gradient beside a bad one is not applied either
@@ -441,24 +475,36 @@ REFUSALS: dict[str, tuple[Callable[[Ps], object], grpc.StatusCode]] = {
         _push_entries([GOOD_W, Entry(EMB_IDS, IDS, np.array([9])), Entry(EMB_IDS, ROWS, np.ones((1, 2), np.float32))]),
         grpc.StatusCode.INVALID_ARGUMENT,
     ),
-    "good-and-nan-together": (_push_entries([GOOD_W, Entry("b", DENSE, np.array([np.nan, 0.0, 0.0]))]),
-                              grpc.StatusCode.INVALID_ARGUMENT),
+    "good-and-nan-together": (
+        _push_entries([GOOD_W, Entry("b", DENSE, np.array([np.nan, 0.0, 0.0]))]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
     "step-id-zero": (_push_entries([GOOD_W], step_id=0), grpc.StatusCode.INVALID_ARGUMENT),
     "step-id-zero-empty": (_push_entries([], step_id=0), grpc.StatusCode.INVALID_ARGUMENT),
-    "gradient-twice": (_raw_push(_piece("w", "float32", [4, 3], GOOD_W.array.tobytes()),
-                                 _piece("w", "float32", [4, 3], GOOD_W.array.tobytes())),
-                       grpc.StatusCode.INVALID_ARGUMENT),
+    "gradient-twice": (
+        _raw_push(
+            _piece("w", "float32", [4, 3], GOOD_W.array.tobytes()),
+            _piece("w", "float32", [4, 3], GOOD_W.array.tobytes()),
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
     "short-data": (_raw_push(_piece("w", "float32", [4, 3], b"\0" * 44)), grpc.StatusCode.INVALID_ARGUMENT),
     "unknown-wire-dtype": (_raw_push(_piece("w", "complex64", [4, 3], b"\0" * 96)), grpc.StatusCode.INVALID_ARGUMENT),
-    "unknown-kind": (_raw_push(_piece("w", "float32", [4, 3], GOOD_W.array.tobytes(), kind=5)),
-                     grpc.StatusCode.INVALID_ARGUMENT),
+    "unknown-kind": (
+        _raw_push(_piece("w", "float32", [4, 3], GOOD_W.array.tobytes(), kind=5)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
     "negative-dim": (_raw_push(_piece("w", "float32", [-4, -3], b"")), grpc.StatusCode.INVALID_ARGUMENT),
     "oversize-shape": (_raw_push(_piece("w", "float32", [1 << 40, 1 << 40], b"")), grpc.StatusCode.INVALID_ARGUMENT),
-    "oversize-zero-size-shape": (_raw_push(_piece("w", "float32", [0, 1 << 62], b"")),
-                                 grpc.StatusCode.INVALID_ARGUMENT),
+    "oversize-zero-size-shape": (
+        _raw_push(_piece("w", "float32", [0, 1 << 62], b"")),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
     "rank-9": (_raw_push(_piece("w", "float32", [1] * 9, b"\0" * 4)), grpc.StatusCode.INVALID_ARGUMENT),
-    "stream-out-of-order": (_stream_push([[W_PIECES[0]], [W_PIECES[2]], [W_PIECES[1]]]),
-                            grpc.StatusCode.INVALID_ARGUMENT),
+    "stream-out-of-order": (
+        _stream_push([[W_PIECES[0]], [W_PIECES[2]], [W_PIECES[1]]]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
     "stream-missing-piece": (_stream_push([[W_PIECES[0]], [W_PIECES[1]]]), grpc.StatusCode.INVALID_ARGUMENT),
     "stream-shape-disagrees": (
         _stream_push([[W_PIECES[0]], [_piece("w", "float32", [3, 4], b"\0" * 16, offset=16)], [W_PIECES[2]]]),
@@ -467,8 +513,10 @@ REFUSALS: dict[str, tuple[Callable[[Ps], object], grpc.StatusCode]] = {
     "stream-empty": (_stream_push([]), grpc.StatusCode.INVALID_ARGUMENT),
     "stream-nan": (_stream_push([[p] for p in _pieces(NAN_W, 16)]), grpc.StatusCode.INVALID_ARGUMENT),
     "pull-unknown-variable": (_pull([Entry("nope", DENSE, EMPTY)]), grpc.StatusCode.INVALID_ARGUMENT),
-    "pull-stream-unknown-variable": (_pull([Entry("nope", DENSE, EMPTY)], stream=True),
-                                     grpc.StatusCode.INVALID_ARGUMENT),
+    "pull-stream-unknown-variable": (
+        _pull([Entry("nope", DENSE, EMPTY)], stream=True),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
     "pull-ids-out-of-range": (_pull([Entry(EMB_IDS, IDS, np.array([5]))]), grpc.StatusCode.INVALID_ARGUMENT),
     "pull-negative-ids": (_pull([Entry(EMB_IDS, IDS, np.array([-1]))]), grpc.StatusCode.INVALID_ARGUMENT),
     "pull-float-ids": (_pull([Entry(EMB_IDS, IDS, np.array([0.0]))]), grpc.StatusCode.INVALID_ARGUMENT),
@@ -484,8 +532,13 @@ def test_bad_request_is_refused_and_changes_nothing(ps: Ps, case: str) -> None:
     call, code = REFUSALS[case]
     init(ps, optimizer=ADAM)  # Adam: slots (m, v) and a step counter (t) that a leaked update would move
     # some history first, so that counters, step ids and slots are not all zero
-    assert push(ps, 1, [GOOD_W, Entry(EMB_IDS, IDS, np.array([2])),
-                        Entry(EMB_IDS, ROWS, np.ones((1, 2), np.float32))], shard=0, position=0).applied
+    assert push(
+        ps,
+        1,
+        [GOOD_W, Entry(EMB_IDS, IDS, np.array([2])), Entry(EMB_IDS, ROWS, np.ones((1, 2), np.float32))],
+        shard=0,
+        position=0,
+    ).applied
     assert push(ps, 1, [GOOD_W]).applied is False
     before = snapshot(ps)
 

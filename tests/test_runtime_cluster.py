@@ -178,8 +178,15 @@ def test_wide_embedding_sharded_over_both_ps_learns(make_cluster: MakeCluster) -
         assert state.initialized
         name = f"emb/table/part_{i}"
         value = _pull_dense(cluster.jobs["ps"][i], name)
-        start = initialize("normal", tuple(half), "float32", full_shape=(EMB_VOCAB, EMB_DIM),
-                           row_offset=i * half[0], seed=seed, scale=0.01)
+        start = initialize(
+            "normal",
+            tuple(half),
+            "float32",
+            full_shape=(EMB_VOCAB, EMB_DIM),
+            row_offset=i * half[0],
+            seed=seed,
+            scale=0.01,
+        )
         changed = np.any(value != start, axis=1)
         assert changed.mean() > 0.99, f"{name}: only {changed.sum()} of {half[0]} rows were updated"
 
@@ -241,7 +248,9 @@ def test_worker_killed_mid_training_is_replaced_without_losing_or_repeating_a_st
     # and new ones. (At most one push of worker 0 can still have been in flight when it was stopped.)
     wait_until(
         lambda: (cluster.global_step() or 0) >= killed_at.global_step + 20,
-        timeout=60, what="the restarted worker to run steps", detail=cluster.logs,
+        timeout=60,
+        what="the restarted worker to run steps",
+        detail=cluster.logs,
     )
     resumed_at = cluster.ps_state(0)
     cluster.send_signal("worker", 0, signal.SIGCONT)

@@ -226,9 +226,19 @@ def _piece(name: str, tensor: pb.Tensor, kind: int = DENSE) -> pb.NamedTensor:
         (_tensor("float32", (1,) * (wire.MAX_RANK + 1)), "rank 9 exceeds"),
     ],
     ids=[
-        "complex", "object", "unicode", "no-dtype", "negative-dim", "too-few-bytes", "too-many-bytes",
-        "scalar-without-data", "offset-on-whole", "product-over-limit", "one-dim-over-limit",
-        "product-over-int64", "rank-9",
+        "complex",
+        "object",
+        "unicode",
+        "no-dtype",
+        "negative-dim",
+        "too-few-bytes",
+        "too-many-bytes",
+        "scalar-without-data",
+        "offset-on-whole",
+        "product-over-limit",
+        "one-dim-over-limit",
+        "product-over-int64",
+        "rank-9",
     ],
 )
 def test_malformed_tensor_is_refused(tensor: pb.Tensor, message: str) -> None:
