@@ -55,7 +55,7 @@ def validate(spec: str) -> None:
     """Check a cluster spec and print the plan (which role runs where)."""
     _spec, plan = operations.plan_spec(spec)
     console.print(plan_table(plan))
-    console.print(f"[green]{spec}: valid[/green] ({len(plan.instances)} roles)")
+    console.print(f"[green]{escape(spec)}: valid[/green] ({len(plan.instances)} roles)")
 
 
 @cli.command()
@@ -72,14 +72,15 @@ def up(spec: str, detach: bool, dry_run: bool) -> None:
     cdir = operations.bring_up(cluster_spec, plan)
     name = cluster_spec.name
     if detach:
-        console.print(f"cluster {name!r} is starting; watch it with `psctl status {name}`")
+        console.print(f"cluster {name!r} is starting; watch it with `psctl status {name}`", markup=False)
         return
     try:
         record = _watch(cdir)
     except KeyboardInterrupt:
         console.print(
             f"\ndetached: cluster {name!r} keeps running. `psctl status {name}`, `psctl logs ROLE {name}`, "
-            f"`psctl down {name}`"
+            f"`psctl down {name}`",
+            markup=False,
         )
         return
     _finish_line(cdir, record)
@@ -122,12 +123,12 @@ def _finish_line(cdir: ClusterDir, record: Any) -> None:
         where = result.get("checkpoint") or "no checkpoint configured"
         console.print(
             f"[bold green]training finished[/bold green]: {result.get('global_step', '?')} steps in "
-            f"{result.get('seconds', 0):.1f}s; {shown}; checkpoint: {where}",
+            f"{result.get('seconds', 0):.1f}s; {shown}; checkpoint: {escape(str(where))}",
             highlight=False,
         )
         return
     if record.state == ClusterState.STOPPED:
-        console.print(f"cluster {record.name!r} was stopped: {record.reason}")
+        console.print(f"cluster {record.name!r} was stopped: {record.reason}", markup=False)
         return
     raise TrainingFailed(f"cluster {record.name!r} failed: {record.reason}",
                          hint=f"logs in {cdir.logs}")
@@ -198,7 +199,7 @@ def down(name: str | None, grace: float, purge: bool) -> None:
     report = operations.tear_down(cdir, grace=grace, purge=purge)
     what = f"stopped {report.stopped} process(es)" if report.stopped else "nothing was running"
     kept = "logs and state deleted" if purge else f"logs kept in {cdir.logs}"
-    console.print(f"cluster {cdir.name!r}: {what}; no process of it is left; {kept}")
+    console.print(f"cluster {cdir.name!r}: {what}; no process of it is left; {kept}", markup=False)
 
 
 @cli.command()
@@ -227,7 +228,7 @@ def export(name: str | None, checkpoint: str | None, out: str) -> None:
     path, snapshot = operations.find_snapshot(name, checkpoint)
     written = export_arrays(snapshot, out)
     shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in snapshot.variables.items())
-    console.print(f"exported {path.name} (global step {snapshot.global_step}) to {written}: {shapes}",
+    console.print(f"exported {path.name} (global step {snapshot.global_step}) to {written}: {shapes}", markup=False,
                   highlight=False)
 
 

@@ -2,8 +2,9 @@
 
 Every role is its own process in its own session (so its whole process group can be killed), logging to its
 own file under the run directory. :meth:`LocalCluster.close` stops everything it ever started, escalating
-from SIGTERM to SIGKILL of the process group, and then checks with psutil that nothing survived; use it
-through :func:`local_cluster` (a context manager) or a fixture's ``finally``.
+from SIGTERM to SIGKILL of the process group, and then checks with psutil that nothing of the cluster
+survived (killing and reporting anything that did); use it through :func:`local_cluster` (a context
+manager) or a fixture's ``finally``.
 
 Ports are reserved by binding port 0 with ``SO_REUSEPORT`` and keeping the socket open (not listening) for
 the cluster's lifetime: gRPC servers bind with ``SO_REUSEPORT`` too, so the role can listen on the port while
@@ -203,15 +204,16 @@ class LocalCluster:
         return self.current[(task_type, index)]
 
     def send_signal(self, task_type: str, index: int, sig: int) -> None:
-        """Send ``sig`` to a role's whole process group (SIGSTOP / SIGCONT to pause and resume it)."""
-        os.killpg(self.current[(task_type, index)].popen.pid, sig)
+        """Send ``sig`` to a running role's whole process group (SIGSTOP / SIGCONT pause and resume it)."""
+        role = self.current[(task_type, index)]
+        if role.popen.poll() is not None:
+            raise AssertionError(f"{role.task} already exited with {role.popen.returncode}\n{role.log()}")
+        os.killpg(role.popen.pid, sig)
 
     def kill(self, task_type: str, index: int, sig: int = signal.SIGKILL, timeout: float = 10.0) -> None:
-        """Signal a role's process group and wait until the process is gone (reaped)."""
-        role = self.current[(task_type, index)]
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(role.popen.pid, sig)
-        role.popen.wait(timeout=timeout)
+        """Signal a running role's process group and wait until the process is gone (reaped)."""
+        self.send_signal(task_type, index, sig)
+        self.current[(task_type, index)].popen.wait(timeout=timeout)
 
     def wait_for_exit(self, task_type: str, index: int = 0, *, timeout: float) -> int:
         role = self.current[(task_type, index)]
@@ -257,10 +259,13 @@ class LocalCluster:
 
     # -- teardown -------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop every process ever started, then verify with psutil that none of them (or their groups) live."""
+        """Stop every process ever started, then verify with psutil that none of them (nor anything they
+        started) is left; anything found is killed and reported as a failure."""
         for channel in self._channels.values():
             channel.close()
         self._channels.clear()
+        # Signals go to a role's group only while its leader is our unreaped child, so the group id is
+        # certainly still ours (a reaped leader's pid could have been reused).
         live = [r for r in reversed(self.started) if r.popen.poll() is None]
         for role in live:
             with contextlib.suppress(ProcessLookupError):
@@ -270,34 +275,41 @@ class LocalCluster:
         for role in live:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 role.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-        # SIGKILL every group, also those whose leader already exited (a child might linger in it).
         for role in self.started:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(role.popen.pid, signal.SIGKILL)
-        for role in self.started:
+            if role.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(role.popen.pid, signal.SIGKILL)
             role.popen.wait(timeout=10)
         for sock in self._reservations:
             sock.close()
         self._reservations.clear()
         survivors = self.survivors()
+        for proc in survivors:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+                proc.wait(timeout=10)
         if survivors:
-            raise AssertionError(f"processes survived the cluster's teardown: {survivors}")
+            raise AssertionError(f"processes of this cluster survived its teardown: {[p.pid for p in survivors]}")
 
-    def survivors(self) -> list[str]:
-        groups = {r.popen.pid for r in self.started}
-        found = []
-        for proc in psutil.process_iter(["pid", "status"]):
-            try:
-                if proc.info["status"] == psutil.STATUS_ZOMBIE and proc.ppid() != os.getpid():
-                    continue  # someone else's zombie, not ours to reap
-                if os.getpgid(proc.pid) in groups:
-                    found.append(f"pid {proc.pid} in group {os.getpgid(proc.pid)} ({proc.info['status']})")
-            except (psutil.NoSuchProcess, ProcessLookupError, psutil.AccessDenied):
-                continue
+    def survivors(self) -> list[psutil.Process]:
+        """Live processes of this cluster: the roles themselves, and any process carrying this cluster's
+        PSCTL_CLUSTER (which is how a child of a role would show up)."""
+        marker = json.dumps(str(self.run_dir))
+        found: dict[int, psutil.Process] = {}
         for role in self.started:
             if role.process is not None and role.process.is_running():
-                found.append(f"{role.task} pid {role.popen.pid}")
-        return sorted(set(found))
+                found[role.process.pid] = role.process
+        for proc in psutil.process_iter():
+            if proc.pid == os.getpid():
+                continue
+            try:
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                if marker in proc.environ().get("PSCTL_CLUSTER", ""):
+                    found[proc.pid] = proc
+            except psutil.Error:
+                continue
+        return list(found.values())
 
 
 @contextlib.contextmanager
