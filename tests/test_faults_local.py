@@ -310,8 +310,9 @@ def test_sigstop_of_a_worker_is_detected_by_heartbeat_and_the_worker_replaced(cl
         )
         detection = lost["time"] - stopped_at
         assert "no heartbeat" in lost["reason"], lost
-        # heartbeats every 0.5s, declared lost after 3s of silence: 2.5..3 s after the stop, plus polling
-        assert HEARTBEAT_TIMEOUT - HEARTBEAT_INTERVAL - 0.3 <= detection <= HEARTBEAT_TIMEOUT + 2.0, detection
+        # heartbeats every 0.5s, declared lost after 3s of silence: 2.5..3 s after the stop, plus polling (and
+        # some slack below for a heartbeat that was itself late)
+        assert HEARTBEAT_TIMEOUT - 2 * HEARTBEAT_INTERVAL <= detection <= HEARTBEAT_TIMEOUT + 2.0, detection
         # the supervisor kills the hung process (SIGKILL reaches a stopped process) and starts another
         wait_until(lambda: gone(victim), timeout=10, what="the stopped worker to be killed")
         killed = time.time() - stopped_at

@@ -319,13 +319,9 @@ def test_the_command_line_never_prints_a_traceback_for_a_fuzzed_spec(tmp_path: P
     assert outcomes == {0, 2}, "the fuzzed files should include valid and invalid specs"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: psctl/cli.py PsctlGroup.invoke prints the error message through rich markup: '[/]' in a spec "
-    "crashes the CLI with a MarkupError traceback (exit 1), '[bold]' is swallowed from the message",
-)
 @pytest.mark.parametrize("key", ["[/]", "[bold]x", "[/red]"])
 def test_a_spec_error_shows_what_the_user_wrote_verbatim(tmp_path: Path, key: str) -> None:
+    """Spec text that looks like rich markup is printed as written (it once crashed the CLI with MarkupError)."""
     path = tmp_path / "markup.yaml"
     path.write_text(LOCAL.replace("  evaluator: {}\n", f"  evaluator: {{}}\n  '{key}': 1\n"), encoding="utf-8")
     result = CliRunner().invoke(cli, ["validate", str(path)])
@@ -669,7 +665,8 @@ def test_an_oversized_message_is_refused_by_size(ps: Ps) -> None:
 
 
 def test_refused_requests_leave_a_ps_that_still_applies_valid_pushes(ps: Ps) -> None:
-    # Last in the module on purpose: this one changes the PS, after everything above was refused.
+    # This one changes the shared PS; every other check here compares the PS before and after one request of its
+    # own, so none depends on the order the tests run in.
     before = ps.store.applied_updates
     reply = ps.stub.Push(ps.push_request(good_entry("w"), increment_global_step=True), timeout=30)
     assert reply.applied and ps.store.applied_updates == before + 1

@@ -132,7 +132,12 @@ def test_mlp_on_digits_trains_to_accuracy_with_each_step_applied_once(make_clust
 
 
 # -- (b) ------------------------------------------------------------------------------------------------
-EMB_VOCAB, EMB_DIM = 1000, 8
+DATA_VOCAB, MODEL_VOCAB, EMB_DIM = 1000, 1200, 8
+#: 10 ids per example from 1000: each id is seen ~80 times per epoch of the 8000 training examples, so
+#: per-id weights can be learnt (with the default 100000 ids they cannot).
+EMB_DATA = {"name": "synthetic_embedding", "num_examples": 10000, "vocab_size": DATA_VOCAB, "ids_per_example": 10}
+#: The table has 200 rows more than the data uses: rows 1000..1199 (the end of part_1) are never touched.
+EMB_ARGS = {"dim": EMB_DIM, "vocab_size": MODEL_VOCAB}
 
 
 @pytest.mark.timeout(120)
@@ -140,10 +145,8 @@ def test_wide_embedding_sharded_over_both_ps_learns(make_cluster: MakeCluster) -
     steps = 400
     training = {
         "program": "psctl.models.wide_embedding",
-        # 10 ids per example from a vocabulary of 1000: each id is seen ~80 times per epoch of the 8000
-        # training examples, so per-id weights can be learnt (with the default 100000 ids they cannot).
-        "data": {"name": "synthetic_embedding", "num_examples": 10000, "vocab_size": EMB_VOCAB, "ids_per_example": 10},
-        "args": {"dim": EMB_DIM},
+        "data": EMB_DATA,
+        "args": EMB_ARGS,
         "steps": steps,
         "batch_size": 100,
         "optimizer": {"name": "adam", "learning_rate": 0.01},
@@ -156,9 +159,9 @@ def test_wide_embedding_sharded_over_both_ps_learns(make_cluster: MakeCluster) -
     result = run_to_completion(cluster, timeout=90)
 
     # Threshold: the same model, data and optimizer trained in-process (one process, synchronous,
-    # full-table numpy) reaches test accuracy 0.915 after 300 steps and 0.932 after 600; an untrained model
-    # scores ~0.5 (balanced labels). 0.85 leaves ~0.07 for asynchronous staleness with two workers while
-    # still failing clearly if sparse updates were lost, misrouted or applied to the wrong rows.
+    # full-table numpy) reaches test accuracy 0.915 after 300 steps and 0.932 after 600 (0.93-0.94 here
+    # across runs); an untrained model scores ~0.5 (balanced labels). 0.85 leaves room for asynchronous
+    # staleness with two workers while still failing clearly if sparse updates were lost or misrouted.
     assert result["metrics"]["accuracy"] >= 0.85, result
     assert result["metrics"]["auc"] >= 0.9, result
     assert result["global_step"] == steps
@@ -166,29 +169,33 @@ def test_wide_embedding_sharded_over_both_ps_learns(make_cluster: MakeCluster) -
     states = assert_each_step_applied_once_everywhere(cluster, steps)
     assert_batches_consumed_exactly(states[0], steps, workers=2)
     shapes = [{v.name: list(v.shape) for v in s.variables} for s in states]
-    half = [EMB_VOCAB // 2, EMB_DIM]
+    half = MODEL_VOCAB // 2
     # the fixed partitioner splits every variable with at least two rows (as TensorFlow's does), and the
     # shards are placed round-robin in creation order: emb parts 0/1, head/kernel parts 0/1, head/bias
-    assert shapes[0] == {"emb/table/part_0": half, "head/kernel/part_0": [EMB_DIM // 2, 1], "head/bias": [1]}
-    assert shapes[1] == {"emb/table/part_1": half, "head/kernel/part_1": [EMB_DIM // 2, 1]}
+    assert shapes[0] == {"emb/table/part_0": [half, EMB_DIM], "head/kernel/part_0": [EMB_DIM // 2, 1], "head/bias": [1]}
+    assert shapes[1] == {"emb/table/part_1": [half, EMB_DIM], "head/kernel/part_1": [EMB_DIM // 2, 1]}
 
-    # both halves of the table were really trained: pull each part and compare with its initial values
+    # Each part was trained where the data's ids fall, and nowhere else: pull both parts and compare them
+    # with their initial values (rows >= 1000 of the whole table never appear in a batch).
     seed = _table_seed()
-    for i, state in enumerate(states):
-        assert state.initialized
+    used = DATA_VOCAB - half  # rows of part_1 that the data's ids reach
+    for i in range(2):
         name = f"emb/table/part_{i}"
         value = _pull_dense(cluster.jobs["ps"][i], name)
         start = initialize(
             "normal",
-            tuple(half),
+            (half, EMB_DIM),
             "float32",
-            full_shape=(EMB_VOCAB, EMB_DIM),
-            row_offset=i * half[0],
+            full_shape=(MODEL_VOCAB, EMB_DIM),
+            row_offset=i * half,
             seed=seed,
             scale=0.01,
         )
         changed = np.any(value != start, axis=1)
-        assert changed.mean() > 0.99, f"{name}: only {changed.sum()} of {half[0]} rows were updated"
+        reached = changed if i == 0 else changed[:used]
+        assert reached.mean() > 0.99, f"{name}: only {reached.sum()} of {len(reached)} rows were updated"
+        if i == 1:
+            assert value[used:].tobytes() == start[used:].tobytes(), "rows no batch uses were changed"
 
 
 def _table_seed() -> int:
@@ -196,11 +203,10 @@ def _table_seed() -> int:
     from psctl.runtime.model import ShardedModel
     from psctl.runtime.program import ProgramRef, load_program
 
-    data = {"name": "synthetic_embedding", "num_examples": 10000, "vocab_size": EMB_VOCAB, "ids_per_example": 10}
-    program = load_program(ProgramRef("psctl.models.wide_embedding", {"dim": EMB_DIM}, data, 0))
+    program = load_program(ProgramRef("psctl.models.wide_embedding", EMB_ARGS, EMB_DATA, 0))
     specs = ShardedModel(program, 2, {"kind": "fixed", "num_shards": 2}).shard_specs(0)
     (spec,) = [s for s in specs[1] if s.name == "emb/table/part_1"]
-    assert spec.row_offset == EMB_VOCAB // 2
+    assert (spec.row_offset, list(spec.full_shape)) == (MODEL_VOCAB // 2, [MODEL_VOCAB, EMB_DIM])
     return int(spec.seed)
 
 

@@ -164,19 +164,24 @@ class Target:
     def method(self) -> str:
         return {"ps": "Push", "worker": "Ping", "supervisor": "Heartbeat"}[self.kind]
 
-    def probe(self, channel: grpc.Channel) -> Any:
-        """The rpc under test: a push that would change the PS, a ping, a heartbeat that would be recorded."""
+    def probe(self, channel: grpc.Channel, *, wait: bool = False) -> Any:
+        """The rpc under test: a push that would change the PS, a ping, a heartbeat that would be recorded.
+
+        ``wait``: wait (within the deadline) for the connection rather than fail at the first failed attempt; for
+        the clients that must get through, so that a slow handshake on a busy machine is not mistaken for a refusal.
+        """
+        opts: dict[str, Any] = {"timeout": RPC_TIMEOUT, "wait_for_ready": wait}
         if self.kind == "ps":
             self.step_ids[0] += 1
             request = pb.PushRequest(
                 step_id=self.step_ids[0], task="worker:0", incarnation=1, increment_global_step=True
             )
             wire.add_entries(request.entries, [Entry("w", DENSE, np.full((4, 3), 0.5, dtype=np.float32))])
-            return pb_grpc.ParameterServerStub(channel).Push(request, timeout=RPC_TIMEOUT)
+            return pb_grpc.ParameterServerStub(channel).Push(request, **opts)
         if self.kind == "worker":
-            return pb_grpc.WorkerStub(channel).Ping(pb.PingRequest(), timeout=RPC_TIMEOUT)
+            return pb_grpc.WorkerStub(channel).Ping(pb.PingRequest(), **opts)
         hb = pb.HeartbeatRequest(task="worker:0", incarnation=7, pid=1234, global_step=42)
-        return pb_grpc.SupervisorStub(channel).Heartbeat(hb, timeout=RPC_TIMEOUT)
+        return pb_grpc.SupervisorStub(channel).Heartbeat(hb, **opts)
 
     def snapshot(self) -> tuple[Any, ...]:
         """Everything the servicer could have changed, as bytes."""
@@ -327,7 +332,7 @@ def test_a_member_with_a_valid_certificate_is_served(servers: Servers, pki: Pki,
     files = pki.of(pki_name)
     target = servers.start(kind, files)
     with make_channel(target.address, files["client"]) as channel:
-        target.check_served(target.probe(channel))
+        target.check_served(target.probe(channel, wait=True))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -346,7 +351,7 @@ def test_a_client_without_a_valid_cluster_certificate_is_refused(
     assert target.snapshot() == before, f"a refused {client} client reached the {kind} servicer: {target.calls}"
     # The server is up and serving its cluster: the refusal was the certificate check, not a dead server.
     with make_channel(target.address, files["client"]) as channel:
-        target.check_served(target.probe(channel))
+        target.check_served(target.probe(channel, wait=True))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -537,16 +542,18 @@ def test_up_runs_every_role_over_tls_and_keeps_its_files_private(psctl_env: Any,
     worker = address(psctl_env.role(name, "worker-0"))
     assert supervisor and current["tls"] is True
 
-    def member_reaches_the_ps() -> None:
+    def member_reaches_the_ps() -> pb.StateResponse:
         with make_channel(ps, member) as channel:
             try:
-                reply = pb_grpc.ParameterServerStub(channel).GetState(pb.StateRequest(), timeout=RPC_TIMEOUT)
+                return pb_grpc.ParameterServerStub(channel).GetState(  # type: ignore[no-any-return]
+                    pb.StateRequest(), timeout=30, wait_for_ready=True
+                )
             except grpc.RpcError as exc:
                 state_now = psctl_env.state(name)["state"]
                 raise AssertionError(f"a member could not reach ps-0 (cluster {state_now}): {exc}") from None
-        assert reply.variables, "ps-0 answered but holds no variables"
 
-    member_reaches_the_ps()
+    # Connected with the cluster's own credentials, ps-0 serves (once the chief has given it its variables).
+    wait_until(lambda: member_reaches_the_ps().initialized, timeout=60, interval=0.2, what="ps-0 to be initialised")
     # The processes were given TLS files: the cluster's own, under its tls/ folder.
     roles = cluster_environments(psctl_env, state["cluster_id"])
     assert {"ps-0", "worker-0"} <= set(roles), sorted(roles)

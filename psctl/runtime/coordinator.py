@@ -127,7 +127,9 @@ class ClusterCoordinator:
         on_worker_event: Callable[[str], None] | None = None,
         staleness: int | None = None,
     ) -> None:
-        self.workers = [WorkerState(i, a) for i, a in enumerate(workers)]
+        # Every worker is probed before its first step: its incarnation is known from the start (so a restart
+        # is recognised), and one still starting is waited for rather than counted as lost.
+        self.workers = [WorkerState(i, a, alive=False) for i, a in enumerate(workers)]
         self._channels = [make_channel(a, tls) for a in workers]
         self._stubs = [pb_grpc.WorkerStub(c) for c in self._channels]
         self._next_step_id = step_id_base

@@ -114,6 +114,8 @@ def iter_chunks(entries: Sequence[Entry], chunk_bytes: int = CHUNK_BYTES) -> Ite
 
     Always yields at least one (possibly empty) group, so a request with no arrays still gets sent.
     """
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be at least 1, got {chunk_bytes}")
     group: list[pb.NamedTensor] = []
     room = chunk_bytes
     yielded = False
@@ -168,6 +170,8 @@ class Assembler:
                 self._parts[key] = (dtype, shape, nbytes, [data], len(data))
             else:
                 first_dtype, first_shape, total, pieces, received = self._parts[key]
+                if received == total and item.tensor.offset == 0:
+                    raise WireError(f"entry {item.name!r} given twice")
                 if (dtype, shape) != (first_dtype, first_shape):
                     raise WireError(f"entry {item.name!r}: pieces disagree on dtype or shape")
                 if item.tensor.offset != received:
