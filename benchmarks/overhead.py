@@ -47,7 +47,7 @@ from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.config import TrainingConfig
 from psctl.runtime.coordinator import Closure, ClusterCoordinator
 from psctl.runtime.model import ShardedModel
-from psctl.runtime.program import ProgramRef, load_program
+from psctl.runtime.program import Grads, ProgramRef, load_program
 from psctl.runtime.ps_client import PsClient, PushHeader
 from psctl.runtime.rpc import make_channel
 
@@ -71,7 +71,7 @@ def attribution(model: ShardedModel, client: PsClient, worker: str, ps: str, rep
     expected = model.pull_bytes(plan)
     pulled, _ = client.pull(plan, expected)
     params = model.assemble({}, pulled)
-    grads = {name: np.zeros_like(np.asarray(value)) for name, value in params.items()}
+    grads: Grads = {name: np.zeros_like(np.asarray(value)) for name, value in params.items()}
     push_plan = model.push_plan(grads)
     step_id = [1 << 40]  # far above the coordinator's step ids
 

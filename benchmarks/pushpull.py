@@ -181,7 +181,7 @@ def tcp_op(conn: socket.socket, nbytes: int) -> Op:
 
     def send() -> None:
         conn.sendall(_HEADER.pack(nbytes))
-        conn.sendall(memoryview(payload))
+        conn.sendall(payload.data)
         if conn.recv_into(ack) != 1:
             raise RuntimeError("the tcp receiver hung up")
 
