@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 import psutil
 
+from psctl.launch.env import tuning_env  # the same environment the supervisor gives roles
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.rpc import make_channel
@@ -41,8 +42,7 @@ MIB = 1 << 20
 # -- environment ------------------------------------------------------------------------------------------
 def thread_env(threads: int) -> dict[str, str]:
     """BLAS / OpenMP thread counts for a role: set deliberately, since every role shares the machine's cores."""
-    n = str(threads)
-    return {"OMP_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n, "MKL_NUM_THREADS": n}
+    return tuning_env(threads)
 
 
 #: Environment variables that change the figures (glibc malloc tuning), recorded with them when set.
@@ -215,7 +215,6 @@ class BenchCluster:
         env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "PSCTL_CLUSTER")}
         env.update(
             PSCTL_CLUSTER=json.dumps(config),
-            PYTHONUNBUFFERED="1",
             PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
             **thread_env(self.threads),
         )

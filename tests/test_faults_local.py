@@ -19,7 +19,7 @@ import re
 import signal
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -160,10 +160,12 @@ class Cluster:
         return step
 
     def wait_finished(self, timeout: float = RUN_TIMEOUT) -> dict[str, Any]:
-        state = wait_until(
-            lambda: (s := self.state())["state"] in ("succeeded", "failed", "stopped") and s,
-            timeout=timeout, interval=0.2, what=f"cluster {self.name} to finish", detail=self.describe,
-        )
+        def finished() -> dict[str, Any] | None:
+            state = self.state()
+            return state if state["state"] in ("succeeded", "failed", "stopped") else None
+
+        state = wait_until(finished, timeout=timeout, interval=0.2, what=f"cluster {self.name} to finish",
+                           detail=self.describe)
         assert state["state"] == "succeeded", self.describe()
         return state
 
@@ -197,18 +199,23 @@ def assert_finished_with_exactly(cluster: Cluster, steps: int) -> dict[str, Any]
     return result
 
 
+MakeCluster = Callable[[str, int], Cluster]
+
+
 @pytest.fixture
-def cluster_factory(psctl_env: PsctlEnv) -> Iterator[Any]:
+def cluster_factory(psctl_env: PsctlEnv) -> MakeCluster:
+    """Clusters in the test's own PSCTL_HOME; ``psctl_env`` tears down every one of them, pass or fail."""
+
     def make(name: str, steps: int) -> Cluster:
         return Cluster(psctl_env, name, steps)
 
-    yield make
+    return make
 
 
 # -- the tests ----------------------------------------------------------------------------------------------
-def test_sigkill_of_a_worker(cluster_factory: Any) -> None:
+def test_sigkill_of_a_worker(cluster_factory: MakeCluster) -> None:
     steps = 1500
-    cluster: Cluster = cluster_factory("killworker", steps)
+    cluster = cluster_factory("killworker", steps)
     cluster.up()
     cluster.wait_progress(300)
     victim = cluster.process("worker-1")
@@ -228,7 +235,7 @@ def test_sigkill_of_a_worker(cluster_factory: Any) -> None:
         assert cluster.role(role)["attempt"] == 1, cluster.describe()
     assert result["ps_restores"] == 0
     assert result["retried_steps"] >= 1
-    assert "worker:1 lost" in cluster.log("chief-0")
+    assert "worker:1 lost" in cluster.log("chief-0")  # its in-flight step went back on the queue
     assert (cluster.root / "logs" / "worker-1.2.log").is_file()
 
 
@@ -236,9 +243,9 @@ RESTORED = re.compile(r"restored (\S+) \(global step (\d+)\)")
 
 
 @pytest.mark.parametrize("victim", ["ps-0", "ps-1"])
-def test_sigkill_of_a_ps_restores_the_latest_checkpoint(cluster_factory: Any, victim: str) -> None:
+def test_sigkill_of_a_ps_restores_the_latest_checkpoint(cluster_factory: MakeCluster, victim: str) -> None:
     steps = 1500
-    cluster: Cluster = cluster_factory(f"kill{victim.replace('-', '')}", steps)
+    cluster = cluster_factory(f"kill{victim.replace('-', '')}", steps)
     cluster.up()
     cluster.wait_progress(400, checkpoints=2)
     killed_at = sigkill(cluster.process(victim))
@@ -268,9 +275,9 @@ def test_sigkill_of_a_ps_restores_the_latest_checkpoint(cluster_factory: Any, vi
     assert lost and "SIGKILL" in lost[0]["reason"]
 
 
-def test_sigkill_of_the_chief_resumes_from_the_ps(cluster_factory: Any) -> None:
+def test_sigkill_of_the_chief_resumes_from_the_ps(cluster_factory: MakeCluster) -> None:
     steps = 1500
-    cluster: Cluster = cluster_factory("killchief", steps)
+    cluster = cluster_factory("killchief", steps)
     cluster.up()
     before = cluster.wait_progress(300)
     killed_at = sigkill(cluster.process("chief-0"))
@@ -295,9 +302,9 @@ def test_sigkill_of_the_chief_resumes_from_the_ps(cluster_factory: Any) -> None:
     print(f"chief SIGKILLed at step >= {before}: resumed at {resumed_at}, running again {back:.2f}s later")
 
 
-def test_sigstop_of_a_worker_is_detected_by_heartbeat_and_the_worker_replaced(cluster_factory: Any) -> None:
+def test_sigstop_of_a_worker_is_detected_by_heartbeat_and_the_worker_replaced(cluster_factory: MakeCluster) -> None:
     steps = 2000
-    cluster: Cluster = cluster_factory("stopworker", steps)
+    cluster = cluster_factory("stopworker", steps)
     cluster.up()
     cluster.wait_progress(300)
     victim = cluster.process("worker-1")
@@ -335,9 +342,9 @@ def test_sigstop_of_a_worker_is_detected_by_heartbeat_and_the_worker_replaced(cl
         assert cluster.role(role)["attempt"] == 1, cluster.describe()
 
 
-def test_resume_after_every_process_was_killed(cluster_factory: Any, psctl_env: PsctlEnv) -> None:
+def test_resume_after_every_process_was_killed(cluster_factory: MakeCluster, psctl_env: PsctlEnv) -> None:
     steps = 1500
-    cluster: Cluster = cluster_factory("killall", steps)
+    cluster = cluster_factory("killall", steps)
     first_id = cluster.up()
     killed_step = cluster.wait_progress(500, checkpoints=3)
 

@@ -14,6 +14,7 @@ bit-for-bit what it was (variables, optimizer slots, counters, applied step ids)
 from __future__ import annotations
 
 import itertools
+import os
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -225,6 +226,34 @@ def assert_one_line(error: SpecError) -> None:
     assert message.startswith("<fuzz>:"), message  # names where the mistake is
 
 
+#: Explicitly tagged scalars PyYAML cannot construct, e.g. ``name: !!float`` (empty), ``!!bool maybe``,
+#: ``!!timestamp x``: its constructors raise IndexError, KeyError or AttributeError, which the loader does not
+#: turn into a SpecError (see test_tagged_scalars_yaml_cannot_read_are_spec_errors).
+TAGGED_SCALARS = ("!!float", "!!int", "!!int _", "!!float +", "!!bool", "!!bool maybe", "!!timestamp", "!!timestamp x")
+
+
+def _escapes_from_yaml_constructor(text: str) -> bool:
+    try:
+        load_spec_text(text)
+    except (IndexError, KeyError, AttributeError) as exc:
+        return _raised_in_yaml_constructor(exc)
+    except SpecError:
+        return False
+    return False
+
+
+def _raised_in_yaml_constructor(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.endswith(os.path.join("yaml", "constructor.py"))
+
+
+#: While that bug is in the loader, the property tests below tolerate exactly that escape (and nothing else), so
+#: they go on checking everything else; once it is fixed this is False and such an escape fails them again.
+TAGGED_SCALAR_BUG = _escapes_from_yaml_constructor("name: !!float\n")
+
+
 def check_spec(text: str) -> str:
     """The promise: a ClusterSpec (then a Plan or a SpecError) or a SpecError; anything else escapes and fails."""
     try:
@@ -232,6 +261,10 @@ def check_spec(text: str) -> str:
     except SpecError as error:
         assert_one_line(error)
         return "refused"
+    except (IndexError, KeyError, AttributeError) as exc:
+        if TAGGED_SCALAR_BUG and _raised_in_yaml_constructor(exc):
+            return "known bug: a tagged scalar PyYAML cannot read"
+        raise
     assert isinstance(spec, ClusterSpec)
     try:
         plan = make_plan(spec, check_ports=False)
@@ -272,6 +305,20 @@ def test_a_mutated_valid_spec_is_a_spec_or_a_spec_error(base: str, mutations: li
 @given(text=structural_mutants())
 def test_a_structurally_mutated_spec_is_a_spec_or_a_spec_error(text: str) -> None:
     check_spec(text)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: psctl/spec/loader.py _Builder.scalar catches only YAMLError, ValueError, TypeError and "
+    "ArithmeticError from PyYAML's constructors; an empty or malformed !!int/!!float/!!bool/!!timestamp raises "
+    "IndexError, KeyError or AttributeError, which escapes load_spec_text (a traceback from psctl validate)",
+)
+@pytest.mark.parametrize("tagged", TAGGED_SCALARS)
+def test_tagged_scalars_yaml_cannot_read_are_spec_errors(tagged: str) -> None:
+    for text in (f"name: {tagged}\n", LOCAL.replace("steps: 100", f"steps: {tagged}")):
+        with pytest.raises(SpecError) as info:
+            load_spec_text(text, filename="<fuzz>")
+        assert_one_line(info.value)
 
 
 HOSTILE = (

@@ -418,12 +418,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def PullStream(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.PullChunk]:
         entries = self._pull(request, context)
-        for i, group in enumerate(wire.iter_chunks(entries)):
-            chunk = pb.PullChunk()
-            if i == 0:
-                chunk.part.global_step = self.store.global_step
-            chunk.part.entries.extend(group)
-            yield chunk
+        step = self.store.global_step
+
+        def new_chunk(i: int) -> pb.PullChunk:
+            return pb.PullChunk(part=pb.PullResponse(global_step=step)) if i == 0 else pb.PullChunk()
+
+        yield from wire.fill_chunks(entries, new_chunk)
 
     def _push(self, request: pb.PushRequest, entries: list[Entry], context: grpc.ServicerContext) -> pb.PushResponse:
         try:
@@ -446,10 +446,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         assembler = wire.Assembler()
         try:
             for chunk in request_iterator:
-                if header is None:
-                    header = pb.PushRequest()
-                    header.CopyFrom(chunk.part)
-                    del header.entries[:]
+                if header is None:  # the first chunk carries the header: copy its scalars, not its data
+                    p = chunk.part
+                    header = pb.PushRequest(
+                        step_id=p.step_id, task=p.task, incarnation=p.incarnation, local_step=p.local_step,
+                        increment_global_step=p.increment_global_step, shard=p.shard, position=p.position,
+                    )
                 assembler.add(chunk.part.entries)
             if header is None:
                 raise WireError("empty push stream")
@@ -485,9 +487,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         try:
             for chunk in request_iterator:
                 if header is None:
-                    header = pb.AssignRequest()
-                    header.CopyFrom(chunk.part)
-                    del header.entries[:]
+                    header = pb.AssignRequest(
+                        global_step=chunk.part.global_step, shard_positions=list(chunk.part.shard_positions)
+                    )
                 assembler.add(chunk.part.entries)
             if header is None:
                 raise WireError("empty assign stream")

@@ -153,26 +153,23 @@ class PsClient:
         return out
 
     def _push_stream(self, ps: int, fields: dict, entries: Sequence[Entry]) -> pb.PushResponse:
-        def chunks():  # type: ignore[no-untyped-def]
-            for i, group in enumerate(wire.iter_chunks(entries)):
-                part = pb.PushRequest(**fields) if i == 0 else pb.PushRequest()
-                part.entries.extend(group)
-                yield pb.PushChunk(part=part)
+        def new_chunk(i: int) -> pb.PushChunk:
+            return pb.PushChunk(part=pb.PushRequest(**fields)) if i == 0 else pb.PushChunk()
 
-        return self.stubs[ps].PushStream(chunks(), timeout=self.timeout)  # type: ignore[no-any-return]
+        chunks = wire.fill_chunks(entries, new_chunk)
+        return self.stubs[ps].PushStream(chunks, timeout=self.timeout)  # type: ignore[no-any-return]
 
     def assign(self, per_ps: Mapping[int, Sequence[Entry]], global_step: int, positions: Sequence[int]) -> None:
         """Replace every PS's variables and slots (restore), all PS in parallel, streamed."""
 
-        def one(ps: int) -> pb.AssignResponse:
-            def chunks():  # type: ignore[no-untyped-def]
-                for i, group in enumerate(wire.iter_chunks(per_ps.get(ps, []))):
-                    part = pb.AssignRequest(global_step=global_step, shard_positions=list(positions)) if i == 0 \
-                        else pb.AssignRequest()
-                    part.entries.extend(group)
-                    yield pb.AssignChunk(part=part)
+        def new_chunk(i: int) -> pb.AssignChunk:
+            if i == 0:
+                return pb.AssignChunk(part=pb.AssignRequest(global_step=global_step, shard_positions=list(positions)))
+            return pb.AssignChunk()
 
-            return self.stubs[ps].AssignStream(chunks(), timeout=self.timeout)  # type: ignore[no-any-return]
+        def one(ps: int) -> pb.AssignResponse:
+            chunks = wire.fill_chunks(per_ps.get(ps, []), new_chunk)
+            return self.stubs[ps].AssignStream(chunks, timeout=self.timeout)  # type: ignore[no-any-return]
 
         calls = {ps: self._pool.submit(one, ps) for ps in range(len(self.stubs))}
         for ps, call in calls.items():

@@ -8,8 +8,9 @@ pieces are in order, of one dtype and shape, and cover the array exactly.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -25,8 +26,9 @@ MAX_ARRAY_BYTES = 8 << 30
 MAX_RANK = 8
 #: Size of each piece of a streamed array. 4 MiB keeps per-message overhead small relative to copying.
 CHUNK_BYTES = 4 << 20
-#: Requests and responses up to this size go in one unary message; larger ones are streamed.
-UNARY_MAX_BYTES = 16 << 20
+#: Requests and responses up to this size go in one unary message; larger ones are streamed (measured: above
+#: a few MiB gRPC's unary path is slower than streaming the same bytes in chunks).
+UNARY_MAX_BYTES = CHUNK_BYTES
 #: gRPC's message size limit, raised deliberately to fit a unary message plus its framing.
 MAX_MESSAGE_BYTES = UNARY_MAX_BYTES + (1 << 20)
 
@@ -114,11 +116,21 @@ def iter_chunks(entries: Sequence[Entry], chunk_bytes: int = CHUNK_BYTES) -> Ite
 
     Always yields at least one (possibly empty) group, so a request with no arrays still gets sent.
     """
+    for message in fill_chunks(entries, lambda _i: pb.PullResponse(), chunk_bytes):
+        yield list(message.entries)
+
+
+def fill_chunks(
+    entries: Sequence[Entry], new_message: Callable[[int], Any], chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[Any]:
+    """Yield messages made by ``new_message(i)`` whose repeated ``entries`` field holds the pieces of
+    ``entries`` (at most ``chunk_bytes`` of data per message), each piece built in place."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be at least 1, got {chunk_bytes}")
-    group: list[pb.NamedTensor] = []
+    index = 0
+    message = new_message(index)
+    field = _entries_field(message)
     room = chunk_bytes
-    yielded = False
     for entry in entries:
         array = np.asarray(entry.array)
         dtype = _wire_dtype(array)
@@ -126,22 +138,30 @@ def iter_chunks(entries: Sequence[Entry], chunk_bytes: int = CHUNK_BYTES) -> Ite
         offset = 0
         while True:
             take = min(room, len(flat) - offset)
-            piece = pb.NamedTensor(name=entry.name, kind=entry.kind)
+            piece = field.add()
+            piece.name = entry.name
+            piece.kind = entry.kind
             piece.tensor.dtype = array.dtype.name
             piece.tensor.shape[:] = array.shape
             piece.tensor.offset = offset
-            piece.tensor.data = bytes(flat[offset : offset + take])
-            group.append(piece)
+            piece.tensor.data = flat[offset : offset + take].tobytes()
             offset += take
             room -= take
             if room <= 0:
-                yield group
-                yielded = True
-                group, room = [], chunk_bytes
+                yield message
+                index += 1
+                message = new_message(index)
+                field = _entries_field(message)
+                room = chunk_bytes
             if offset >= len(flat):
                 break
-    if group or not yielded:
-        yield group
+    if len(field) or index == 0:  # pieces still to send (empty arrays too), or nothing was sent yet
+        yield message
+
+
+def _entries_field(message: Any) -> Any:
+    """The repeated NamedTensor field of a chunk message (PushChunk / PullChunk / AssignChunk wrap a part)."""
+    return message.part.entries if hasattr(message, "part") else message.entries
 
 
 class Assembler:

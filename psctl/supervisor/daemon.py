@@ -23,6 +23,7 @@ import grpc
 
 from psctl.home import ClusterDir
 from psctl.launch.base import ProcessHandle, Runner, stop_processes
+from psctl.launch.env import tuning_env
 from psctl.pki import member_files
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
@@ -180,11 +181,8 @@ class Supervisor:
             PSCTL_CLUSTER_ID=self.record.cluster_id,
             PSCTL_ROLE=role.name,
             PSCTL_HEARTBEAT_INTERVAL=str(self.spec.supervision.heartbeat_interval),
-            PYTHONUNBUFFERED="1",
-            OMP_NUM_THREADS=str(threads),
-            OPENBLAS_NUM_THREADS=str(threads),
-            MKL_NUM_THREADS=str(threads),
         )
+        env.update(tuning_env(threads))
         env.update(spec_role.env)
         return env
 
