@@ -125,6 +125,7 @@ def _finish_line(cdir: ClusterDir, record: Any) -> None:
             f"[bold green]training finished[/bold green]: {result.get('global_step', '?')} steps in "
             f"{result.get('seconds', 0):.1f}s; {shown}; checkpoint: {escape(str(where))}",
             highlight=False,
+            soft_wrap=True,  # one line, also in a pipe: scripts read it
         )
         return
     if record.state == ClusterState.STOPPED:
@@ -178,12 +179,13 @@ def logs(role: str, name: str | None, tail: int, follow: bool, attempt: int | No
     cdir = operations.resolve_cluster(name)
     record = load_state(cdir.state_file)
     path = operations.log_path(cdir, record, role, attempt)
-    for line in operations.tail_lines(path, tail):
+    lines, offset = operations.tail_lines_at(path, tail)
+    for line in lines:
         click.echo(line)
     if follow:
         start = attempt or max(record.role(role).attempt, 1)
         try:
-            for line in operations.follow(cdir, role, start_attempt=start):
+            for line in operations.follow(cdir, role, start_attempt=start, offset=offset):
                 click.echo(line)
         except KeyboardInterrupt:
             pass

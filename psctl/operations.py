@@ -23,7 +23,15 @@ from psctl.launch.local import LocalRunner
 from psctl.pki import create_cluster_pki
 from psctl.runtime.checkpoint import CheckpointError, Snapshot, latest_checkpoint, load_checkpoint
 from psctl.spec import ClusterSpec, Plan, load_spec, make_plan
-from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, load_state, save_state
+from psctl.supervisor.state import (
+    ClusterRecord,
+    ClusterState,
+    RoleRecord,
+    RoleState,
+    load_state,
+    save_state,
+    write_json_atomic,
+)
 
 
 def plan_spec(path: str | Path) -> tuple[ClusterSpec, Plan]:
@@ -86,6 +94,7 @@ def bring_up(spec: ClusterSpec, plan: Plan, *, wait_started: float = 30.0) -> Cl
         for stale in (cdir.logs, cdir.run_dir):
             shutil.rmtree(stale, ignore_errors=True)
         cdir.events_file.unlink(missing_ok=True)
+        (cdir.root / "stop-request.json").unlink(missing_ok=True)
     cdir.create()
     record = ClusterRecord(
         name=spec.name,
@@ -140,6 +149,7 @@ def tear_down(cdir: ClusterDir, *, grace: float = 5.0, purge: bool = False) -> T
     was_running = not record.state.terminal
     if supervisor_alive(record):
         assert record.supervisor_pid is not None
+        write_json_atomic(cdir.root / "stop-request.json", {"grace": grace})
         with contextlib.suppress(ProcessLookupError):
             os.kill(record.supervisor_pid, signal.SIGTERM)
         deadline = time.monotonic() + grace + 10.0
@@ -148,6 +158,7 @@ def tear_down(cdir: ClusterDir, *, grace: float = 5.0, purge: bool = False) -> T
     handles = [
         ProcessHandle(r.host, r.pid, r.create_time) for r in record.roles if r.pid is not None
     ] + runner.cluster_processes(record.cluster_id)
+    handles = list({h.pid: h for h in handles}.values())  # state file and process scan overlap
     live = [h for h in handles if runner.poll(h) is None]
     survivors = stop_processes(runner, live, grace=grace)
     survivors += [h for h in runner.cluster_processes(record.cluster_id) if h not in survivors]
@@ -214,19 +225,29 @@ def log_path(cdir: ClusterDir, record: ClusterRecord, role: str, attempt: int | 
 
 
 def tail_lines(path: Path, n: int) -> list[str]:
+    return tail_lines_at(path, n)[0]
+
+
+def tail_lines_at(path: Path, n: int) -> tuple[list[str], int]:
+    """The last ``n`` lines (all if n <= 0) and the byte offset where reading stopped (for follow)."""
     try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        with open(path, "rb") as f:
+            data = f.read()
     except FileNotFoundError:
-        return []
-    return lines[-n:] if n > 0 else lines
+        return [], 0
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    return (lines[-n:] if n > 0 else lines), len(data)
 
 
-def follow(cdir: ClusterDir, role: str, *, start_attempt: int, poll: float = 0.2) -> Iterator[str]:
-    """Yield new log lines of ``role`` as they are written, moving on to the next attempt's log when the
-    role restarts; ends when the cluster has finished and everything is read."""
+def follow(
+    cdir: ClusterDir, role: str, *, start_attempt: int, offset: int | None = None, poll: float = 0.2
+) -> Iterator[str]:
+    """Yield new log lines of ``role`` as they are written, from ``offset`` (default: the end), moving on to
+    the next attempt's log when the role restarts; ends when the cluster has finished and all is read."""
     attempt = start_attempt
     path = cdir.role_log(role, attempt)
-    offset = path.stat().st_size if path.exists() else 0
+    if offset is None:
+        offset = path.stat().st_size if path.exists() else 0
     pending = ""
     while True:
         if path.exists():

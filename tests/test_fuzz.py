@@ -229,7 +229,7 @@ def assert_one_line(error: SpecError) -> None:
 #: Explicitly tagged scalars PyYAML cannot construct, e.g. ``name: !!float`` (empty), ``!!bool maybe``,
 #: ``!!timestamp x``: its constructors raise IndexError, KeyError or AttributeError, which the loader does not
 #: turn into a SpecError (see test_tagged_scalars_yaml_cannot_read_are_spec_errors).
-TAGGED_SCALARS = ("!!float", "!!int", "!!int _", "!!float +", "!!bool", "!!bool maybe", "!!timestamp", "!!timestamp x")
+TAGGED_SCALARS = ("!!float", "!!int", "!!int _", "!!int +", "!!bool", "!!bool maybe", "!!timestamp", "!!timestamp x")
 
 
 def _escapes_from_yaml_constructor(text: str) -> bool:
@@ -685,7 +685,8 @@ def test_huge_repeated_fields_are_refused(ps: Ps, what: str) -> None:
     elif what == "huge-shape-field":
         entries = [raw_tensor("w", wire.DENSE, "float32", [1] * 1_000_000, bytes(4))]
     else:
-        ids = np.tile(np.arange(10, dtype=np.int64), 100_000)  # 8 MB of ids
+        # As many rows as fit in half of a message (8 bytes of id and 8 of row values each).
+        ids = np.tile(np.arange(10, dtype=np.int64), wire.MAX_MESSAGE_BYTES // 2 // 16 // 10)
         values = np.full((len(ids), 2), 0.5, dtype=np.float32)
         if what == "many-ids-one-out-of-range":
             ids[-1] = 10

@@ -97,6 +97,8 @@ class Chief:
                     self._train(coordinator)
                     break
                 except PsFailure as exc:
+                    if self.stop.is_set():  # being stopped: the ps going away is part of it
+                        break
                     # Workers' channels to a restarted PS reconnect on their own clock: back off when failures
                     # come back to back rather than spin restoring.
                     backoff = min(2.0, max(0.2, backoff * 2)) if time.monotonic() - last_failure < 5 else 0.0

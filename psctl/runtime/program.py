@@ -120,6 +120,21 @@ def _import(program: str) -> Any:
             raise ValueError(f"cannot import program file {program!r}")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            sys.modules.pop(name, None)
+            raise _import_failed(program, exc) from exc
         return module
-    return importlib.import_module(program)
+    try:
+        return importlib.import_module(program)
+    except ImportError:
+        raise
+    except Exception as exc:
+        raise _import_failed(program, exc) from exc
+
+
+def _import_failed(program: str, exc: Exception) -> ImportError:
+    """Any error while importing the user's program is a configuration error (exit code 2: permanent),
+    not a crash worth restarting."""
+    return ImportError(f"program {program!r} failed to import: {type(exc).__name__}: {exc}")

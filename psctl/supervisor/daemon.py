@@ -349,7 +349,7 @@ class Supervisor:
             for r in self.record.roles
             if not r.state.terminal and self.live[r.name].handle is not None
         ]
-        stop_processes(self.runner, [h for h in handles if h is not None], grace=5.0)
+        stop_processes(self.runner, [h for h in handles if h is not None], grace=self.stop_grace())
         for role in self.record.roles:
             if not role.state.terminal:
                 self.transition(role, RoleState.STOPPED, "cluster finished" if state != ClusterState.STOPPED
@@ -357,6 +357,13 @@ class Supervisor:
         self.record.result = self.read_result()
         self.cluster_transition(state, reason)
         self.save(force=True)
+
+    def stop_grace(self) -> float:
+        """Seconds between SIGTERM and SIGKILL: ``psctl down --grace`` leaves it in stop-request.json."""
+        try:
+            return float(json.loads((self.cdir.root / "stop-request.json").read_text())["grace"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return 5.0
 
     def read_result(self) -> dict[str, Any] | None:
         try:
