@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -34,6 +35,7 @@ from psctl.runtime.wire import DENSE, SLOT, Entry
 log = logging.getLogger("psctl.checkpoint")
 
 PREFIX = "ckpt-"
+_NAME = re.compile(r"ckpt-(\d+)")
 
 
 class CheckpointError(Exception):
@@ -129,8 +131,9 @@ def write_checkpoint(directory: str | Path, snapshot: Snapshot) -> Path:
     final = checkpoint_path(directory, snapshot.global_step)
     if final.exists():
         return final  # the same global step is already saved: never overwrite
+    for stale in directory.glob(f".tmp-{PREFIX}*"):  # left by a crash mid-write (only one writer runs)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = directory / f".tmp-{final.name}-{os.getpid()}-{threading.get_ident()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     arrays = {f"var:{k}": v for k, v in snapshot.variables.items()}
     for name, slots in snapshot.slots.items():
@@ -161,8 +164,12 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     directory = Path(directory).expanduser()
     if not directory.is_dir():
         return []
-    found = [p for p in directory.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
-    return sorted(found, key=lambda p: p.name)
+    found = [p for p in directory.iterdir() if p.is_dir() and _NAME.fullmatch(p.name)]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def step_of(path: Path) -> int:
+    return int(path.name[len(PREFIX):])
 
 
 def verify_checkpoint(path: Path) -> None:
@@ -258,6 +265,11 @@ class Checkpointer:
         self.latest: Path | None = None
         self.saved = 0
 
+    def mark(self, global_step: int) -> None:
+        """Count the interval from ``global_step`` (after a restore or resume), not from an earlier save."""
+        self.wait()
+        self._last_step, self._last_time = global_step, self._time()
+
     def due(self, global_step: int) -> bool:
         if self.every_steps and global_step - self._last_step >= self.every_steps:
             return True
@@ -272,7 +284,10 @@ class Checkpointer:
     def _write(self, snapshot: Snapshot) -> None:
         started = time.monotonic()
         try:
+            existed = checkpoint_path(self.directory, snapshot.global_step).exists()
             self.latest = write_checkpoint(self.directory, snapshot)
+            if existed:
+                return
             self.saved += 1
             prune(self.directory, max_to_keep=self.max_to_keep, keep_every_hours=self.keep_every_hours)
             log.info("checkpoint %s written in %.2fs", self.latest, time.monotonic() - started)

@@ -23,7 +23,7 @@ from psctl.runtime.heartbeat import PROGRESS
 from psctl.runtime.metrics import MetricsFile, TrainingMeter
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import ProgramRef, load_program
-from psctl.runtime.ps_client import PsClient
+from psctl.runtime.ps_client import PsClient, PsUnavailable
 
 log = logging.getLogger("psctl.chief")
 
@@ -70,6 +70,7 @@ class Chief:
         self._init_or_restore()
         state = self.ps.state(0)
         self.start_step = state.global_step
+        self._resumed_at(self.start_step)
         newest_id = max(self.ps.state(i).newest_step_id for i in range(len(self.info.ps)))
         log.info(
             "training %s: %d variables over %d ps, %d workers, from global step %d to %d (mode %s)",
@@ -96,7 +97,7 @@ class Chief:
                 try:
                     self._train(coordinator)
                     break
-                except PsFailure as exc:
+                except (PsFailure, PsUnavailable) as exc:
                     if self.stop.is_set():  # being stopped: the ps going away is part of it
                         break
                     # Workers' channels to a restarted PS reconnect on their own clock: back off when failures
@@ -107,7 +108,9 @@ class Chief:
                     self.stop.wait(backoff)
                     self.ps.wait_ready(self.ps_wait)
                     self._init_or_restore()
-                    dropped = coordinator.recover(_cursors(list(self.ps.state(0).shard_positions)))
+                    restored = self.ps.state(0)
+                    self._resumed_at(restored.global_step)
+                    dropped = coordinator.recover(_cursors(list(restored.shard_positions)))
                     log.info("resuming at global step %d (%d queued steps re-planned)",
                              self.ps.state(0).global_step, dropped)
             if not self.stop.is_set() and self.checkpointer is not None:
@@ -211,6 +214,12 @@ class Chief:
         snapshot.meta = {"optimizer": self.config.optimizer, "program": self.config.program}
         self.checkpointer.save_async(snapshot)
 
+    def _resumed_at(self, step: int) -> None:
+        """Training (re)starts at ``step``: rates, and the checkpoint interval, count from here."""
+        self.meter.reset(step)
+        if self.checkpointer is not None:
+            self.checkpointer.mark(step)
+
     def _init_or_restore(self) -> None:
         """Make every PS hold a consistent model: keep it if all have it (a restarted chief), else restore
         all from the latest valid checkpoint, else start all from their initializers."""
@@ -225,6 +234,8 @@ class Chief:
         if all(kept):
             log.info("every ps holds the variables: resuming at global step %d", replies[0].global_step)
             return
+        if self.checkpointer is not None:
+            self.checkpointer.wait()  # a checkpoint still being written counts
         found = latest_checkpoint(self.checkpointer.directory) if self.checkpointer is not None else None
         if found is not None:
             path, snapshot = found

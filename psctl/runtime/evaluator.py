@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from psctl.runtime.checkpoint import CheckpointError, Snapshot, list_checkpoints, load_checkpoint
+from psctl.runtime.checkpoint import CheckpointError, Snapshot, list_checkpoints, load_checkpoint, step_of
 from psctl.runtime.cluster import ClusterInfo
 from psctl.runtime.config import TrainingConfig
 from psctl.runtime.heartbeat import PROGRESS
@@ -62,7 +62,7 @@ class Evaluator:
         while not self.stop.is_set():
             done = self.training_done()  # read before listing: the final checkpoint precedes result.json
             newest = [p for p in list_checkpoints(self.directory) if p.name not in self._bad]
-            if newest and _step(newest[-1]) > self.last_step:
+            if newest and step_of(newest[-1]) > self.last_step:
                 self._evaluate(newest[-1])
                 if self.max_evaluations and self.evaluated >= self.max_evaluations:
                     log.info("stopping after %d evaluations", self.evaluated)
@@ -82,7 +82,12 @@ class Evaluator:
             log.warning("skipping a checkpoint that cannot be loaded: %s", exc)
             self._bad.add(path.name)
             return
-        metrics = evaluate_snapshot(self.program, snapshot)
+        try:
+            metrics = evaluate_snapshot(self.program, snapshot)
+        except (KeyError, ValueError, IndexError) as exc:  # a checkpoint of another model in the same folder
+            log.warning("skipping %s: it does not fit this program (%s: %s)", path.name, type(exc).__name__, exc)
+            self._bad.add(path.name)
+            return
         self.evaluated += 1
         self.last_step = snapshot.global_step
         PROGRESS.global_step = snapshot.global_step
@@ -94,10 +99,6 @@ class Evaluator:
         shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "examples")
         log.info("evaluated %s (global step %d) in %.2fs: %s", path.name, snapshot.global_step,
                  time.monotonic() - started, shown)
-
-
-def _step(path: Path) -> int:
-    return int(path.name.rsplit("-", 1)[1])
 
 
 def run_evaluator(info: ClusterInfo, stop: threading.Event) -> int:

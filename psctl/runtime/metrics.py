@@ -69,6 +69,11 @@ class TrainingMeter:
             self._loss_sum += loss
             self._loss_n += 1
 
+    def reset(self, global_step: int) -> None:
+        """After a restore the global step goes back: forget the higher one seen before."""
+        with self._lock:
+            self.global_step = global_step
+
     def report(self) -> dict[str, float]:
         """Rates and mean loss since the previous report."""
         with self._lock:

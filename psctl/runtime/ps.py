@@ -291,7 +291,7 @@ class VariableStore:
         for entry in entries:
             if entry.kind == DENSE:
                 shard = self._shard(entry.name)
-                _check_values(entry, shard, shard.value.shape)
+                _check_values(entry, shard, shard.value.shape, what="value")
                 values[entry.name] = entry.array
             elif entry.kind == SLOT:
                 name, _, slot = entry.name.partition("#")
@@ -361,14 +361,14 @@ def _check_ids(entry: Entry, shard: Shard) -> np.ndarray:
     return ids.astype(np.int64, copy=False)
 
 
-def _check_values(entry: Entry, shard: Shard, shape: tuple[int, ...]) -> None:
+def _check_values(entry: Entry, shard: Shard, shape: tuple[int, ...], *, what: str = "gradient") -> None:
     array = entry.array
     if array.dtype != shard.value.dtype:
-        raise WireError(f"gradient for {entry.name!r} is {array.dtype}, the variable is {shard.value.dtype}")
+        raise WireError(f"{what} for {entry.name!r} is {array.dtype}, the variable is {shard.value.dtype}")
     if array.shape != shape:
-        raise WireError(f"gradient for {entry.name!r} has shape {array.shape}, expected {shape}")
+        raise WireError(f"{what} for {entry.name!r} has shape {array.shape}, expected {shape}")
     if not np.isfinite(array).all():
-        raise WireError(f"gradient for {entry.name!r} contains NaN or infinity; refused (the variable is unchanged)")
+        raise WireError(f"{what} for {entry.name!r} contains NaN or infinity; refused (the variable is unchanged)")
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
