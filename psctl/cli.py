@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -235,6 +236,7 @@ def export(name: str | None, checkpoint: str | None, out: str) -> None:
 
 
 def main() -> None:
+    os.umask(0o077)  # state, logs and keys psctl writes are private to their owner
     try:
         cli(obj={})
     except KeyboardInterrupt:

@@ -111,7 +111,8 @@ def bring_up(spec: ClusterSpec, plan: Plan, *, wait_started: float = 30.0) -> Cl
         members = [(i.name, i.address) for i in plan.instances] + [("supervisor", "127.0.0.1")]
         create_cluster_pki(cdir.tls_dir, record.cluster_id, members)
     save_state(cdir.state_file, record)
-    with open(cdir.supervisor_log, "ab") as log:
+    fd = os.open(cdir.supervisor_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "ab") as log:
         subprocess.Popen(
             [sys.executable, "-m", "psctl.supervisor", str(cdir.root)],
             stdin=subprocess.DEVNULL,

@@ -14,7 +14,6 @@ bit-for-bit what it was (variables, optimizer slots, counters, applied step ids)
 from __future__ import annotations
 
 import itertools
-import os
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -227,31 +226,9 @@ def assert_one_line(error: SpecError) -> None:
 
 
 #: Explicitly tagged scalars PyYAML cannot construct, e.g. ``name: !!float`` (empty), ``!!bool maybe``,
-#: ``!!timestamp x``: its constructors raise IndexError, KeyError or AttributeError, which the loader does not
-#: turn into a SpecError (see test_tagged_scalars_yaml_cannot_read_are_spec_errors).
+#: ``!!timestamp x``: its constructors raise IndexError, KeyError or AttributeError, which the loader must turn
+#: into a SpecError (see test_tagged_scalars_yaml_cannot_read_are_spec_errors).
 TAGGED_SCALARS = ("!!float", "!!int", "!!int _", "!!int +", "!!bool", "!!bool maybe", "!!timestamp", "!!timestamp x")
-
-
-def _escapes_from_yaml_constructor(text: str) -> bool:
-    try:
-        load_spec_text(text)
-    except (IndexError, KeyError, AttributeError) as exc:
-        return _raised_in_yaml_constructor(exc)
-    except SpecError:
-        return False
-    return False
-
-
-def _raised_in_yaml_constructor(exc: BaseException) -> bool:
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_code.co_filename.endswith(os.path.join("yaml", "constructor.py"))
-
-
-#: While that bug is in the loader, the property tests below tolerate exactly that escape (and nothing else), so
-#: they go on checking everything else; once it is fixed this is False and such an escape fails them again.
-TAGGED_SCALAR_BUG = _escapes_from_yaml_constructor("name: !!float\n")
 
 
 def check_spec(text: str) -> str:
@@ -261,10 +238,6 @@ def check_spec(text: str) -> str:
     except SpecError as error:
         assert_one_line(error)
         return "refused"
-    except (IndexError, KeyError, AttributeError) as exc:
-        if TAGGED_SCALAR_BUG and _raised_in_yaml_constructor(exc):
-            return "known bug: a tagged scalar PyYAML cannot read"
-        raise
     assert isinstance(spec, ClusterSpec)
     try:
         plan = make_plan(spec, check_ports=False)
@@ -307,12 +280,6 @@ def test_a_structurally_mutated_spec_is_a_spec_or_a_spec_error(text: str) -> Non
     check_spec(text)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: psctl/spec/loader.py _Builder.scalar catches only YAMLError, ValueError, TypeError and "
-    "ArithmeticError from PyYAML's constructors; an empty or malformed !!int/!!float/!!bool/!!timestamp raises "
-    "IndexError, KeyError or AttributeError, which escapes load_spec_text (a traceback from psctl validate)",
-)
 @pytest.mark.parametrize("tagged", TAGGED_SCALARS)
 def test_tagged_scalars_yaml_cannot_read_are_spec_errors(tagged: str) -> None:
     for text in (f"name: {tagged}\n", LOCAL.replace("steps: 100", f"steps: {tagged}")):
@@ -757,11 +724,6 @@ def test_incomplete_or_malformed_assigns_are_refused(ps: Ps) -> None:
         ps.refused(lambda request=request: ps.stub.Assign(request, timeout=30), grpc.StatusCode.INVALID_ARGUMENT)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: VariableStore.assign (psctl/runtime/ps.py) indexes slots[name] for optimizers without slots "
-    "(sgd): KeyError after the first variable was already overwritten; the client sees UNKNOWN",
-)
 def test_a_complete_assign_to_a_ps_without_optimizer_slots_is_applied(sgd_ps: Ps) -> None:
     values = {s.name: np.full(tuple(s.shape), 3.0, dtype=s.dtype) for s in SPECS}
     request = pb.AssignRequest(entries=[tensor(n, wire.DENSE, v) for n, v in values.items()], global_step=42)
@@ -798,11 +760,6 @@ def sync_ps() -> Iterator[Ps]:
         server.stop(grace=None).wait(timeout=10)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: VariableStore.push (psctl/runtime/ps.py) records the pushing task's incarnation before "
-    "_push_sync refuses a gradient for a future step, so a refused push fences the task's real incarnation",
-)
 def test_a_refused_synchronous_push_does_not_fence_anyone(sync_ps: Ps) -> None:
     bogus = sync_ps.push_request(good_entry("w"), incarnation=10**12, local_step=99)
     sync_ps.refused(lambda: sync_ps.stub.Push(bogus, timeout=30), grpc.StatusCode.INVALID_ARGUMENT)

@@ -609,12 +609,6 @@ def test_up_runs_every_role_over_tls_and_keeps_its_files_private(psctl_env: Any,
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: supervisor.log (operations.py bring_up), events.jsonl (supervisor/daemon.py transition) and "
-    "run/metrics.jsonl, run/result.json (runtime/metrics.py, runtime/chief.py) are created with the umask "
-    "(0644), not 0600",
-)
 def test_every_log_and_state_file_of_a_cluster_is_private(psctl_env: Any) -> None:
     name = "priv"
     up(psctl_env, name)

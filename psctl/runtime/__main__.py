@@ -83,6 +83,7 @@ def _chief(info: ClusterInfo, stop: threading.Event) -> int:
 
 
 def main() -> int:
+    os.umask(0o077)  # logs, metrics, results and checkpoints are private to their owner
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout, force=True
     )

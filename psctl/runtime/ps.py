@@ -168,6 +168,8 @@ class VariableStore:
         with self._lock:
             if request.step_id == 0:
                 raise WireError("step_id must be non-zero")
+            if self._sync is not None and request.local_step > self._sync.step:  # refuse before any bookkeeping
+                raise WireError(f"gradient for step {request.local_step}, but this PS is at step {self._sync.step}")
             seen = self._incarnations.get(request.task)
             if seen is not None and request.incarnation < seen:
                 self.fenced_updates += 1
@@ -318,7 +320,7 @@ class VariableStore:
             for name, shard in self._shards.items():
                 with shard.lock:
                     shard.value[...] = values[name]
-                    for slot, array in slots[name].items():
+                    for slot, array in slots.get(name, {}).items():  # SGD has no slots
                         shard.slots[slot][...] = array
             self.global_step = int(global_step)
             self.shard_positions = {i: int(p) for i, p in enumerate(positions) if p >= 0}
@@ -385,7 +387,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     def Init(self, request: pb.InitRequest, context: grpc.ServicerContext) -> pb.InitResponse:
-        if request.cluster_id and request.cluster_id != self.store.cluster_id:
+        if request.cluster_id != self.store.cluster_id:
             context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"this PS belongs to cluster {self.store.cluster_id!r}, not {request.cluster_id!r}",

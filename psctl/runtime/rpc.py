@@ -25,8 +25,9 @@ def make_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
         *grpc_options(),
         ("grpc.enable_retries", 0),
         ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
+        # (not min_reconnect_backoff_ms: gRPC core also uses it as the connect timeout, and a TLS handshake on
+        # a loaded machine can take longer than a short one)
     ]
     if tls is None:
         return grpc.insecure_channel(address, options=options)

@@ -156,6 +156,12 @@ class _LineLoader(yaml.SafeLoader):
             return _Alias(super().compose_node(parent, index), event.start_mark, event.end_mark)
         return super().compose_node(parent, index)  # type: ignore[no-any-return]
 
+    def fetch_flow_collection_start(self, token_class: type) -> None:  # type: ignore[override]
+        # PyYAML's scanner slows down badly with flow nesting depth: refuse deep nesting before it does.
+        if self.flow_level >= MAX_DEPTH:
+            raise yaml.scanner.ScannerError(None, None, f"nested more than {MAX_DEPTH} levels deep", self.get_mark())
+        super().fetch_flow_collection_start(token_class)  # type: ignore[misc]
+
 
 class _Builder:
     """Builds data from a node tree, recording lines; stops recursion, bombs and odd tags."""
@@ -208,7 +214,7 @@ class _Builder:
         construct = self._constructor.yaml_constructors[node.tag]
         try:
             return construct(self._constructor, node)  # type: ignore[no-any-return]
-        except (yaml.YAMLError, ValueError, TypeError, ArithmeticError):
+        except Exception:  # PyYAML's constructors raise IndexError, KeyError... on odd tagged scalars
             self.fail(node, path, f"cannot read {_short_repr(node.value)} as its YAML type", "quote it or fix it")
 
     def mapping(self, node: MappingNode, path: KeyPath, depth: int, active: set[int]) -> dict[Any, Any]:

@@ -18,6 +18,7 @@ from psctl.supervisor.state import ClusterState, load_state, save_state
 
 
 def main(argv: list[str]) -> int:
+    os.umask(0o077)  # logs, metrics, results and checkpoints are private to their owner
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
     cdir = ClusterDir(Path(argv[1]))
     record = load_state(cdir.state_file)
