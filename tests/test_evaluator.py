@@ -7,6 +7,7 @@ it read; the expected metrics are computed here from the same snapshots.
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -221,3 +222,42 @@ def test_the_evaluator_needs_a_checkpoint_folder(tmp_path: Path, evaluators: lis
     assert rc == 2, run.log()  # a configuration error: permanent, not restarted
     assert "the evaluator needs checkpoints" in run.log()
     assert not (run.run_dir / "eval.jsonl").exists()
+
+
+def trained_snapshot(program: Program, steps: int) -> Snapshot:
+    """Variables after ``steps`` of plain in-process Adam on the training split: more steps, better model."""
+    params = {}
+    for var in program.variables():
+        rng = np.random.default_rng(zlib.crc32(var.name.encode()))
+        limit = np.sqrt(6.0 / sum(var.shape)) if len(var.shape) == 2 else 0.0
+        params[var.name] = rng.uniform(-limit, limit, var.shape).astype(var.dtype)
+    m = {k: np.zeros_like(v) for k, v in params.items()}
+    v2 = {k: np.zeros_like(v) for k, v in params.items()}
+    data = program.dataset("train", 0, 1)
+    for t in range(1, steps + 1):
+        _loss, grads = program.loss_and_grads(params, data.batch(t - 1, 100))
+        for k, g in grads.items():
+            m[k] = 0.9 * m[k] + 0.1 * g
+            v2[k] = 0.999 * v2[k] + 0.001 * g * g
+            lr = 0.01 * np.sqrt(1 - 0.999**t) / (1 - 0.9**t)
+            params[k] = (params[k] - lr * m[k] / (np.sqrt(v2[k]) + 1e-7)).astype(params[k].dtype)
+    return Snapshot(steps, [], params, {}, {"program": PROGRAM})
+
+
+def test_three_checkpoints_of_a_training_run_show_increasing_accuracy(
+    tmp_path: Path, evaluators: list[LocalCluster], program: Program
+) -> None:
+    run = EvalRun(tmp_path, evaluators)
+    run.start()
+    steps = (2, 20, 200)
+    for step in steps:  # each written only once the previous one was evaluated, so none is skipped
+        run.write(trained_snapshot(program, step))
+        wait_until(lambda s=step: s in run.evaluated_steps(), timeout=START_TIMEOUT,
+                   what=f"the evaluation of step {step}", detail=run.log)
+    run.finish_training()
+    assert run.wait_for_exit(timeout=30) == 0, run.log()
+    records = run.evaluations()
+    assert [r["global_step"] for r in records] == list(steps)
+    accuracies = [r["accuracy"] for r in records]
+    assert accuracies[0] < accuracies[1] < accuracies[2], accuracies
+    assert accuracies[2] > 0.9, accuracies
