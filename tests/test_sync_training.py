@@ -112,6 +112,7 @@ def write_spec(
     tls: bool = False,
     worker_restart: str | None = None,
     chief_restart: str | None = None,
+    optimizer: dict[str, Any] | None = None,
     **training: Any,
 ) -> Path:
     """A spec in block style: 1 chief, ``ps`` ps, ``workers`` workers; an MLP with 32 hidden units on digits."""
@@ -129,7 +130,7 @@ def write_spec(
             "args": {"hidden_units": 32},
             "data": {"name": "digits"},
             "batch_size": 50,
-            "optimizer": {"name": "adam", "learning_rate": 0.01},
+            "optimizer": optimizer or {"name": "adam", "learning_rate": 0.01},
             "mode": mode,
             "steps": steps,
             "log_every_seconds": "0.2s",
@@ -250,23 +251,28 @@ def kill_when_hung(penv: PsctlEnv, name: str, proc: subprocess.Popen[str], count
 # -- synchronous training -------------------------------------------------------------------------------------------
 def test_sync_trains_exact_steps_and_matches_async_accuracy(psctl_env: PsctlEnv) -> None:
     """R = N = 2 over 2 ps, with TLS on (the default). Every global step averages exactly R gradients, and the
-    model is as good as the asynchronous one. 400 steps of Adam (lr 0.01, batch 50) take both to their plateau
-    on digits (0.95-0.97 on the 359 test examples), so the 1-point comparison is between two converged models,
-    not a race between two half-trained ones (at 100-200 steps the gap is several points either way)."""
-    steps = 400
-    sync_spec = write_spec(psctl_env, "sync", steps=steps, ps=2, workers=2, tls=True,
+    model is as good as the asynchronous one trained for as many global steps.
+
+    The size is chosen so that the 1-point comparison is between two converged models. Measured on the 359 test
+    examples (1 example = 0.28 points): with Adam at lr 0.01 the asynchronous accuracy still wanders between
+    0.961 and 0.981 from run to run at 400 and at 800 steps, so |sync - async| exceeded 0.01 in about one run in
+    three; at lr 0.003 and 1000 steps twelve asynchronous runs all ended at 0.975-0.978 and the synchronous run
+    (deterministic: the same average every step) at 0.975."""
+    steps = 1000
+    adam = {"name": "adam", "learning_rate": 0.003}
+    sync_spec = write_spec(psctl_env, "sync", steps=steps, ps=2, workers=2, tls=True, optimizer=adam,
                            replicas_to_aggregate=2, total_replicas=2)
     sync = up(psctl_env, sync_spec, "sync")
     assert sync["global_step"] == steps, sync
     assert sync["sync"] == {"gradients_applied": steps * 2, "stale_dropped": 0, "timed_out_steps": 0}, sync
     assert sync["max_observed_lag"] is None
 
-    async_spec = write_spec(psctl_env, "async", steps=steps, mode="async", ps=2, workers=2, tls=True)
+    async_spec = write_spec(psctl_env, "async", steps=steps, mode="async", ps=2, workers=2, tls=True, optimizer=adam)
     asyn = up(psctl_env, async_spec, "async")
     assert asyn["global_step"] == steps, asyn
     assert asyn["sync"] is None
     acc_sync, acc_async = sync["metrics"]["accuracy"], asyn["metrics"]["accuracy"]
-    assert acc_sync > 0.9 and acc_async > 0.9, (sync, asyn)
+    assert acc_sync > 0.95 and acc_async > 0.95, (sync, asyn)
     assert abs(acc_sync - acc_async) <= 0.01, (acc_sync, acc_async)
 
 

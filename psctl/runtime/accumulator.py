@@ -48,6 +48,11 @@ class StepAccumulator:
                 else:
                     self._dense[name] = (shard, grad.astype(np.float64), 1)
             else:
+                unique, inverse = np.unique(rows, return_inverse=True)
+                if len(unique) != len(rows):  # one replica's repeated id is one contribution: its rows summed
+                    summed = np.zeros((len(unique), *grad.shape[1:]), dtype=np.float64)
+                    np.add.at(summed, inverse, grad)
+                    rows, grad = unique, summed
                 _, all_rows, all_values = self._sparse.setdefault(name, (shard, [], []))
                 all_rows.append(rows)
                 all_values.append(grad)

@@ -41,7 +41,8 @@ class RestartPolicy:
     max_restarts: int = 10
     backoff_seconds: float = 1.0
     max_backoff_seconds: float = 30.0
-    permanent_exit_codes: tuple[int, ...] = (2,)
+    #: 2: bad configuration, 3: training failed (a non-retryable program error): restarting cannot help.
+    permanent_exit_codes: tuple[int, ...] = (2, 3)
 
 
 @dataclass(frozen=True)

@@ -282,7 +282,7 @@ def _restart(c: Checker, p: KeyPath, value: object) -> RestartPolicy:
             f"{seconds_text(max_backoff)} is less than {'.'.join(p)}.backoff_seconds ({seconds_text(backoff)})",
             "raise max_backoff_seconds or lower backoff_seconds",
         )
-    codes = c.items((*p, "permanent_exit_codes"), d.get("permanent_exit_codes", [2]), fix="write e.g. [2]")
+    codes = c.items((*p, "permanent_exit_codes"), d.get("permanent_exit_codes", [2, 3]), fix="write e.g. [2, 3]")
     return RestartPolicy(
         policy=c.choice(
             (*p, "policy"),
