@@ -30,6 +30,8 @@ log = logging.getLogger("psctl.chief")
 #: A restarted chief numbers its steps this far above the newest id any PS has seen, so they never collide
 #: with the ids of steps the previous chief still had in flight (at most a few per worker).
 STEP_ID_GAP = 1 << 20
+#: Synchronous mode: extra seconds a round with no gradient at all may take (workers still starting).
+FIRST_ROUND_GRACE = 120.0
 
 
 def _cursors(positions: list[int]) -> dict[int, int]:
@@ -182,29 +184,42 @@ class Chief:
             if self.checkpointer is not None and self.checkpointer.due(step):
                 self._checkpoint()  # between rounds nothing fresh is in flight: the PS are consistent
             for _ in range(max(n, r)):
-                coordinator.schedule("train")
-            deadline = time.monotonic() + timeout
+                coordinator.schedule("train", sync_step=step)
+            # The replica timeout counts from the round's first gradient (missing replicas are the ones that
+            # did not follow it); a round with none at all gets the start-up allowance on top.
+            results_before = self.meter.steps
+            scheduled_at = time.monotonic()
+            first_arrival: float | None = None
             while True:
                 with self._advanced:  # wake on the result that advanced ps 0 (no missed notification)
                     self._advanced.wait_for(lambda s=step: self.meter.global_step > s, timeout=0.5)
                 coordinator.check()  # raises a non-retryable error, or PsFailure
                 if self.meter.global_step > step and min(self.ps.global_steps()) > step:
                     break
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if first_arrival is None and self.meter.steps > results_before:
+                    first_arrival = now
+                waited = now - first_arrival if first_arrival is not None else now - scheduled_at - FIRST_ROUND_GRACE
+                if waited > timeout:
                     self._flush_short_step(step, r, min_replicas, timeout)
                     break
             coordinator.drop_queued()
 
     def _flush_short_step(self, step: int, r: int, min_replicas: int, timeout: float) -> None:
-        replies = self.ps.sync_flush(step, min_replicas)
-        arrived = min(reply.replicas for reply in replies)
-        if not all(reply.applied for reply in replies):
+        """All or nothing: flush only if every PS still at ``step`` has at least ``min_replicas``."""
+        states = [self.ps.state(i) for i in range(len(self.info.ps))]
+        behind = [s for s in states if s.global_step == step]
+        arrived = min((s.pending_replicas for s in behind), default=r)
+        if arrived < min_replicas:
             raise StepError(
                 "chief",
                 f"synchronous step {step}: only {arrived} of {r} replicas arrived within {timeout:.0f}s "
                 f"(min_replicas {min_replicas}); lower training.min_replicas or raise training.replica_timeout, "
                 "and check the workers' logs",
             )
+        replies = self.ps.sync_flush(step, min_replicas)
+        if not all(reply.applied for reply in replies):  # a replica was dropped in between: say so
+            raise StepError("chief", f"synchronous step {step}: the ps disagreed on the replicas that arrived")
         log.warning("step %d proceeded with %d of %d replicas after %.0fs", step, arrived, r, timeout)
 
     def _checkpoint(self) -> None:

@@ -95,6 +95,7 @@ class Closure:
     remote: RemoteValue
     shard: int | None = None
     position: int | None = None
+    sync_step: int | None = None
     attempts: int = 0
     tried_on: list[int] = field(default_factory=list)
 
@@ -161,14 +162,19 @@ class ClusterCoordinator:
 
     # -- TensorFlow's API ---------------------------------------------------------------------------------
     def schedule(
-        self, function: str = "train", *, shard: int | None = None, position: int | None = None
+        self,
+        function: str = "train",
+        *,
+        shard: int | None = None,
+        position: int | None = None,
+        sync_step: int | None = None,
     ) -> RemoteValue:
         """Queue a step; returns at once. The data position is bound when a worker takes it, unless given."""
         with self._cond:
             if self._error is not None:
                 raise self._error
             self._next_step_id += 1
-            closure = Closure(function, self._next_step_id, RemoteValue(), shard, position)
+            closure = Closure(function, self._next_step_id, RemoteValue(), shard, position, sync_step)
             self._queue.append(closure)
             self._cond.notify_all()
             return closure.remote
@@ -346,6 +352,7 @@ class ClusterCoordinator:
                 shard=closure.shard if closure.shard is not None else worker.index,
                 position=closure.position or 0,
                 function=closure.function,
+                sync_step=0 if closure.sync_step is None else closure.sync_step + 1,
             )
             try:
                 response = stub.RunStep(request, timeout=self.step_timeout)

@@ -110,7 +110,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             step_id=request.step_id,
             task=self.task,
             incarnation=self.incarnation,
-            local_steps=steps,
+            # synchronous: every PS gets the round's step (a late step is stale everywhere, not only on some)
+            local_steps={ps: request.sync_step - 1 for ps in steps} if request.sync_step else steps,
             shard=request.shard,
             position=request.position,
         )
