@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
@@ -444,24 +445,33 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return self._push(request, entries, context)
 
     def PushStream(self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext) -> pb.PushResponse:
-        header: pb.PushRequest | None = None
+        def header(p: pb.PushRequest) -> pb.PushRequest:
+            return pb.PushRequest(
+                step_id=p.step_id, task=p.task, incarnation=p.incarnation, local_step=p.local_step,
+                increment_global_step=p.increment_global_step, shard=p.shard, position=p.position,
+            )
+
+        request, entries = self._read_stream(request_iterator, header, context)
+        return self._push(request, entries, context)
+
+    def _read_stream(
+        self, chunks: Iterator[Any], header_of: Callable[[Any], Any], context: grpc.ServicerContext
+    ) -> tuple[Any, list[Entry]]:
+        """A streamed request: the header from the first chunk (its scalars only, not its data), and every
+        chunk's pieces reassembled and validated; a malformed stream is refused with INVALID_ARGUMENT."""
+        header = None
         assembler = wire.Assembler()
         try:
-            for chunk in request_iterator:
-                if header is None:  # the first chunk carries the header: copy its scalars, not its data
-                    p = chunk.part
-                    header = pb.PushRequest(
-                        step_id=p.step_id, task=p.task, incarnation=p.incarnation, local_step=p.local_step,
-                        increment_global_step=p.increment_global_step, shard=p.shard, position=p.position,
-                    )
+            for chunk in chunks:
+                if header is None:
+                    header = header_of(chunk.part)
                 assembler.add(chunk.part.entries)
             if header is None:
-                raise WireError("empty push stream")
-            entries = assembler.entries()
+                raise WireError("empty stream")
+            return header, assembler.entries()
         except WireError as exc:
             self._abort(context, exc)
             raise
-        return self._push(header, entries, context)
 
     def _assign(
         self, request: pb.AssignRequest, entries: list[Entry], context: grpc.ServicerContext
@@ -484,22 +494,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def AssignStream(
         self, request_iterator: Iterator[pb.AssignChunk], context: grpc.ServicerContext
     ) -> pb.AssignResponse:
-        header: pb.AssignRequest | None = None
-        assembler = wire.Assembler()
-        try:
-            for chunk in request_iterator:
-                if header is None:
-                    header = pb.AssignRequest(
-                        global_step=chunk.part.global_step, shard_positions=list(chunk.part.shard_positions)
-                    )
-                assembler.add(chunk.part.entries)
-            if header is None:
-                raise WireError("empty assign stream")
-            entries = assembler.entries()
-        except WireError as exc:
-            self._abort(context, exc)
-            raise
-        return self._assign(header, entries, context)
+        def header(p: pb.AssignRequest) -> pb.AssignRequest:
+            return pb.AssignRequest(global_step=p.global_step, shard_positions=list(p.shard_positions))
+
+        request, entries = self._read_stream(request_iterator, header, context)
+        return self._assign(request, entries, context)
 
     def SyncFlush(self, request: pb.SyncFlushRequest, context: grpc.ServicerContext) -> pb.SyncFlushResponse:
         try:

@@ -14,26 +14,15 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 
 import grpc
 
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
-from psctl.runtime.heartbeat import PROGRESS
+from psctl.runtime.heartbeat import PROGRESS, Progress
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import Dataset
 from psctl.runtime.ps_client import PsClient, PsUnavailable, PushHeader
-
-
-@dataclass
-class WorkerProgress:
-    """What heartbeats report about this worker."""
-
-    local_step: int = 0
-    global_step: int = 0
-    loss: float = float("nan")
-    last_step_at: float = 0.0
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
@@ -47,6 +36,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         batch_size: int,
         num_shards: int,
         on_fenced: threading.Event | None = None,
+        progress: Progress = PROGRESS,
     ) -> None:
         self.model = model
         self.ps = ps
@@ -54,7 +44,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.incarnation = incarnation
         self.batch_size = batch_size
         self.num_shards = num_shards
-        self.progress = WorkerProgress()
+        self.progress = progress
         self.fenced = on_fenced or threading.Event()
         self._datasets: dict[tuple[str, int], Dataset] = {}
         self._lock = threading.Lock()
@@ -117,13 +107,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         )
         responses = self.ps.push(header, self.model.push_plan(grads))
         first = responses[0]
-        p = self.progress
+        p = self.progress  # what this worker's heartbeats report
         p.local_step += 1
         p.global_step = first.global_step
         p.loss = float(loss)
-        p.last_step_at = time.time()
-        PROGRESS.local_step, PROGRESS.global_step, PROGRESS.loss = p.local_step, p.global_step, p.loss
-        PROGRESS.status = "training"
+        p.status = "training"
         return pb.StepResponse(
             loss=float(loss),
             examples=len(next(iter(batch.values()))),
