@@ -71,6 +71,9 @@ class Live:
     started: float = 0.0
     last_heartbeat: float | None = None
     restart_at: float | None = None
+    #: The role's progress counter (a worker's local step, the chief's global step) and when it last moved.
+    progress: int = -1
+    progressed_at: float = 0.0
 
 
 class HeartbeatServicer(pb_grpc.SupervisorServicer):
@@ -266,6 +269,8 @@ class Supervisor:
                 silent = now - live.last_heartbeat
                 if silent > sup.heartbeat_timeout:
                     self.on_lost(role, f"no heartbeat for {silent:.1f}s (hung or cut off)")
+                else:
+                    self.check_stall(role, live, now)
             elif now - live.started > sup.startup_grace:
                 self.on_lost(role, f"no heartbeat within the start-up grace of {sup.startup_grace:.0f}s")
         if self._evaluator_deadline is not None and now > self._evaluator_deadline:
@@ -275,6 +280,26 @@ class Supervisor:
             r.state in (RoleState.RUNNING, RoleState.SUCCEEDED) for r in self.record.roles
         ):
             self.cluster_transition(ClusterState.RUNNING, "every role is up")
+
+    def check_stall(self, role: RoleRecord, live: Live, now: float) -> None:
+        """A worker or chief whose heartbeats go on but whose step stopped moving, while other workers' steps
+        move, is reported STALLED (and RUNNING again once it moves). Reported, not restarted: a slow step is
+        the coordinator's to re-schedule, a hang is caught by the heartbeat timeout."""
+        if role.role not in ("worker", "chief"):
+            return
+        progress = role.local_step if role.role == "worker" else role.global_step
+        if progress != live.progress:
+            live.progress, live.progressed_at = progress, now
+            if role.state == RoleState.STALLED:
+                self.transition(role, RoleState.RUNNING, "progressing again")
+            return
+        if role.state != RoleState.RUNNING or now - live.progressed_at <= self.spec.supervision.stall_timeout:
+            return
+        others = [self.live[r.name] for r in self.record.roles if r.role == "worker" and r.name != role.name]
+        if any(o.progressed_at > live.progressed_at for o in others):
+            still = now - live.progressed_at
+            reason = f"heartbeats arrive but its step has not moved for {still:.0f}s while others progress"
+            self.transition(role, RoleState.STALLED, reason)
 
     def on_exit(self, role: RoleRecord, code: int) -> None:
         what = describe_exit(code)
