@@ -654,6 +654,7 @@ def test_full_spec_fields_and_sync_defaults(tmp_path: Path) -> None:
           partitioner: {kind: min_size, max_shards: 2}
           checkpoint: {dir: ~/ckpt, every_steps: 200, every_seconds: 2m}
         supervision: {heartbeat_interval: 500ms, heartbeat_timeout: 3s}
+        security: {allowed_paths: ["~"]}
         """
     spec = load_spec(write(tmp_path, text, name="my-cluster.yaml"))
     root = tmp_path.resolve()

@@ -77,9 +77,13 @@ class SupervisionSpec:
 @dataclass(frozen=True)
 class SecuritySpec:
     """Mutual TLS between roles is on by default; turning it off is allowed only for a cluster that runs
-    entirely on this machine, bound to loopback."""
+    entirely on this machine, bound to loopback. Paths in the spec stay inside its folder unless allowed."""
 
     tls: bool = True
+    #: Folders outside the spec's own folder (and, for checkpoints, PSCTL_HOME) that the spec's program, data
+    #: and checkpoint paths may point into: a spec from elsewhere cannot make roles read or write elsewhere
+    #: unless its user lists the folder here.
+    allowed_paths: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -63,14 +63,15 @@ def build_spec(data: Any, source: SourceMap, *, path: Path | None, base_dir: Pat
     clash = port_conflict(layout(roles, hosts))
     if clash is not None:
         raise conflict_error(source, *clash)
+    security = _security(c, top.get("security"), local=not hosts, base_dir=base_dir)
     training = normalise_training(
         c,
         c.require((), top, "training", "add training: with at least program:, data: and steps:"),
         base_dir=base_dir,
         worker_replicas=roles["worker"].replicas,
+        allowed_paths=tuple(Path(p) for p in security.allowed_paths),
     )
     supervision = _supervision(c, top.get("supervision"))
-    security = _security(c, top.get("security"), local=not hosts)
     return ClusterSpec(name, path, hosts, roles, training, supervision, security, source)
 
 
@@ -322,14 +323,18 @@ def _env(c: Checker, p: KeyPath, value: object) -> dict[str, str]:
     return env
 
 
-def _security(c: Checker, value: object, *, local: bool) -> SecuritySpec:
+def _security(c: Checker, value: object, *, local: bool, base_dir: Path) -> SecuritySpec:
     p: KeyPath = ("security",)
-    d = c.mapping(p, value, ("tls",), example="{tls: true}", none_ok=True)
+    d = c.mapping(p, value, ("tls", "allowed_paths"), example="{tls: true}", none_ok=True)
     tls = c.boolean((*p, "tls"), d.get("tls", True), fix="write true or false")
     if not tls and not local:
         c.fail((*p, "tls"), "TLS can be turned off only for a cluster on this machine (bound to loopback)",
                "remove `tls: false`: roles on other hosts always talk mutual TLS")
-    return SecuritySpec(tls=tls)
+    allowed = []
+    for i, item in enumerate(c.items((*p, "allowed_paths"), d.get("allowed_paths", []), fix="list folders")):
+        text = c.string((*p, "allowed_paths", i), item, fix="give a folder path")
+        allowed.append(str((base_dir / Path(text).expanduser()).resolve()))
+    return SecuritySpec(tls=tls, allowed_paths=tuple(allowed))
 
 
 def _supervision(c: Checker, value: object) -> SupervisionSpec:

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from psctl.home import psctl_home
 from psctl.runtime.optimizers import make_optimizer
 from psctl.runtime.strategy import partitioner_from_config
 from psctl.spec.checks import INT64_MAX, Checker, show, suggestion
@@ -47,18 +48,21 @@ _MAX_JSON_DEPTH = 32
 T: KeyPath = ("training",)
 
 
-def normalise_training(c: Checker, value: object, *, base_dir: Path, worker_replicas: int) -> dict[str, Any]:
+def normalise_training(
+    c: Checker, value: object, *, base_dir: Path, worker_replicas: int, allowed_paths: tuple[Path, ...] = ()
+) -> dict[str, Any]:
     """Validate ``training:`` and return it with every default filled, in a fixed key order."""
     t = c.mapping(T, value, TRAINING_KEYS, example="training: {program: psctl.models.mlp, steps: 1000}")
     program = _program(
-        c, c.require(T, t, "program", "add program: a module (psctl.models.mlp) or a .py file"), base_dir
+        c, c.require(T, t, "program", "add program: a module (psctl.models.mlp) or a .py file"), base_dir,
+        allowed_paths
     )
     out: dict[str, Any] = {"program": program}
     args = t.get("args")
     if args is not None and not isinstance(args, dict):
         c.fail((*T, "args"), f"expected a mapping, got {show(args)}", "write e.g. args: {hidden_units: 100}")
     out["args"] = _json(c, (*T, "args"), args, 0) if args is not None else {}
-    out["data"] = _data(c, t.get("data"), base_dir)
+    out["data"] = _data(c, t.get("data"), base_dir, allowed_paths)
     out["batch_size"] = _int(c, t, "batch_size", 100, minimum=1, example="100")
     out["optimizer"] = _optimizer(c, t.get("optimizer"))
     mode = c.choice((*T, "mode"), t.get("mode", "async"), MODES, noun="mode")
@@ -100,7 +104,7 @@ def normalise_training(c: Checker, value: object, *, base_dir: Path, worker_repl
     out["steps"] = _int(c, t, "steps", None, minimum=1, example="1000")
     out["seed"] = _int(c, t, "seed", 0, minimum=0, example="0")
     out["partitioner"] = _partitioner(c, t.get("partitioner"))
-    out["checkpoint"] = _checkpoint(c, t.get("checkpoint"))
+    out["checkpoint"] = _checkpoint(c, t.get("checkpoint"), base_dir, allowed_paths)
     out["log_every_seconds"] = c.duration((*T, "log_every_seconds"), t.get("log_every_seconds", 1.0))
     out["eval_every_steps"] = _int(c, t, "eval_every_steps", 0, minimum=0, example="100")
     out["max_evaluations"] = _int(c, t, "max_evaluations", 0, minimum=0, example="10")
@@ -115,7 +119,27 @@ def _int(c: Checker, t: dict[str, Any], key: str, default: int | None, *, minimu
     return c.integer((*T, key), t[key], minimum=minimum, fix=f"write a whole number such as {example}")
 
 
-def _program(c: Checker, value: object, base_dir: Path) -> str:
+def check_confined(
+    c: Checker, path: KeyPath, target: str, base_dir: Path, allowed: tuple[Path, ...], *, what: str,
+    also: tuple[Path, ...] = (),
+) -> None:
+    """A path the spec names must lie in the spec's folder (or ``also``), unless the user allowed its folder
+    under security.allowed_paths: a spec written by someone else cannot point roles at other files."""
+    try:
+        resolved = (base_dir / Path(target).expanduser()).resolve()
+        roots = [r.resolve() for r in (base_dir, *also, *allowed)]
+    except (OSError, RuntimeError, ValueError):
+        c.fail(path, f"cannot resolve {show(target)}", "give a plain path")
+    if any(resolved == root or root in resolved.parents for root in roots):
+        return
+    c.fail(
+        path,
+        f"{what} {resolved} is outside the spec's folder ({base_dir})",
+        f"move it there, or allow its folder with security: {{allowed_paths: [{resolved.parent}]}}",
+    )
+
+
+def _program(c: Checker, value: object, base_dir: Path, allowed: tuple[Path, ...] = ()) -> str:
     """A module name as given, or a .py path made absolute (relative to the spec's folder) that exists."""
     path = (*T, "program")
     fix = "give a module name such as psctl.models.mlp or the path of a .py file"
@@ -135,10 +159,11 @@ def _program(c: Checker, value: object, base_dir: Path) -> str:
             f"program file {show(text)} does not exist (looked for {resolved})",
             "give a path relative to the spec's folder, or a module name such as psctl.models.mlp",
         )
+    check_confined(c, path, str(resolved), base_dir, allowed, what="program file")
     return str(resolved)
 
 
-def _data(c: Checker, value: object, base_dir: Path) -> dict[str, Any]:
+def _data(c: Checker, value: object, base_dir: Path, allowed: tuple[Path, ...] = ()) -> dict[str, Any]:
     """``{name: ...}`` (a built-in data set) or ``{path: ...}``; other keys are the program's options."""
     path = (*T, "data")
     fix = "write data: {name: digits} or data: {path: data/train.npz}"
@@ -160,6 +185,7 @@ def _data(c: Checker, value: object, base_dir: Path) -> dict[str, Any]:
         text = c.string((*path, "path"), data["path"], fix="give a file or folder path")
         # Relative paths mean "next to the spec"; ~ is left for the host that reads the data to expand.
         data["path"] = text if text.startswith("~") or Path(text).is_absolute() else str(base_dir / text)
+        check_confined(c, (*path, "path"), data["path"], base_dir, allowed, what="data path")
     return data
 
 
@@ -236,13 +262,20 @@ def _partitioner(c: Checker, value: object) -> dict[str, Any] | None:
     return config
 
 
-def _checkpoint(c: Checker, value: object) -> dict[str, Any]:
+def _checkpoint(c: Checker, value: object, base_dir: Path, allowed: tuple[Path, ...] = ()) -> dict[str, Any]:
     path = (*T, "checkpoint")
-    k = c.mapping(path, value, CHECKPOINT_KEYS, example="{dir: ~/psctl/digits, every_steps: 200}", none_ok=True)
+    k = c.mapping(path, value, CHECKPOINT_KEYS, example="{dir: checkpoints, every_steps: 200}", none_ok=True)
     whole = "write a whole number such as 200"
+    directory = c.optional_string((*path, "dir"), k.get("dir"), fix="give a folder path")
+    if directory is not None:
+        check_confined(c, (*path, "dir"), directory, base_dir, allowed, what="checkpoint folder",
+                       also=(psctl_home(),))
+        # relative means next to the spec; ~ is left for the host that writes the checkpoints to expand
+        if not (directory.startswith("~") or Path(directory).is_absolute()):
+            directory = str(base_dir / directory)
     return {
         # null: the launcher puts checkpoints under <PSCTL_HOME>/<name>/checkpoints.
-        "dir": c.optional_string((*path, "dir"), k.get("dir"), fix="give a folder path"),
+        "dir": directory,
         "every_steps": c.integer((*path, "every_steps"), k.get("every_steps", 0), minimum=0, fix=whole),
         "every_seconds": c.duration((*path, "every_seconds"), k.get("every_seconds", 60.0), positive=False),
         "max_to_keep": c.integer((*path, "max_to_keep"), k.get("max_to_keep", 5), minimum=1, fix="write e.g. 5"),
