@@ -51,6 +51,7 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
             batch_size=cfg.batch_size,
             num_shards=len(info.workers),
         )
+        servicer.dataset("train", info.task_index)  # load its data before serving: not during its first step
         pb_grpc.add_WorkerServicer_to_server(servicer, server)
     server.start()
     logging.info("%s serving on %s (incarnation %d)", info.task, info.address, info.incarnation)

@@ -124,7 +124,8 @@ class Chief:
             if self.checkpointer is not None:
                 self.checkpointer.wait()
         if self.stop.is_set():
-            raise Interrupted(f"stopped at global step {self.ps.state(0).global_step} of {cfg.steps}")
+            # not asked of the ps: on `psctl down` they are stopping too
+            raise Interrupted(f"stopped at global step {self.meter.global_step} of {cfg.steps}")
         metrics, global_step = evaluate_split(self.model, self.ps)
         seconds = time.monotonic() - started
         result = {

@@ -47,6 +47,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.progress = progress
         self.fenced = on_fenced or threading.Event()
         self._datasets: dict[tuple[str, int], Dataset] = {}
+        #: A step failed because a PS was unavailable: before the next, wait for the channels to reconnect
+        #: (the chief resends work only after the PS is back and restored).
+        self._ps_was_down = False
         self._lock = threading.Lock()
 
     def dataset(self, split: str, shard: int) -> Dataset:
@@ -73,12 +76,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 return self._evaluate(request)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown step function {request.function!r}")
         except PsUnavailable as exc:
+            self._ps_was_down = True
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ps unavailable: {exc}")
         except grpc.RpcError as exc:
             code = exc.code()  # type: ignore[attr-defined]
             if code == grpc.StatusCode.PERMISSION_DENIED:
                 self.fenced.set()
             if code == grpc.StatusCode.FAILED_PRECONDITION:  # a PS without variables: it was restarted
+                self._ps_was_down = True
                 context.abort(code, f"ps unavailable: {exc.details()}")  # type: ignore[attr-defined]
             context.abort(code, f"{self.task}: {exc.details()}")  # type: ignore[attr-defined]
         except Exception as exc:  # the program's own code failed: report it, do not crash the server
@@ -86,6 +91,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         raise AssertionError("unreachable")
 
     def _train(self, request: pb.StepRequest) -> pb.StepResponse:
+        if self._ps_was_down:
+            self.ps.wait_ready(5.0)
+            self._ps_was_down = False
         start = time.perf_counter()
         program = self.model.program
         batch = self.dataset("train", request.shard).batch(request.position, self.batch_size)

@@ -37,6 +37,8 @@ log = logging.getLogger("psctl.supervisor")
 #: Roles whose exit with code 0 means their job is done. ps and workers serve until told to stop, so any
 #: exit of theirs while training runs (preemption sends SIGTERM, which they answer with exit 0) is a loss.
 FINISHING_ROLES = ("chief", "evaluator")
+#: A role running this many times max_backoff_seconds counts as stable: its failures in a row reset.
+STABLE_FACTOR = 10.0
 #: Seconds an evaluator gets, after training finished, to evaluate the final checkpoint.
 EVALUATOR_GRACE = 120.0
 
@@ -74,6 +76,10 @@ class Live:
     #: The role's progress counter (a worker's local step, the chief's global step) and when it last moved.
     progress: int = -1
     progressed_at: float = 0.0
+    #: Restarts since the role last ran stably: drives the backoff and the max_restarts limit, so a long job
+    #: whose worker is preempted now and then is not failed for good by its eleventh preemption.
+    failures_in_a_row: int = 0
+    running_since: float | None = None
 
 
 class HeartbeatServicer(pb_grpc.SupervisorServicer):
@@ -266,6 +272,12 @@ class Supervisor:
             if live.last_heartbeat is not None:
                 if role.state == RoleState.STARTING:
                     self.transition(role, RoleState.RUNNING)
+                    live.running_since = now
+                policy = self.spec.roles[role.role].restart
+                if live.running_since is not None and now - live.running_since > STABLE_FACTOR * max(
+                    policy.max_backoff_seconds, 1.0
+                ):
+                    live.failures_in_a_row = 0
                 silent = now - live.last_heartbeat
                 if silent > sup.heartbeat_timeout:
                     self.on_lost(role, f"no heartbeat for {silent:.1f}s (hung or cut off)")
@@ -345,13 +357,14 @@ class Supervisor:
 
     def maybe_restart(self, role: RoleRecord, code: int | None) -> None:
         policy = self.spec.roles[role.role].restart
+        live = self.live[role.name]
         why_not = None
         if policy.policy == "never":
             why_not = "restart policy is never"
         elif code is not None and code in policy.permanent_exit_codes:
             why_not = f"exit code {code} is permanent (a configuration or program error)"
-        elif role.restarts >= policy.max_restarts:
-            why_not = f"restarted {role.restarts} times, the limit (max_restarts)"
+        elif live.failures_in_a_row >= policy.max_restarts:
+            why_not = f"restarted {live.failures_in_a_row} times in a row, the limit (max_restarts)"
         if why_not is not None:
             self.transition(role, RoleState.FAILED, f"{role.reason}; not restarted: {why_not}")
             if role.role in ("chief", "ps") or all(
@@ -359,10 +372,12 @@ class Supervisor:
             ):
                 self.finish(ClusterState.FAILED, f"{role.name} failed: {role.reason}")
             return
-        backoff = min(policy.max_backoff_seconds, policy.backoff_seconds * (2 ** role.restarts))
+        backoff = min(policy.max_backoff_seconds, policy.backoff_seconds * (2**live.failures_in_a_row))
         backoff *= random.uniform(0.8, 1.2)  # jitter: roles lost together do not restart in lockstep
         role.restarts += 1
-        self.live[role.name].restart_at = self.time() + backoff
+        live.failures_in_a_row += 1
+        live.running_since = None
+        live.restart_at = self.time() + backoff
         self.transition(role, RoleState.RESTARTING, f"restart {role.restarts} in {backoff:.1f}s")
 
     def finish(self, state: ClusterState, reason: str) -> None:

@@ -1,0 +1,540 @@
+"""Processes on another machine, over SSH (paramiko): the :class:`Runner` interface for one host.
+
+Connect lazily: the constructor does no I/O; the first operation connects, and a broken connection is
+replaced on the next call. Every remote command runs under a timeout, so a crashed, frozen or cut-off host is
+reported within seconds as a one-line :class:`LaunchError` naming the host and the fix (TCP keepalive alone
+would take minutes). Roles start detached, each the leader of its own session and process group, with output
+appended to a log file on that host::
+
+    cd DIR || exit 1; setsid nohup env K=V ... CMD >> LOG 2>&1 < /dev/null & echo $!
+
+Remote commands are POSIX ``sh``; remote paths are absolute, or relative to the remote user's home (``~/x``
+or ``x``). Linux hosts only (``/proc`` is read for start times and environments).
+
+:func:`run_on_all` runs one operation on many hosts in parallel and returns every host's result or exception;
+:func:`check_results` then raises one :class:`HostsError` that lists every failed host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import posixpath
+import re
+import select
+import shlex
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TypeVar
+
+import paramiko
+
+from psctl.errors import LaunchError, PsctlError
+from psctl.launch import hosts
+from psctl.launch.base import ProcessHandle, Runner
+from psctl.launch.local import UNKNOWN_EXIT
+from psctl.spec.model import HostSpec
+
+CONNECT_TIMEOUT = 5.0
+COMMAND_TIMEOUT = 5.0
+#: A process whose start time differs by more than this from its handle's is another process (pid reused).
+#: Start times are computed as psutil does (boot time + start ticks / CLK_TCK), so one process always gets the
+#: same value; as with psutil, a step of the host's clock (which moves its boot time) breaks the comparison.
+START_TIME_TOLERANCE = 0.01
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+#: Lists the pids (and /proc stat fields) of processes whose environment holds PSCTL_CLUSTER_ID=argv[1].
+_FIND_CLUSTER = """\
+import os, sys
+needle = b"PSCTL_CLUSTER_ID=" + sys.argv[1].encode()
+skip = {str(os.getpid()), str(os.getppid())}
+for pid in os.listdir("/proc"):
+    if not pid.isdigit() or pid in skip:
+        continue
+    try:
+        with open("/proc/%s/environ" % pid, "rb") as f:
+            env = f.read().split(b"\\0")
+        with open("/proc/%s/stat" % pid, "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        continue
+    if needle in env:
+        print(pid, stat.strip())
+"""
+
+
+class HostUnreachable(LaunchError):
+    """The host did not answer (connection refused, timed out, lost, or no reply to a command)."""
+
+
+class _NoReply(Exception):
+    """A remote command did not finish within its timeout."""
+
+
+def sh_path(path: str | Path) -> str:
+    """Quote a remote path for ``sh``, keeping a leading ``~/`` expandable."""
+    text = str(path)
+    if text == "~":
+        return '"$HOME"'
+    if text.startswith("~/"):
+        return '"$HOME"/' + shlex.quote(text[2:])
+    return shlex.quote(text)
+
+
+def _sftp_path(path: str | Path) -> str:
+    """SFTP paths are relative to the remote home: ``~/x`` becomes ``x``."""
+    text = str(path)
+    if text == "~":
+        return "."
+    return text[2:] if text.startswith("~/") else text
+
+
+def _parse_stat(line: str) -> tuple[str, int] | None:
+    """(state, start time in clock ticks after boot) from a /proc/PID/stat line, or None."""
+    try:
+        fields = line[line.rindex(")") + 2 :].split()
+        return fields[0], int(fields[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+class SSHRunner(Runner):
+    """Starts and controls processes on one host over SSH. Besides the :class:`Runner` methods it offers
+    :meth:`run`, :meth:`read_file`, :meth:`put_file` and :meth:`check_python`.
+
+    ``known_hosts``: the user's known_hosts file (read, and written by ``accept-new``); default
+    ``~/.ssh/known_hosts`` or the ssh_config's ``UserKnownHostsFile``. ``ssh_config``: an OpenSSH client
+    config consulted for what the spec leaves open (None: none).
+    """
+
+    def __init__(
+        self,
+        host: HostSpec,
+        *,
+        known_hosts: str | Path | None = None,
+        ssh_config: str | Path | None = hosts.DEFAULT_SSH_CONFIG,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        command_timeout: float = COMMAND_TIMEOUT,
+        allow_agent: bool = True,
+    ) -> None:
+        self.spec = host
+        self.host = host.name
+        self.connect_timeout = connect_timeout
+        self.command_timeout = command_timeout
+        self._known_hosts = Path(known_hosts) if known_hosts is not None else None
+        self._ssh_config = Path(ssh_config) if ssh_config is not None else None
+        self._allow_agent = allow_agent
+        self._lock = threading.RLock()
+        self._target: hosts.Target | None = None
+        self._client: paramiko.SSHClient | None = None
+        self._sftp: paramiko.SFTPClient | None = None
+        self._boot: tuple[float, int] | None = None  # (boot time, clock ticks per second) of this connection
+
+    def __enter__(self) -> SSHRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SSHRunner({self.host!r}, {self.spec.address}:{self.spec.port})"
+
+    # -- the Runner interface -------------------------------------------------------------------------
+    def start(self, *, argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: Path) -> ProcessHandle:
+        if not argv:
+            raise ValueError("argv is empty")
+        for name in env:
+            if not _ENV_NAME.match(name):
+                raise ValueError(f"invalid environment variable name {name!r}")
+        log_text = str(log_path)
+        if not log_text.startswith(("/", "~")):
+            log_text = "~/" + log_text  # relative to the remote home, as read_file reads it, not to ``cwd``
+        log = sh_path(log_text)
+        assign = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
+        command = " ".join(shlex.quote(a) for a in argv)
+        script = (
+            f"mkdir -p -m 700 {sh_path(posixpath.dirname(log_text))} && : >> {log} "
+            f"&& chmod 600 {log} || exit 1; cd {sh_path(cwd)} || exit 1; "
+            f"setsid nohup env {assign} {command} >> {log} 2>&1 < /dev/null & "
+            "pid=$!; echo $pid; cat /proc/$pid/stat 2>/dev/null; exit 0"
+        )
+        code, out, err = self._exec(script)
+        lines = out.splitlines()
+        if code != 0 or not lines or not lines[0].strip().isdigit():
+            raise LaunchError(
+                f"host {self.host}: cannot start {argv[0]}: {_last_line(err)}; check the working folder "
+                f"{cwd!r} and the log folder exist or can be created"
+            )
+        pid = int(lines[0])
+        stat = _parse_stat(lines[1]) if len(lines) > 1 else None
+        created = self._start_time(stat[1]) if stat else None
+        return ProcessHandle(self.host, pid, created)
+
+    def poll(self, handle: ProcessHandle) -> int | None:
+        pid = self._check_pid(handle)
+        _, out, _ = self._exec(f"cat /proc/{pid}/stat 2>/dev/null; exit 0")
+        stat = _parse_stat(out)
+        if stat is None or stat[0] in "ZXx":  # gone, or a zombie (what `ps -o stat=` reports as Z)
+            return UNKNOWN_EXIT
+        created = handle.create_time
+        if created is not None and abs(self._start_time(stat[1]) - created) > START_TIME_TOLERANCE:
+            return UNKNOWN_EXIT  # the pid was reused: our process is gone
+        return None
+
+    def signal_group(self, handle: ProcessHandle, sig: int) -> None:
+        pid = self._check_pid(handle)
+        if self.poll(handle) is not None:
+            return
+        # pgid == pid (setsid); fall back to the process alone if the group cannot be signalled
+        code, _, err = self._exec(f"kill -{int(sig)} -{pid} 2>/dev/null || kill -{int(sig)} {pid}")
+        if code != 0 and self.poll(handle) is None:
+            raise LaunchError(f"host {self.host}: cannot signal process group {pid}: {_last_line(err)}")
+
+    def cluster_processes(self, cluster_id: str) -> list[ProcessHandle]:
+        python = sh_path(self.spec.python)
+        code, out, err = self._exec(f"{python} -S -c {shlex.quote(_FIND_CLUSTER)} {shlex.quote(cluster_id)}")
+        if code != 0:
+            raise self._python_error(code, err)
+        found = []
+        for line in out.splitlines():
+            pid, _, rest = line.partition(" ")
+            stat = _parse_stat(rest)
+            if pid.isdigit() and stat is not None and stat[0] not in "ZXx":
+                found.append(ProcessHandle(self.host, int(pid), self._start_time(stat[1])))
+        return found
+
+    def close(self) -> None:
+        with self._lock:
+            sftp, client = self._sftp, self._client
+            self._sftp = self._client = None
+            self._boot = None
+        if sftp is not None:
+            sftp.close()
+        if client is not None:
+            client.close()
+
+    # -- extras ---------------------------------------------------------------------------------------
+    def run(self, cmd: str, timeout: float | None = None) -> tuple[int, str, str]:
+        """Run a shell command; returns (exit code, stdout, stderr). -1: killed by a signal.
+
+        If it does not finish within ``timeout`` (default: ``command_timeout``) the host is probed: an
+        answering host gives "command timed out", a silent one :class:`HostUnreachable`.
+        """
+        return self._exec(cmd, timeout=timeout, probe=True)
+
+    def read_file(self, path: str, offset: int = 0) -> bytes:
+        """The bytes of a remote file from ``offset`` on (SFTP), e.g. the new part of a role's log."""
+        try:
+            with self._sftp_client().open(_sftp_path(path), "rb") as remote:
+                remote.seek(offset)
+                return remote.read()
+        except OSError as exc:
+            if isinstance(exc, TimeoutError):
+                raise self._lost(f"no reply within {self.command_timeout:g}s") from exc
+            raise LaunchError(f"host {self.host}: cannot read {path!r}: {exc.strerror or exc}") from exc
+        except (paramiko.SSHException, EOFError) as exc:
+            raise self._lost("connection lost") from exc
+
+    def put_file(self, local: str | Path, remote: str, mode: int = 0o600) -> None:
+        """Copy a local file to the host (SFTP); its mode is set before any content is written, and it
+        replaces ``remote`` atomically. The remote folder is created if missing."""
+        data = Path(local).read_bytes()
+        folder = posixpath.dirname(remote)
+        if folder:
+            code, _, err = self._exec(f"mkdir -p {sh_path(folder)}")
+            if code != 0:
+                raise LaunchError(f"host {self.host}: cannot create {folder!r}: {_last_line(err)}")
+        target = _sftp_path(remote)
+        partial = f"{target}.{uuid.uuid4().hex[:8]}.part"
+        sftp = self._sftp_client()
+        try:
+            with sftp.open(partial, "wb") as out:
+                out.chmod(mode)
+                out.write(data)
+            sftp.posix_rename(partial, target)
+        except OSError as exc:
+            if isinstance(exc, TimeoutError):
+                raise self._lost(f"no reply within {self.command_timeout:g}s") from exc
+            with contextlib.suppress(OSError, paramiko.SSHException):
+                sftp.remove(partial)
+            raise LaunchError(f"host {self.host}: cannot write {remote!r}: {exc.strerror or exc}") from exc
+        except (paramiko.SSHException, EOFError) as exc:
+            raise self._lost("connection lost") from exc
+
+    def check_python(self) -> str:
+        """The version of the host's ``python`` (e.g. ``3.11.2``); LaunchError if missing or older than 3.10."""
+        code, out, err = self._exec(
+            f"{sh_path(self.spec.python)} -c 'import sys; print(\"%d.%d.%d\" % sys.version_info[:3])'"
+        )
+        if code != 0:
+            raise self._python_error(code, err)
+        version = _last_line(out)
+        try:
+            too_old = tuple(int(p) for p in version.split(".")[:2]) < (3, 10)
+        except ValueError:
+            raise LaunchError(f"host {self.host}: python {self.spec.python!r} printed {version!r} for its version; "
+                              "set hosts[].python") from None
+        if too_old:
+            raise LaunchError(
+                f"host {self.host}: python {self.spec.python!r} is {version}; psctl needs 3.10 or newer; "
+                "set hosts[].python"
+            )
+        return version
+
+    # -- connection -----------------------------------------------------------------------------------
+    def _unreachable(self, target: hosts.Target, what: str, fix: str) -> HostUnreachable:
+        return HostUnreachable(f"host {self.host} ({target.hostname}:{target.port}): unreachable: {what}; {fix}")
+
+    def _lost(self, what: str) -> HostUnreachable:
+        """Forget the connection (the next call reconnects) and describe why."""
+        self.close()
+        target = self._target or hosts.resolve(self.spec, ssh_config=None)
+        return self._unreachable(target, what, "check that the host is up and the network (the next call "
+                                               "reconnects)")
+
+    def _transport(self) -> paramiko.Transport:
+        with self._lock:
+            if self._client is not None:
+                transport = self._client.get_transport()
+                if transport is not None and transport.is_active():
+                    return transport
+                self.close()
+            self._client = self._connect()
+            transport = self._client.get_transport()
+            assert transport is not None
+            return transport
+
+    def _connect(self) -> paramiko.SSHClient:
+        try:
+            target = hosts.resolve(self.spec, ssh_config=self._ssh_config, known_hosts=self._known_hosts)
+        except (OSError, ImportError, paramiko.SSHException) as exc:
+            raise LaunchError(f"host {self.host}: cannot use the ssh config {self._ssh_config}: {exc}") from exc
+        self._target = target
+        for key in target.key_filenames if self.spec.identity_file else ():
+            if not Path(key).is_file():
+                raise LaunchError(f"host {self.host}: identity_file {key!r} not found; set hosts[].identity_file")
+        client = paramiko.SSHClient()
+        try:
+            hosts.load_known_hosts(client, target)
+        except OSError as exc:
+            raise LaunchError(f"host {self.host}: cannot read known_hosts: {exc}; check its permissions") from exc
+        client.set_missing_host_key_policy(hosts.host_key_policy(target))
+        sock = self._open_socket(target)
+        try:
+            client.connect(
+                target.hostname,
+                port=target.port,
+                username=target.user,
+                key_filename=list(target.key_filenames) or None,
+                timeout=self.connect_timeout,
+                banner_timeout=self.connect_timeout,
+                auth_timeout=self.connect_timeout,
+                channel_timeout=self.connect_timeout,
+                allow_agent=self._allow_agent,
+                look_for_keys=not target.key_filenames,
+                sock=sock,
+            )
+        except paramiko.BadHostKeyException as exc:
+            client.close()
+            raise LaunchError(
+                f"host {self.host}: host key CHANGED (possible attack); remove the old key from "
+                f"{target.known_hosts} if the change is expected"
+            ) from exc
+        except hosts.UnknownHostKey as exc:
+            client.close()
+            raise LaunchError(
+                f"host {self.host}: unknown host key; add it to known_hosts (ssh-keyscan) or set "
+                "host_key_policy: accept-new"
+            ) from exc
+        except paramiko.AuthenticationException as exc:
+            client.close()
+            raise LaunchError(
+                f"host {self.host}: authentication failed for user {target.user}; check identity_file or ssh-agent"
+            ) from exc
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            client.close()
+            raise self._unreachable(
+                target, f"ssh handshake failed ({exc or type(exc).__name__})",
+                f"check that sshd runs on port {target.port}"
+            ) from exc
+        return client
+
+    def _open_socket(self, target: hosts.Target) -> socket.socket:
+        fix = "check the address and that sshd runs"
+        try:
+            sock = socket.create_connection((target.hostname, target.port), timeout=self.connect_timeout)
+        except socket.gaierror as exc:
+            raise self._unreachable(target, "unknown address", "check hosts[].address") from exc
+        except TimeoutError as exc:
+            raise self._unreachable(target, f"connection timed out after {self.connect_timeout:g}s", fix) from exc
+        except ConnectionRefusedError as exc:
+            raise self._unreachable(target, "connection refused", "check the port and that sshd runs") from exc
+        except OSError as exc:
+            what = {errno.EHOSTUNREACH: "no route to host", errno.ENETUNREACH: "network is unreachable"}.get(
+                exc.errno or 0, exc.strerror or str(exc)
+            )
+            raise self._unreachable(target, what, "check the address and the network") from exc
+        # A backstop for the few paramiko calls without a timeout: the kernel drops a connection whose data
+        # stays unacknowledged, or whose idle probes go unanswered, for a few seconds.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3),
+                            ("TCP_USER_TIMEOUT", int(2000 * max(self.command_timeout, self.connect_timeout)))):
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+        return sock
+
+    def _sftp_client(self) -> paramiko.SFTPClient:
+        transport = self._transport()
+        with self._lock:
+            if self._sftp is None:
+                try:
+                    self._sftp = paramiko.SFTPClient.from_transport(transport)
+                except (paramiko.SSHException, EOFError, OSError) as exc:
+                    raise self._lost(f"cannot open SFTP ({exc})") from exc
+                assert self._sftp is not None
+                self._sftp.get_channel().settimeout(self.command_timeout)  # type: ignore[union-attr]
+            return self._sftp
+
+    # -- commands -------------------------------------------------------------------------------------
+    def _exec(self, cmd: str, *, timeout: float | None = None, probe: bool = False) -> tuple[int, str, str]:
+        timeout = self.command_timeout if timeout is None else timeout
+        transport = self._transport()
+        try:
+            channel = transport.open_session(timeout=timeout)
+        except paramiko.ChannelException as exc:  # sshd answered, and said no
+            raise LaunchError(f"host {self.host}: sshd refused a session ({exc}); check MaxSessions") from exc
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            if transport.is_active():  # alive but silent: a frozen host or a cut network
+                raise self._lost(f"no reply within {timeout:g}s") from exc
+            self.close()  # the connection broke before the command was sent: reconnect once
+            try:
+                channel = self._transport().open_session(timeout=timeout)
+            except (paramiko.SSHException, EOFError, OSError) as again:
+                raise self._lost("connection lost") from again
+        try:
+            channel.settimeout(timeout)
+            channel.exec_command(cmd)
+            code, out, err = self._collect(channel, time.monotonic() + timeout)
+        except _NoReply:
+            if probe and self._answers():
+                raise LaunchError(f"host {self.host}: command timed out after {timeout:g}s: {cmd[:80]}") from None
+            raise self._lost(f"no reply within {timeout:g}s") from None
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            raise self._lost(f"connection lost ({exc or type(exc).__name__})") from exc
+        finally:
+            channel.close()
+        return code, out.decode(errors="replace"), err.decode(errors="replace")
+
+    @staticmethod
+    def _collect(channel: paramiko.Channel, deadline: float) -> tuple[int, bytes, bytes]:
+        """Read stdout and stderr until end of output and exit status, or raise _NoReply at ``deadline``."""
+        out, err = bytearray(), bytearray()
+        while True:
+            if channel.recv_ready():
+                out += channel.recv(65536)
+            elif channel.recv_stderr_ready():
+                err += channel.recv_stderr(65536)
+            elif channel.closed or (channel.eof_received and channel.exit_status_ready()):
+                return channel.recv_exit_status(), bytes(out), bytes(err)
+            else:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise _NoReply
+                if channel.eof_received:  # the fileno stays readable after EOF: wait for the status instead
+                    channel.status_event.wait(min(remaining, 0.05))
+                else:
+                    select.select([channel], [], [], min(remaining, 0.5))
+
+    def _answers(self) -> bool:
+        """Whether the host still answers at all (opens a channel within the command timeout)."""
+        try:
+            probe = self._transport().open_session(timeout=min(self.command_timeout, 3.0))
+        except (PsctlError, paramiko.SSHException, EOFError, OSError):
+            return False
+        probe.close()
+        return True
+
+    # -- helpers --------------------------------------------------------------------------------------
+    def _check_pid(self, handle: ProcessHandle) -> int:
+        if handle.host != self.host:
+            raise ValueError(f"handle of host {handle.host!r} given to the runner of host {self.host!r}")
+        if handle.pid <= 1:
+            raise ValueError(f"refusing to act on pid {handle.pid}")
+        return handle.pid
+
+    def _start_time(self, ticks: int) -> float:
+        """Seconds since the epoch, as psutil computes ``create_time`` (boot time + ticks / CLK_TCK)."""
+        if self._boot is None:
+            _, out, err = self._exec("awk '/^btime/ {print $2}' /proc/stat; getconf CLK_TCK")
+            try:
+                btime_text, hz_text = out.split()
+                self._boot = float(btime_text), int(hz_text)
+            except ValueError:
+                raise LaunchError(f"host {self.host}: cannot read the boot time ({_last_line(err)}); "
+                                  "psctl needs a Linux host") from None
+        boot, hz = self._boot
+        return boot + ticks / hz
+
+    def _python_error(self, code: int, err: str) -> LaunchError:
+        if code in (126, 127):
+            return LaunchError(f"host {self.host}: python {self.spec.python!r} not found; set hosts[].python")
+        return LaunchError(f"host {self.host}: python {self.spec.python!r} failed: {_last_line(err)}")
+
+
+T = TypeVar("T")
+
+
+class HostsError(LaunchError):
+    """One operation failed on some hosts: carries every host's result, and lists each failure on a line."""
+
+    def __init__(self, results: Mapping[str, object]) -> None:
+        self.results = dict(results)
+        self.failures = {h: r for h, r in self.results.items() if isinstance(r, BaseException)}
+        self.succeeded = {h: r for h, r in self.results.items() if not isinstance(r, BaseException)}
+        lines = [f"{len(self.failures)} of {len(self.results)} hosts failed:"]
+        lines += [f"  {_one_line(h, exc)}" for h, exc in sorted(self.failures.items())]
+        super().__init__("\n".join(lines))
+
+
+def _one_line(host: str, exc: BaseException) -> str:
+    text = exc.format_message() if isinstance(exc, PsctlError) else f"host {host}: {type(exc).__name__}: {exc}"
+    return " ".join(text.split())
+
+
+def run_on_all(runners: Sequence[SSHRunner], fn: Callable[[SSHRunner], T]) -> dict[str, T | Exception]:
+    """``fn(runner)`` for every runner in parallel threads (up to 64 at once); every host's result or exception.
+
+    Never raises for a host's failure: one bad host does not hide what happened on the others (see
+    :func:`check_results`).
+    """
+    names = [r.host for r in runners]
+    if len(set(names)) != len(names):
+        raise ValueError(f"hosts given twice: {sorted({n for n in names if names.count(n) > 1})}")
+    if not runners:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(64, len(runners)), thread_name_prefix="psctl-ssh") as pool:
+        futures = {r.host: pool.submit(fn, r) for r in runners}
+    results: dict[str, T | Exception] = {}
+    for name, future in futures.items():
+        exc = future.exception()
+        if exc is not None and not isinstance(exc, Exception):
+            raise exc  # KeyboardInterrupt and the like are not a host's failure
+        results[name] = exc if exc is not None else future.result()
+    return results
+
+
+def check_results(results: Mapping[str, T | Exception]) -> dict[str, T]:
+    """Every host's result if all succeeded; else one :class:`HostsError` carrying all of them."""
+    if any(isinstance(r, Exception) for r in results.values()):
+        raise HostsError(results)
+    return {h: r for h, r in results.items() if not isinstance(r, Exception)}

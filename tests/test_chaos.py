@@ -1,0 +1,259 @@
+"""Chaos: synchronous training (2 ps, 3 workers, R = 2 of N = 3) under the supervisor while a random worker is
+SIGKILLed again and again, every time the global step has moved on by ``KILL_EVERY`` since the previous kill.
+
+The run must end at exactly the configured step, with every step averaging exactly R fresh gradients (nothing
+short, nothing doubled), its model as good as a fault-free run of the same spec (run first, in the same test),
+and every killed worker restarted by the supervisor each time it was killed.
+
+Victims are drawn from a seeded ``random.Random`` (the same sequence of workers every run); each kill takes
+the pid from ``state.json`` (checked against its creation time and environment) and waits until the process
+is gone. Kills are paced by a bounded wait on the chief's reported global step, never by sleeping. The
+``psctl_env`` fixture takes every cluster down (``psctl down``, then a psutil sweep by cluster id) whether the
+test passes or fails.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import textwrap
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import pytest
+from cluster_helpers import wait_until
+from conftest import PsctlEnv
+
+from psctl.runtime.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+STEPS = 600
+WORKERS = 3
+R = 2
+#: A kill every time the global step has advanced this far since the previous one.
+KILL_EVERY = 60
+#: No kill this close to the end: the victim must come back (backoff 0.2 s x 2^restarts, then a new process) before
+#: training finishes without it.
+QUIET_END = 120
+MIN_KILLS = 5
+SEED = 20240611
+#: Each run of 600 steps takes ~15-35 s on this 2-core machine; this only bounds a hang.
+RUN_TIMEOUT = 75.0
+
+
+def spec_text(name: str) -> str:
+    """Both runs use this spec (TLS on, the default); only the name differs."""
+    return textwrap.dedent(
+        f"""\
+        name: {name}
+        roles:
+          chief: {{}}
+          ps: {{replicas: 2}}
+          worker:
+            replicas: {WORKERS}
+            restart: {{policy: on-failure, max_restarts: 50, backoff_seconds: 0.2}}
+        training:
+          program: psctl.models.mlp
+          args: {{hidden_units: 32}}
+          data: {{name: digits}}
+          batch_size: 50
+          optimizer: {{name: adam, learning_rate: 0.003}}
+          mode: sync
+          replicas_to_aggregate: {R}
+          total_replicas: {WORKERS}
+          replica_timeout: 30s
+          steps: {STEPS}
+          log_every_seconds: 0.2s
+          checkpoint: {{every_steps: 100, every_seconds: 0, max_to_keep: 100}}
+        supervision: {{heartbeat_interval: 0.5s, heartbeat_timeout: 3s}}
+        """
+    )
+
+
+class Run:
+    """One cluster of the test's PSCTL_HOME, read through its files as an operator would."""
+
+    def __init__(self, penv: PsctlEnv, name: str) -> None:
+        self.penv = penv
+        self.name = name
+        self.root = penv.home / name
+        self.spec = penv.tmp_path / f"{name}.yaml"
+        self.spec.write_text(spec_text(name), encoding="utf-8")
+
+    def up(self) -> None:
+        done = self.penv.run("up", "--detach", str(self.spec), timeout=60)
+        assert done.returncode == 0, f"psctl up failed ({done.returncode}): {done.stdout}\n{done.stderr}"
+        self.penv.state(self.name)  # registers the cluster id for the fixture's teardown
+
+    def state(self) -> dict[str, Any]:
+        return self.penv.state(self.name)
+
+    def role(self, role: str) -> dict[str, Any]:
+        return self.penv.role(self.name, role)
+
+    def progress(self) -> int:
+        """The chief's latest reported global step (from ``run/metrics.jsonl``, every 0.2 s)."""
+        records = [r for r in read_metrics(self.root / "run" / "metrics.jsonl") if r.get("event") == "progress"]
+        return int(records[-1]["global_step"]) if records else 0
+
+    def events(self, role: str) -> list[dict[str, Any]]:
+        try:
+            lines = (self.root / "events.jsonl").read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            return []
+        return [e for e in map(json.loads, filter(str.strip, lines)) if e["role"] == role]
+
+    def finished(self) -> bool:
+        return str(self.state()["state"]) in ("succeeded", "failed", "stopped")
+
+    def result(self) -> dict[str, Any]:
+        return json.loads((self.root / "run" / "result.json").read_text())  # type: ignore[no-any-return]
+
+    def describe(self) -> str:
+        """What went on, for assertion messages: roles, the last events, the chief's log."""
+        try:
+            state = self.state()
+            roles = ", ".join(f"{r['name']} {r['state']} attempt {r['attempt']}" for r in state["roles"])
+            head = f"cluster {state['state']} ({state.get('reason', '')}); {roles}"
+        except (OSError, ValueError, KeyError) as exc:
+            head = f"no state: {exc}"
+        try:
+            events = (self.root / "events.jsonl").read_text(encoding="utf-8").splitlines()[-25:]
+        except FileNotFoundError:
+            events = []
+        logs = sorted(self.root.glob("logs/chief-0.*.log"))
+        chief = "\n".join(p.read_text(encoding="utf-8", errors="replace")[-2500:] for p in logs)
+        return f"{head}\nevents:\n" + "\n".join(events) + f"\nchief log:\n{chief}"
+
+    def wait_finished(self) -> dict[str, Any]:
+        wait_until(self.finished, timeout=RUN_TIMEOUT, interval=0.2, what=f"cluster {self.name} to finish",
+                   detail=self.describe)
+        state = self.state()
+        assert state["state"] == "succeeded", self.describe()
+        return state
+
+    def process(self, role: str) -> psutil.Process:
+        """``role``'s live process: the pid in state.json, checked by creation time and environment."""
+        record = self.role(role)
+        proc = psutil.Process(record["pid"])
+        assert abs(proc.create_time() - record["create_time"]) < 0.05, f"pid {record['pid']} was reused"
+        env = proc.environ()
+        assert env.get("PSCTL_ROLE") == role and env.get("PSCTL_CLUSTER_ID") == self.state()["cluster_id"], env
+        return proc
+
+
+def sigkill(proc: psutil.Process) -> None:
+    """SIGKILL ``proc`` and wait until it is dead (a zombie awaiting its supervisor's reaping counts)."""
+    proc.send_signal(signal.SIGKILL)
+
+    def gone() -> bool:
+        try:
+            return proc.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    wait_until(gone, timeout=10, what=f"pid {proc.pid} to die")
+
+
+@dataclass(frozen=True)
+class Kill:
+    role: str
+    attempt: int  # the attempt that was killed
+    global_step: int  # the chief's reported global step just before the kill
+
+
+def chaos(run: Run, rng: random.Random) -> list[Kill]:
+    """Kill a random worker each time the global step has advanced by KILL_EVERY since the previous kill,
+    until too close to the end. The victim is drawn first (so the sequence depends only on the seed); if it is
+    still coming back from an earlier kill, the wait goes on until it runs again."""
+    kills: list[Kill] = []
+    last = 0
+    while True:
+        victim = f"worker-{rng.randrange(WORKERS)}"
+        attempt = 1 + sum(k.role == victim for k in kills)
+
+        def ready(victim: str = victim, attempt: int = attempt, due: int = last + KILL_EVERY) -> str | None:
+            if run.finished():
+                return "finished"
+            step = run.progress()
+            if step >= STEPS - QUIET_END:
+                return "end"
+            record = run.role(victim)
+            if step >= due and record["state"] == "running" and record["attempt"] == attempt:
+                return "kill"
+            return None
+
+        outcome = wait_until(ready, timeout=RUN_TIMEOUT, interval=0.02, what=f"the step for killing {victim}",
+                             detail=run.describe)
+        if outcome != "kill":
+            return kills
+        proc = run.process(victim)
+        step = run.progress()
+        sigkill(proc)
+        kills.append(Kill(victim, attempt, step))
+        last = step
+
+
+@pytest.mark.timeout(180)
+def test_sync_training_survives_repeated_worker_kills(psctl_env: PsctlEnv) -> None:
+    started = time.monotonic()
+    # -- the reference: the same spec, no fault -------------------------------------------------------------
+    clean = Run(psctl_env, "clean")
+    clean.up()
+    clean.wait_finished()
+    reference = clean.result()
+    assert reference["global_step"] == STEPS, reference
+    assert reference["sync"]["gradients_applied"] == R * STEPS, reference
+    clean_seconds = time.monotonic() - started
+
+    # -- chaos ----------------------------------------------------------------------------------------------
+    chaotic = Run(psctl_env, "chaos")
+    chaos_started = time.monotonic()
+    chaotic.up()
+    kills = chaos(chaotic, random.Random(SEED))
+    chaotic.wait_finished()
+    chaos_seconds = time.monotonic() - chaos_started
+    result = chaotic.result()
+    detail = f"kills: {kills}\n{chaotic.describe()}"
+
+    assert len(kills) >= MIN_KILLS, detail
+    # exact: every one of the STEPS global steps averaged exactly R fresh gradients, none proceeded short
+    assert result["global_step"] == STEPS, detail
+    assert result["steps_this_run"] == STEPS, detail  # the chief was never restarted
+    assert result["sync"]["gradients_applied"] == R * STEPS, result
+    assert result["sync"]["timed_out_steps"] == 0, result
+    assert result["ps_restores"] == 0, result
+    assert result["retried_steps"] >= 1, result  # killed workers' in-flight steps went back on the queue
+    assert chaotic.state()["result"]["global_step"] == STEPS
+
+    # as good a model as the fault-free run
+    acc, ref_acc = result["metrics"]["accuracy"], reference["metrics"]["accuracy"]
+    assert ref_acc > 0.95, reference
+    assert abs(acc - ref_acc) <= 0.01, (acc, ref_acc)
+
+    # every kill was seen as that, and answered with a restart that came up and ran
+    per_role = Counter(k.role for k in kills)
+    for role, count in per_role.items():
+        record = chaotic.role(role)
+        assert record["attempt"] >= count + 1 and record["restarts"] == record["attempt"] - 1, detail
+        lost = [e for e in chaotic.events(role) if e["to"] == "lost" and "SIGKILL" in e["reason"]]
+        assert [e["attempt"] for e in lost] == [k.attempt for k in kills if k.role == role], detail
+        running = {e["attempt"] for e in chaotic.events(role) if e["to"] == "running"}
+        assert set(range(1, count + 2)) <= running, (role, running, detail)
+        assert record["state"] == "stopped", detail  # stopped when training finished, never given up on
+    for role in ("chief-0", "ps-0", "ps-1"):
+        assert chaotic.role(role)["attempt"] == 1, detail
+
+    print(
+        f"chaos: {len(kills)} kills ({dict(sorted(per_role.items()))}) at steps {[k.global_step for k in kills]}; "
+        f"accuracy {acc:.4f} vs fault-free {ref_acc:.4f}; retried steps {result['retried_steps']}, "
+        f"stale dropped {result['sync']['stale_dropped']} (fault-free {reference['sync']['stale_dropped']}); "
+        f"training {result['seconds']:.1f}s vs {reference['seconds']:.1f}s; "
+        f"wall: fault-free run {clean_seconds:.1f}s, chaos run {chaos_seconds:.1f}s"
+    )
+
