@@ -11,8 +11,7 @@ appended to a log file on that host::
 Remote commands are POSIX ``sh``; remote paths are absolute, or relative to the remote user's home (``~/x``
 or ``x``). Linux hosts only (``/proc`` is read for start times and environments).
 
-:func:`run_on_all` runs one operation on many hosts in parallel and returns every host's result or exception;
-:func:`check_results` then raises one :class:`HostsError` that lists every failed host.
+To run one operation on many hosts at once, see :mod:`psctl.launch.fanout`.
 """
 
 from __future__ import annotations
@@ -27,10 +26,8 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
 
 import paramiko
 
@@ -489,52 +486,3 @@ class SSHRunner(Runner):
         if code in (126, 127):
             return LaunchError(f"host {self.host}: python {self.spec.python!r} not found; set hosts[].python")
         return LaunchError(f"host {self.host}: python {self.spec.python!r} failed: {_last_line(err)}")
-
-
-T = TypeVar("T")
-
-
-class HostsError(LaunchError):
-    """One operation failed on some hosts: carries every host's result, and lists each failure on a line."""
-
-    def __init__(self, results: Mapping[str, object]) -> None:
-        self.results = dict(results)
-        self.failures = {h: r for h, r in self.results.items() if isinstance(r, BaseException)}
-        self.succeeded = {h: r for h, r in self.results.items() if not isinstance(r, BaseException)}
-        lines = [f"{len(self.failures)} of {len(self.results)} hosts failed:"]
-        lines += [f"  {_one_line(h, exc)}" for h, exc in sorted(self.failures.items())]
-        super().__init__("\n".join(lines))
-
-
-def _one_line(host: str, exc: BaseException) -> str:
-    text = exc.format_message() if isinstance(exc, PsctlError) else f"host {host}: {type(exc).__name__}: {exc}"
-    return " ".join(text.split())
-
-
-def run_on_all(runners: Sequence[SSHRunner], fn: Callable[[SSHRunner], T]) -> dict[str, T | Exception]:
-    """``fn(runner)`` for every runner in parallel threads (up to 64 at once); every host's result or exception.
-
-    Never raises for a host's failure: one bad host does not hide what happened on the others (see
-    :func:`check_results`).
-    """
-    names = [r.host for r in runners]
-    if len(set(names)) != len(names):
-        raise ValueError(f"hosts given twice: {sorted({n for n in names if names.count(n) > 1})}")
-    if not runners:
-        return {}
-    with ThreadPoolExecutor(max_workers=min(64, len(runners)), thread_name_prefix="psctl-ssh") as pool:
-        futures = {r.host: pool.submit(fn, r) for r in runners}
-    results: dict[str, T | Exception] = {}
-    for name, future in futures.items():
-        exc = future.exception()
-        if exc is not None and not isinstance(exc, Exception):
-            raise exc  # KeyboardInterrupt and the like are not a host's failure
-        results[name] = exc if exc is not None else future.result()
-    return results
-
-
-def check_results(results: Mapping[str, T | Exception]) -> dict[str, T]:
-    """Every host's result if all succeeded; else one :class:`HostsError` carrying all of them."""
-    if any(isinstance(r, Exception) for r in results.values()):
-        raise HostsError(results)
-    return {h: r for h, r in results.items() if not isinstance(r, Exception)}
