@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -193,7 +194,7 @@ class Chief:
             first_arrival: float | None = None
             while True:
                 with self._advanced:  # wake on the result that advanced ps 0 (no missed notification)
-                    self._advanced.wait_for(lambda s=step: self.meter.global_step > s, timeout=0.5)
+                    self._advanced.wait_for(partial(self._past, step), timeout=0.5)
                 coordinator.check()  # raises a non-retryable error, or PsFailure
                 if self.meter.global_step > step and min(self.ps.global_steps()) > step:
                     break
@@ -205,6 +206,9 @@ class Chief:
                     self._flush_short_step(step, r, min_replicas, timeout)
                     break
             coordinator.drop_queued()
+
+    def _past(self, step: int) -> bool:
+        return self.meter.global_step > step
 
     def _flush_short_step(self, step: int, r: int, min_replicas: int, timeout: float) -> None:
         """All or nothing: flush only if every PS still at ``step`` has at least ``min_replicas``."""
@@ -241,11 +245,10 @@ class Chief:
         all from the latest valid checkpoint, else start all from their initializers."""
         cfg = self.config
         specs = self.model.shard_specs(cfg.seed)
-        sync = dict(
-            replicas_to_aggregate=int(cfg.replicas_to_aggregate or len(self.info.workers)) if cfg.mode == "sync" else 0,
-            distinct_replicas=bool(cfg.distinct_replicas),
-        )
-        replies = self.ps.init(specs, cfg.optimizer_proto(), self.info.cluster_id, **sync)
+        r = int(cfg.replicas_to_aggregate or len(self.info.workers)) if cfg.mode == "sync" else 0
+        distinct = bool(cfg.distinct_replicas)
+        replies = self.ps.init(specs, cfg.optimizer_proto(), self.info.cluster_id,
+                               replicas_to_aggregate=r, distinct_replicas=distinct)
         kept = [r.already_initialized for r in replies]
         if all(kept):
             log.info("every ps holds the variables: resuming at global step %d", replies[0].global_step)
@@ -259,7 +262,8 @@ class Chief:
             self.restores += any(kept)
             log.info("restored %s (global step %d)", path, snapshot.global_step)
         elif any(kept):
-            self.ps.init(specs, cfg.optimizer_proto(), self.info.cluster_id, reset=True, **sync)
+            self.ps.init(specs, cfg.optimizer_proto(), self.info.cluster_id, reset=True,
+                         replicas_to_aggregate=r, distinct_replicas=distinct)
             self.restores += 1
             log.warning("no checkpoint to restore: every ps starts again from its initializers")
 

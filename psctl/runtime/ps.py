@@ -267,7 +267,8 @@ class VariableStore:
         ids: dict[str, Entry] = {}
         rows: dict[str, Entry] = {}
         for entry in entries:
-            target = {DENSE: dense, IDS: ids, ROWS: rows}.get(entry.kind)
+            by_kind: dict[int, dict[str, Entry]] = {DENSE: dense, IDS: ids, ROWS: rows}
+            target = by_kind.get(int(entry.kind))
             if target is None:
                 raise WireError(f"entry {entry.name!r}: unknown kind")
             if entry.name in target:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -129,7 +130,7 @@ class PsClient:
         calls: dict[int, Future] = {}
         for ps in range(len(self.stubs)):
             entries = plan.get(ps, [])
-            fields = dict(
+            fields: dict[str, Any] = dict(
                 step_id=header.step_id,
                 task=header.task,
                 incarnation=header.incarnation,
@@ -152,7 +153,7 @@ class PsClient:
                 raise self._wrap(ps, exc) from None
         return out
 
-    def _push_stream(self, ps: int, fields: dict, entries: Sequence[Entry]) -> pb.PushResponse:
+    def _push_stream(self, ps: int, fields: dict[str, Any], entries: Sequence[Entry]) -> pb.PushResponse:
         def new_chunk(i: int) -> pb.PushChunk:
             return pb.PushChunk(part=pb.PushRequest(**fields)) if i == 0 else pb.PushChunk()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -21,7 +22,7 @@ def _read(path: str) -> bytes:
 def make_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
     # Reconnect quickly: a restarted role answers at the same address within seconds, and gRPC's default
     # backoff (up to 120 s) would leave the cluster idle long after it is back.
-    options = [
+    options: list[tuple[str, Any]] = [
         *grpc_options(),
         ("grpc.enable_retries", 0),
         ("grpc.initial_reconnect_backoff_ms", 100),

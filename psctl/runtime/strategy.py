@@ -228,7 +228,7 @@ def plan_layout(
         shape = tuple(var.shape)
         n = _num_shards(var, partitioner) if shape and partitioner is not None else 1
         if n == 1:
-            shards = (ShardInfo(var.name, var.name, 0, counter % num_ps, 0, shape),)
+            shards: tuple[ShardInfo, ...] = (ShardInfo(var.name, var.name, 0, counter % num_ps, 0, shape),)
             counter += 1
         else:
             base, extra = shape[0] // n, shape[0] % n

@@ -134,7 +134,7 @@ def fill_chunks(
     for entry in entries:
         array = np.asarray(entry.array)
         dtype = _wire_dtype(array)
-        flat = memoryview(np.ascontiguousarray(array, dtype=dtype).reshape(-1)).cast("B")
+        flat = np.ascontiguousarray(array, dtype=dtype).reshape(-1).view(np.uint8)  # bytes, no copy
         offset = 0
         while True:
             take = min(room, len(flat) - offset)
