@@ -89,7 +89,9 @@ class Chief:
             on_result=self._on_result,
             on_worker_event=lambda message: log.warning("%s", message),
             staleness=cfg.staleness if cfg.mode == "bounded" else None,
+            one_per_round=cfg.mode == "sync" and bool(cfg.distinct_replicas),
         )
+        coordinator.wait_for_workers(self.ready_timeout)
         reporter = threading.Thread(target=self._report_loop, name="metrics", daemon=True)
         reporter.start()
         started = time.monotonic()

@@ -108,6 +108,8 @@ class WorkerState:
     incarnation: int | None = None
     steps: int = 0
     failures: int = 0
+    #: The synchronous round (global step) of the last closure this worker took.
+    last_round: int | None = None
 
 
 ResultCallback = Callable[[Closure, pb.StepResponse, int], None]
@@ -127,6 +129,7 @@ class ClusterCoordinator:
         on_result: ResultCallback | None = None,
         on_worker_event: Callable[[str], None] | None = None,
         staleness: int | None = None,
+        one_per_round: bool = False,
     ) -> None:
         # Every worker is probed before its first step: its incarnation is known from the start (so a restart
         # is recognised), and one still starting is waited for rather than counted as lost.
@@ -145,6 +148,9 @@ class ClusterCoordinator:
         #: Bounded staleness: a worker may start a step only while it is at most this many steps ahead of
         #: the slowest live worker (None: no bound).
         self.staleness = staleness
+        #: Synchronous mode counting distinct replicas: a worker takes at most one closure of a round, so a
+        #: fast worker cannot take the closure a slower one needs to contribute its replica.
+        self.one_per_round = one_per_round
         self.max_observed_lag = 0
         self._queue: collections.deque[Closure] = collections.deque()
         self._inflight = 0
@@ -197,6 +203,16 @@ class ClusterCoordinator:
                     raise TimeoutError(f"{len(self._queue)} queued and {self._inflight} running steps remain")
                 self._cond.wait(timeout=0.5 if remaining is None else min(0.5, remaining))
             self._raise_error()
+
+    def wait_for_workers(self, timeout: float) -> int:
+        """Wait (bounded) until every worker answers, so the first steps are not all taken by the quickest
+        to start; returns how many answered. Training starts anyway after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self._stopping.is_set():
+            if all(w.alive for w in self.workers):
+                break
+            self._stopping.wait(0.05)
+        return sum(w.alive for w in self.workers)
 
     def check(self) -> None:
         """Raise a pending non-retryable error, or PsFailure once a lost PS has paused everything."""
@@ -277,18 +293,33 @@ class ClusterCoordinator:
         alive = [w.steps for w in self.workers if w.alive]
         return worker.steps - min(alive, default=worker.steps)
 
+    def _next_for(self, worker: WorkerState) -> Closure | None:
+        """The first queued closure this worker may run now (caller holds the lock)."""
+        if self.ps_failed.is_set():
+            return None
+        if self.staleness is not None and self._lag(worker) > self.staleness:
+            return None
+        for closure in self._queue:
+            if not (self.one_per_round and closure.sync_step is not None and closure.sync_step == worker.last_round):
+                return closure
+        return None
+
     def _take(self, worker: WorkerState) -> Closure | None:
         with self._cond:
+            closure = None
             while not self._stopping.is_set():
-                blocked = self.staleness is not None and self._lag(worker) > self.staleness
-                if self._queue and not self.ps_failed.is_set() and not blocked:
+                closure = self._next_for(worker)
+                if closure is not None:
                     break
                 self._cond.wait(timeout=0.5)
-            if self._stopping.is_set():
+            if self._stopping.is_set() or closure is None:
                 return None
+            self._queue.remove(closure)
+            if closure.sync_step is not None:
+                worker.last_round = closure.sync_step
             self.max_observed_lag = max(self.max_observed_lag, self._lag(worker))
             self._inflight += 1
-            return self._queue.popleft()
+            return closure
 
     def _finish(self, closure: Closure, *, requeue: bool = False, error: BaseException | None = None) -> None:
         with self._cond:
