@@ -34,6 +34,15 @@ class ShardedModel:
         self.layouts: dict[str, VariableLayout] = plan_layout(
             program.variables(), num_ps, partitioner_from_config(partitioner)
         )
+        # Bytes of each shard, whole and per row: computed once, read on every step.
+        whole: dict[str, int] = {}
+        row: dict[str, int] = {}
+        for layout in self.layouts.values():
+            itemsize = np.dtype(layout.variable.dtype).itemsize
+            for shard in layout.shards:
+                row[shard.name] = itemsize * int(np.prod(shard.shape[1:], dtype=np.int64))
+                whole[shard.name] = itemsize * int(np.prod(shard.shape, dtype=np.int64))
+        self._shard_bytes = (whole, row)
 
     # -- creation -------------------------------------------------------------------------------------
     def shard_specs(self, seed: int) -> dict[int, list[pb.VariableSpec]]:
@@ -79,14 +88,9 @@ class ShardedModel:
 
     def pull_bytes(self, plan: PerPs) -> dict[int, int]:
         """Expected response size per PS, to choose between the unary and the streaming rpc."""
-        sizes: dict[str, int] = {}
-        for layout in self.layouts.values():
-            itemsize = np.dtype(layout.variable.dtype).itemsize
-            for shard in layout.shards:
-                sizes[shard.name] = itemsize * int(np.prod(shard.shape[1:], dtype=np.int64))
-                sizes[shard.name + "#all"] = itemsize * int(np.prod(shard.shape, dtype=np.int64))
+        whole, row = self._shard_bytes
         return {
-            ps: sum(sizes[e.name + "#all"] if e.kind == DENSE else sizes[e.name] * len(e.array) for e in entries)
+            ps: sum(whole[e.name] if e.kind == DENSE else row[e.name] * len(e.array) for e in entries)
             for ps, entries in plan.items()
         }
 
