@@ -305,8 +305,9 @@ def test_logs_follow_prints_new_lines_until_the_cluster_ends(psctl_env) -> None:
 
 # -- (f) ----------------------------------------------------------------------------------------------------
 def test_killed_worker_is_restarted_and_training_finishes(psctl_env) -> None:
-    # One worker: while it is down no step can run, so training cannot finish before the restart.
-    steps = 600
+    # One worker: while it is down no step can run, so training cannot finish before the restart; enough steps
+    # (at ~200 steps/s) that the kill lands well before the end, whenever the test sees training start.
+    steps = 4000
     up_detached(psctl_env, "rst", steps=steps, ps=1, workers=1)
     before = wait_cluster(
         psctl_env, "rst",
