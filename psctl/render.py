@@ -102,6 +102,10 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
         header.append(f"  loss {prog['loss']:.4f}")
     if prog.get("steps_per_sec"):
         header.append(f"  {prog['steps_per_sec']:.1f} steps/s  {prog.get('examples_per_sec', 0):.0f} examples/s")
+    for role in record.roles:
+        if role.role == "evaluator" and role.metrics:
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(role.metrics.items()))
+            header.append(f"\nevaluator: global step {role.global_step}: {shown}")
     if record.result:
         metrics = record.result.get("metrics", {})
         shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "examples")

@@ -4,6 +4,7 @@ written as a supervisor writes them (test_e2e_local.py runs the same commands ag
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from psctl import __version__
 from psctl.cli import cli
 from psctl.errors import EXIT_NOT_FOUND, EXIT_USAGE
 from psctl.home import ClusterDir
-from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, save_state
+from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, load_state, save_state
 
 ROLES_2X2 = ("chief-0", "ps-0", "ps-1", "worker-0", "worker-1")
 
@@ -272,3 +273,16 @@ def test_help_lists_every_command() -> None:
     assert result.exit_code == 0
     for command in ("validate", "up", "status", "ls", "logs", "down", "events"):
         assert re.search(rf"^\s+{command}\b", result.stdout, re.MULTILINE), command
+
+
+def test_status_shows_the_evaluators_latest_result(psctl_env) -> None:
+    cdir = recorded_cluster("ev", {"chief-0": 1, "ps-0": 1, "worker-0": 1, "evaluator-0": 1})
+    record = load_state(cdir.state_file)
+    evaluator = record.role("evaluator-0")
+    evaluator.global_step, evaluator.metrics = 300, {"accuracy": 0.9721, "loss": 0.0912}
+    save_state(cdir.state_file, record)
+    result = invoke("status", "ev")
+    assert result.exit_code == 0, result.stderr
+    assert "evaluator: global step 300: accuracy 0.9721, loss 0.0912" in " ".join(result.stdout.split())
+    as_json = json.loads(invoke("status", "ev", "--json").stdout)
+    assert {r["name"]: r["metrics"] for r in as_json["roles"]}["evaluator-0"] == {"accuracy": 0.9721, "loss": 0.0912}
