@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
-    BENCH_DIR,
     BenchCluster,
     Monitor,
     bench_cluster,
@@ -77,8 +76,8 @@ def training_config(
     if workload == "w3":
         return {
             **common,
-            "program": str(BENCH_DIR / "models.py"),
-            "args": {"hidden_units": 1024},
+            "program": "psctl.models.mlp",
+            "args": {"hidden_units": [1024, 1024]},
             "data": {"name": "synthetic_classification", "num_features": 1024, "num_classes": 10},
             "batch_size": batch_size or 64,
             "optimizer": {"name": "sgd", "learning_rate": 0.01},

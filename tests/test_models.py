@@ -78,6 +78,13 @@ def test_mlp_gradients_match_finite_differences() -> None:
     _check_dense_grads(program, program.dataset("train", 0, 1).batch(0, 16))
 
 
+def test_deep_mlp_gradients_match_finite_differences() -> None:
+    program = mlp.build({"hidden_units": [7, 5, 6]}, SMALL_CLS, seed=1)
+    names = [v.name for v in program.variables()]
+    assert names[::2] == ["hid/kernel", "hid_2/kernel", "hid_3/kernel", "sm/kernel"]
+    _check_dense_grads(program, program.dataset("train", 0, 1).batch(0, 16))
+
+
 @pytest.mark.parametrize(
     "batch",
     [
@@ -244,6 +251,8 @@ def test_unknown_args_refused(module) -> None:
 def test_bad_or_missing_args_refused() -> None:
     with pytest.raises(ValueError, match=r"hidden_units .* positive integer"):
         mlp.build({"hidden_units": 0}, SMALL_CLS, 0)
+    with pytest.raises(ValueError, match=r"hidden_units .* list of them"):
+        mlp.build({"hidden_units": [16, 0]}, SMALL_CLS, 0)
     with pytest.raises(ValueError, match=r"dim .* positive integer"):
         wide_embedding.build({"dim": True}, SMALL_EMB, 0)
     with pytest.raises(ValueError, match=r"needs args\.vocab_size"):

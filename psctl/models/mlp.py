@@ -1,7 +1,8 @@
-"""The classic "mnist replica" MLP: one hidden relu layer, then softmax cross-entropy.
+"""The classic "mnist replica" MLP: hidden relu layers, then softmax cross-entropy.
 
-Args: ``hidden_units`` (default 100), and ``num_features`` / ``num_classes`` when the data config does not
-imply them.
+Args: ``hidden_units`` (default 100; a list such as ``[1024, 1024]`` for several hidden layers), and
+``num_features`` / ``num_classes`` when the data config does not imply them. Variables: ``hid/*`` for the
+first hidden layer, ``hid_2/*``, ``hid_3/*``... for further ones, ``sm/*`` for the softmax layer.
 """
 
 from __future__ import annotations
@@ -21,51 +22,85 @@ NAME = "psctl.models.mlp"
 
 def build(args: dict[str, Any], data: dict[str, Any], seed: int) -> Program:
     shape = data_shape(data, seed)
-    defaults = {"hidden_units": 100, "num_features": shape.num_features, "num_classes": shape.num_classes}
-    opts = resolve_args(NAME, args, defaults)
-    return Mlp(opts["num_features"], opts["hidden_units"], opts["num_classes"], dict(data), seed)
+    args = dict(args)
+    hidden = _hidden_units(args.pop("hidden_units", 100))
+    defaults = {"num_features": shape.num_features, "num_classes": shape.num_classes}
+    try:
+        opts = resolve_args(NAME, args, defaults)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("valid args: ", "valid args: hidden_units, ")) from None
+    return Mlp(opts["num_features"], hidden, opts["num_classes"], dict(data), seed)
+
+
+def _hidden_units(value: Any) -> tuple[int, ...]:
+    layers = value if isinstance(value, (list, tuple)) else [value]
+    if not layers or any(isinstance(h, bool) or not isinstance(h, (int, np.integer)) or h < 1 for h in layers):
+        raise ValueError(
+            f"args.hidden_units for {NAME} must be a positive integer or a list of them, got {value!r}"
+        )
+    return tuple(int(h) for h in layers)
+
+
+def _layer_names(depth: int) -> list[str]:
+    return ["hid", *(f"hid_{i}" for i in range(2, depth + 1)), "sm"]
 
 
 @dataclass
 class Mlp:
     num_features: int
-    hidden_units: int
+    hidden_units: int | tuple[int, ...]
     num_classes: int
     data: dict[str, Any]
     seed: int
 
+    @property
+    def widths(self) -> list[int]:
+        hidden = (self.hidden_units,) if isinstance(self.hidden_units, int) else tuple(self.hidden_units)
+        return [self.num_features, *hidden, self.num_classes]
+
     def variables(self) -> list[VariableDef]:
-        f, h, c = self.num_features, self.hidden_units, self.num_classes
-        return [
-            VariableDef("hid/kernel", (f, h), initializer="glorot_uniform"),
-            VariableDef("hid/bias", (h,), initializer="zeros"),
-            VariableDef("sm/kernel", (h, c), initializer="glorot_uniform"),
-            VariableDef("sm/bias", (c,), initializer="zeros"),
-        ]
+        widths = self.widths
+        out = []
+        for name, fan_in, fan_out in zip(_layer_names(len(widths) - 2), widths[:-1], widths[1:], strict=True):
+            out.append(VariableDef(f"{name}/kernel", (fan_in, fan_out), initializer="glorot_uniform"))
+            out.append(VariableDef(f"{name}/bias", (fan_out,), initializer="zeros"))
+        return out
 
     def embedding_ids(self, batch: Batch) -> dict[str, np.ndarray]:
         return {}
 
+    def _forward(self, params: Params, batch: Batch) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[np.ndarray],
+                                                              list[np.ndarray], np.ndarray]:
+        """Weights, each layer's input activation, each hidden layer's pre-activation, and the logits."""
+        names = _layer_names(len(self.widths) - 2)
+        weights = [(dense(params, f"{n}/kernel"), dense(params, f"{n}/bias")) for n in names]
+        activation = features(batch, self.num_features, compute_dtype(weights[0][0]))
+        inputs, pres = [], []
+        for w, b in weights[:-1]:
+            inputs.append(activation)
+            pre = activation @ w + b
+            pres.append(pre)
+            activation = np.maximum(pre, 0)
+        inputs.append(activation)
+        w, b = weights[-1]
+        return weights, inputs, pres, activation @ w + b
+
     def loss_and_grads(self, params: Params, batch: Batch) -> tuple[float, Grads]:
-        w1, b1, w2, b2 = (dense(params, n) for n in ("hid/kernel", "hid/bias", "sm/kernel", "sm/bias"))
-        x = features(batch, self.num_features, compute_dtype(w1))
-        pre = x @ w1 + b1
-        hidden = np.maximum(pre, 0)
-        loss, _, dlogits = softmax_cross_entropy(hidden @ w2 + b2, labels(batch, self.num_classes))
-        dhidden = dlogits @ w2.T
-        dhidden[pre <= 0] = 0  # relu passes gradient only where it was active
-        grads = {
-            "hid/kernel": x.T @ dhidden,
-            "hid/bias": dhidden.sum(axis=0),
-            "sm/kernel": hidden.T @ dlogits,
-            "sm/bias": dlogits.sum(axis=0),
-        }
-        return loss, {name: g.astype(dense(params, name).dtype, copy=False) for name, g in grads.items()}
+        weights, inputs, pres, logits = self._forward(params, batch)
+        loss, _, delta = softmax_cross_entropy(logits, labels(batch, self.num_classes))
+        grads: Grads = {}
+        names = _layer_names(len(pres))
+        for i in range(len(weights) - 1, -1, -1):
+            w, _b = weights[i]
+            grads[f"{names[i]}/kernel"] = (inputs[i].T @ delta).astype(w.dtype, copy=False)
+            grads[f"{names[i]}/bias"] = delta.sum(axis=0).astype(w.dtype, copy=False)
+            if i:
+                delta = delta @ w.T
+                delta[pres[i - 1] <= 0] = 0  # relu passes gradient only where it was active
+        return loss, grads
 
     def evaluate(self, params: Params, batch: Batch) -> dict[str, float]:
-        w1, b1, w2, b2 = (dense(params, n) for n in ("hid/kernel", "hid/bias", "sm/kernel", "sm/bias"))
-        x = features(batch, self.num_features, compute_dtype(w1))
-        logits = np.maximum(x @ w1 + b1, 0) @ w2 + b2
+        _weights, _inputs, _pres, logits = self._forward(params, batch)
         return classification_metrics(logits, labels(batch, self.num_classes))
 
     def dataset(self, split: str, shard: int, num_shards: int) -> ArrayDataset:
