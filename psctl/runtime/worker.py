@@ -19,6 +19,7 @@ import grpc
 
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
+from psctl.runtime.evaluation import evaluate_batch
 from psctl.runtime.heartbeat import PROGRESS, Progress
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import Dataset
@@ -132,15 +133,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def _evaluate(self, request: pb.StepRequest) -> pb.StepResponse:
         start = time.perf_counter()
         batch = self.dataset("test", request.shard).batch(request.position, self.batch_size)
-        program = self.model.program
-        ids = program.embedding_ids(batch)
-        plan = self.model.pull_plan(ids)
-        pulled, global_step = self.ps.pull(plan, self.model.pull_bytes(plan))
-        metrics = program.evaluate(self.model.assemble(ids, pulled), batch)
+        metrics, global_step = evaluate_batch(self.model, self.ps, batch)
         return pb.StepResponse(
             loss=float(metrics.get("loss", float("nan"))),
             examples=len(next(iter(batch.values()))),
-            metrics={k: float(v) for k, v in metrics.items()},
+            metrics=metrics,
             step_seconds=time.perf_counter() - start,
             global_step=global_step,
         )
