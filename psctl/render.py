@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from psctl.home import ClusterDir
-from psctl.runtime.metrics import read_metrics
+from psctl.runtime.metrics import last_record
 from psctl.spec import Plan
 from psctl.supervisor.state import ClusterRecord, RoleRecord, RoleState
 
@@ -49,8 +49,7 @@ def _age(since: float | None, now: float) -> str:
 
 def progress(cdir: ClusterDir) -> dict[str, Any]:
     """The latest training figures the chief wrote (global step, loss, rates), or {}."""
-    records = [r for r in read_metrics(cdir.run_dir / "metrics.jsonl") if r.get("event") == "progress"]
-    return records[-1] if records else {}
+    return last_record(cdir.run_dir / "metrics.jsonl", "progress") or {}
 
 
 def progress_line(cdir: ClusterDir, record: ClusterRecord) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -90,8 +89,3 @@ class LocalRunner(Runner):
                 continue
         return found
 
-
-def kill_process_tree(pid: int, sig: int = signal.SIGKILL) -> None:
-    """Signal a process's whole group (tests and emergency teardown)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)

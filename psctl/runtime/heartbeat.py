@@ -56,8 +56,8 @@ class Heartbeater:
         on_fenced: Callable[[], None] | None = None,
     ) -> None:
         self.info = info
-        supervision = info.training.get("_supervision", {}) if isinstance(info.training, dict) else {}
-        self.interval = interval or float(os.environ.get("PSCTL_HEARTBEAT_INTERVAL", supervision.get("interval", 1.0)))
+        # the launcher passes supervision.heartbeat_interval in the environment
+        self.interval = interval or float(os.environ.get("PSCTL_HEARTBEAT_INTERVAL", "1.0"))
         self.progress = progress
         self.on_fenced = on_fenced or (lambda: os._exit(0))
         self._stop = threading.Event()

@@ -47,6 +47,29 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def last_record(path: str | Path, event: str, *, tail_bytes: int = 64 << 10) -> dict[str, Any] | None:
+    """The newest complete record with this ``event``, reading only the file's tail (the live view asks
+    several times a second, and the file grows for as long as training runs)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - tail_bytes))
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return None
+    if size > tail_bytes:
+        lines = lines[1:]  # the first line read may be cut
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("event") == event:
+            return record
+    return None
+
+
 class TrainingMeter:
     """Counts steps and examples and reports rates over the last reporting interval."""
 

@@ -91,11 +91,12 @@ def _declared(tensor: pb.Tensor) -> tuple[np.dtype, tuple[int, ...], int]:
 def from_tensor(tensor: pb.Tensor) -> np.ndarray:
     """Decode a whole array (read-only view of the message's bytes); WireError if malformed."""
     dtype, shape, nbytes = _declared(tensor)
-    if tensor.offset != 0 or len(tensor.data) != nbytes:
+    data = tensor.data  # read once: each read of a bytes field is a copy
+    if tensor.offset != 0 or len(data) != nbytes:
         raise WireError(
-            f"shape {shape} of {tensor.dtype} needs {nbytes} bytes, got {len(tensor.data)} at offset {tensor.offset}"
+            f"shape {shape} of {tensor.dtype} needs {nbytes} bytes, got {len(data)} at offset {tensor.offset}"
         )
-    return np.frombuffer(tensor.data, dtype=dtype).reshape(shape)
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
 
 
 def add_entries(field: object, entries: Iterable[Entry]) -> None:
