@@ -260,7 +260,7 @@ class StepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., shard: _Optional[int] = ..., position: _Optional[int] = ..., function: _Optional[str] = ..., sync_step: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("loss", "examples", "metrics", "compute_seconds", "step_seconds", "global_step", "applied")
+    __slots__ = ("loss", "examples", "metrics", "compute_seconds", "step_seconds", "global_step", "applied", "ps_global_steps")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +275,7 @@ class StepResponse(_message.Message):
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
+    PS_GLOBAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     loss: float
     examples: int
     metrics: _containers.ScalarMap[str, float]
@@ -282,7 +283,8 @@ class StepResponse(_message.Message):
     step_seconds: float
     global_step: int
     applied: bool
-    def __init__(self, loss: _Optional[float] = ..., examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., compute_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., global_step: _Optional[int] = ..., applied: _Optional[bool] = ...) -> None: ...
+    ps_global_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, loss: _Optional[float] = ..., examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., compute_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., global_step: _Optional[int] = ..., applied: _Optional[bool] = ..., ps_global_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()

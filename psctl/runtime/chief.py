@@ -61,6 +61,8 @@ class Chief:
         self.start_step = 0
         self._reporting_done = threading.Event()
         self._advanced = threading.Condition()
+        #: Every PS's global step as the workers' push replies reported it (synchronous rounds).
+        self._ps_steps = [0] * len(info.ps)
         ckpt = cfg.checkpoint or {}
         self.checkpointer = Checkpointer(ckpt) if ckpt.get("dir") else None
         self.ps_wait = 300.0
@@ -195,11 +197,11 @@ class Chief:
             scheduled_at = time.monotonic()
             first_arrival: float | None = None
             while True:
-                with self._advanced:  # wake on the result that advanced ps 0 (no missed notification)
-                    self._advanced.wait_for(partial(self._past, step), timeout=0.5)
-                coordinator.check()  # raises a non-retryable error, or PsFailure
-                if self.meter.global_step > step and min(self.ps.global_steps()) > step:
+                with self._advanced:  # wake on the result that completed the round (no missed notification)
+                    done = self._advanced.wait_for(partial(self._past, step), timeout=0.5)
+                if done:
                     break
+                coordinator.check()  # raises a non-retryable error, or PsFailure
                 now = time.monotonic()
                 if first_arrival is None and self.meter.steps > results_before:
                     first_arrival = now
@@ -210,7 +212,8 @@ class Chief:
             coordinator.drop_queued()
 
     def _past(self, step: int) -> bool:
-        return self.meter.global_step > step
+        """Every PS has applied ``step`` (caller holds ``_advanced``)."""
+        return min(self._ps_steps) > step
 
     def _flush_short_step(self, step: int, r: int, min_replicas: int, timeout: float) -> None:
         """All or nothing: flush only if every PS still at ``step`` has at least ``min_replicas``."""
@@ -227,6 +230,8 @@ class Chief:
         replies = self.ps.sync_flush(step, min_replicas)
         if not all(reply.applied for reply in replies):  # a replica was dropped in between: say so
             raise StepError("chief", f"synchronous step {step}: the ps disagreed on the replicas that arrived")
+        with self._advanced:
+            self._ps_steps = [max(mine, reply.global_step) for mine, reply in zip(self._ps_steps, replies, strict=True)]
         log.warning("step %d proceeded with %d of %d replicas after %.0fs", step, arrived, r, timeout)
 
     def _checkpoint(self) -> None:
@@ -239,6 +244,8 @@ class Chief:
     def _resumed_at(self, step: int) -> None:
         """Training (re)starts at ``step``: rates, and the checkpoint interval, count from here."""
         self.meter.reset(step)
+        with self._advanced:
+            self._ps_steps = [step] * len(self.info.ps)
         if self.checkpointer is not None:
             self.checkpointer.mark(step)
 
@@ -283,6 +290,8 @@ class Chief:
         if closure.function == "train":
             with self._advanced:
                 self.meter.record(loss=response.loss, examples=response.examples, global_step=response.global_step)
+                for ps, step in enumerate(response.ps_global_steps):
+                    self._ps_steps[ps] = max(self._ps_steps[ps], step)
                 self._advanced.notify_all()
 
     def _report(self, *, final: bool = False) -> None:

@@ -220,9 +220,6 @@ class PsClient:
                 raise self._wrap(ps, exc) from None
         return out
 
-    def global_steps(self) -> list[int]:
-        return [self.state(ps).global_step for ps in range(len(self.stubs))]
-
     def wait_ready(self, timeout: float) -> None:
         """Block until every PS channel is connected (roles start in any order)."""
         for ps, channel in enumerate(self._channels):

@@ -128,6 +128,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             step_seconds=time.perf_counter() - start,
             global_step=first.global_step,
             applied=any(r.applied for r in responses.values()),
+            ps_global_steps=[responses[ps].global_step for ps in sorted(responses)],
         )
 
     def _evaluate(self, request: pb.StepRequest) -> pb.StepResponse:
