@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import posixpath
 import re
 import select
@@ -27,7 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import paramiko
 
@@ -36,6 +37,8 @@ from psctl.launch import hosts
 from psctl.launch.base import ProcessHandle, Runner
 from psctl.launch.local import UNKNOWN_EXIT
 from psctl.spec.model import HostSpec
+
+log = logging.getLogger("psctl.ssh")
 
 CONNECT_TIMEOUT = 5.0
 COMMAND_TIMEOUT = 5.0
@@ -73,7 +76,7 @@ class _NoReply(Exception):
     """A remote command did not finish within its timeout."""
 
 
-def sh_path(path: str | Path) -> str:
+def sh_path(path: str | PurePath) -> str:
     """Quote a remote path for ``sh``, keeping a leading ``~/`` expandable."""
     text = str(path)
     if text == "~":
@@ -83,7 +86,7 @@ def sh_path(path: str | Path) -> str:
     return shlex.quote(text)
 
 
-def _sftp_path(path: str | Path) -> str:
+def _sftp_path(path: str | PurePath) -> str:
     """SFTP paths are relative to the remote home: ``~/x`` becomes ``x``."""
     text = str(path)
     if text == "~":
@@ -100,6 +103,34 @@ def _parse_stat(line: str) -> tuple[str, int] | None:
         return None
 
 
+def _pump(channel: paramiko.Channel, local_port: int) -> None:
+    """Copy bytes both ways between a forwarded SSH channel and a new connection to ``local_port``."""
+    try:
+        sock = socket.create_connection(("127.0.0.1", local_port), timeout=5.0)
+    except OSError:
+        channel.close()
+        return
+    sock.settimeout(None)
+    try:
+        while not channel.closed:
+            ready, _, _ = select.select([sock, channel], [], [], 1.0)
+            if sock in ready:
+                data = sock.recv(65536)
+                if not data:
+                    break
+                channel.sendall(data)
+            if channel in ready:
+                data = channel.recv(65536)
+                if not data:
+                    break
+                sock.sendall(data)
+    except (OSError, paramiko.SSHException, EOFError):
+        pass
+    finally:
+        channel.close()
+        sock.close()
+
+
 def _last_line(text: str) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else "no output"
@@ -111,7 +142,8 @@ class SSHRunner(Runner):
 
     ``known_hosts``: the user's known_hosts file (read, and written by ``accept-new``); default
     ``~/.ssh/known_hosts`` or the ssh_config's ``UserKnownHostsFile``. ``ssh_config``: an OpenSSH client
-    config consulted for what the spec leaves open (None: none).
+    config consulted for what the spec leaves open (None: none). ``status_ttl``: seconds for which
+    :meth:`poll` may answer from its last look at the host.
     """
 
     def __init__(
@@ -123,6 +155,7 @@ class SSHRunner(Runner):
         connect_timeout: float = CONNECT_TIMEOUT,
         command_timeout: float = COMMAND_TIMEOUT,
         allow_agent: bool = True,
+        status_ttl: float = 0.0,
     ) -> None:
         self.spec = host
         self.host = host.name
@@ -136,6 +169,20 @@ class SSHRunner(Runner):
         self._client: paramiko.SSHClient | None = None
         self._sftp: paramiko.SFTPClient | None = None
         self._boot: tuple[float, int] | None = None  # (boot time, clock ticks per second) of this connection
+        self.status_ttl = status_ttl
+        self._poll_lock = threading.RLock()
+        self._watched: dict[ProcessHandle, None] = {}  # processes poll() looks at (an ordered set)
+        self._seen_live: set[ProcessHandle] = set()
+        self._polled_at = float("-inf")
+        self._exited: dict[ProcessHandle, int] = {}
+        self._exit_files: dict[ProcessHandle, str] = {}
+        #: Reverse port forwards: remote port on the host -> local port here, re-requested after a reconnect.
+        self._forwards: dict[int, int] = {}
+        self._forwarded_on: paramiko.Transport | None = None
+        self._watcher: threading.Thread | None = None
+        self._closed = threading.Event()  # set by close(): stops the background watcher
+        #: Why the background watcher's last look failed (None: it succeeded).
+        self.last_error: str | None = None
 
     def __enter__(self) -> SSHRunner:
         return self
@@ -157,11 +204,14 @@ class SSHRunner(Runner):
         if not log_text.startswith(("/", "~")):
             log_text = "~/" + log_text  # relative to the remote home, as read_file reads it, not to ``cwd``
         log = sh_path(log_text)
+        # A role is not our child here, so its exit code cannot be waited for: it leaves it in this file.
+        exit_file = str(env.get("PSCTL_EXIT_FILE") or posixpath.splitext(log_text)[0] + ".exit")
+        env = {**env, "PSCTL_EXIT_FILE": exit_file}
         assign = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
         command = " ".join(shlex.quote(a) for a in argv)
         script = (
             f"mkdir -p -m 700 {sh_path(posixpath.dirname(log_text))} && : >> {log} "
-            f"&& chmod 600 {log} || exit 1; cd {sh_path(cwd)} || exit 1; "
+            f"&& chmod 600 {log} && rm -f {sh_path(exit_file)} || exit 1; cd {sh_path(cwd)} || exit 1; "
             f"setsid nohup env {assign} {command} >> {log} 2>&1 < /dev/null & "
             "pid=$!; echo $pid; cat /proc/$pid/stat 2>/dev/null; exit 0"
         )
@@ -175,18 +225,84 @@ class SSHRunner(Runner):
         pid = int(lines[0])
         stat = _parse_stat(lines[1]) if len(lines) > 1 else None
         created = self._start_time(stat[1]) if stat else None
-        return ProcessHandle(self.host, pid, created)
+        handle = ProcessHandle(self.host, pid, created)
+        with self._poll_lock:
+            self._exit_files[handle] = exit_file
+            self._watched[handle] = None
+        return handle
 
     def poll(self, handle: ProcessHandle) -> int | None:
-        pid = self._check_pid(handle)
-        _, out, _ = self._exec(f"cat /proc/{pid}/stat 2>/dev/null; exit 0")
-        stat = _parse_stat(out)
-        if stat is None or stat[0] in "ZXx":  # gone, or a zombie (what `ps -o stat=` reports as Z)
-            return UNKNOWN_EXIT
-        created = handle.create_time
-        if created is not None and abs(self._start_time(stat[1]) - created) > START_TIME_TOLERANCE:
-            return UNKNOWN_EXIT  # the pid was reused: our process is gone
-        return None
+        """None while running, else its exit code (from its exit file; -255 if it left none: killed).
+
+        One command looks at every process this runner watches, and the answer is reused for
+        ``status_ttl`` seconds: a supervisor polling 20 roles on a host costs one round trip, not 20. After
+        :meth:`watch_in_background`, poll() never waits on the network: it answers from the last look
+        (a process not looked at yet counts as running).
+        """
+        self._check_pid(handle)
+        with self._poll_lock:
+            if handle in self._exited:
+                return self._exited[handle]
+            self._watched.setdefault(handle, None)
+            fresh = time.monotonic() - self._polled_at < self.status_ttl and handle in self._seen_live
+            if fresh or self._watcher is not None:
+                return None
+        self._refresh_status()
+        with self._poll_lock:
+            return self._exited.get(handle)
+
+    def watch_in_background(self, interval: float) -> None:
+        """Look at the watched processes every ``interval`` seconds in a thread of this runner's own."""
+        self.status_ttl = interval
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, daemon=True, name=f"psctl-watch-{self.host}")
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self.status_ttl):
+            try:
+                self._refresh_status()
+                self.last_error = None
+            except PsctlError as exc:  # the host is unreachable: heartbeats decide; keep looking
+                self.last_error = exc.format_message()
+
+    def _refresh_status(self) -> None:
+        """Read /proc/PID/stat and the exit file of every watched process, in one command."""
+        with self._poll_lock:
+            watched = list(self._watched)
+            exit_files = [self._exit_files.get(h) for h in watched]
+        if not watched:
+            return
+        parts = []
+        for i, (h, exit_file) in enumerate(zip(watched, exit_files, strict=True)):
+            parts.append(f"echo P{i} $(cat /proc/{h.pid}/stat 2>/dev/null)")
+            if exit_file is not None:
+                parts.append(f"echo E{i} $(cat {sh_path(exit_file)} 2>/dev/null)")
+        _, out, _ = self._exec("; ".join(parts) + "; exit 0")
+        stats: dict[int, str] = {}
+        codes: dict[int, str] = {}
+        for line in out.splitlines():
+            tag, _, rest = line.partition(" ")
+            if tag[1:].isdigit():
+                (stats if tag[0] == "P" else codes)[int(tag[1:])] = rest.strip()
+        live = set()
+        exited = {}
+        for i, h in enumerate(watched):
+            stat = _parse_stat(stats.get(i, ""))
+            alive = stat is not None and stat[0] not in "ZXx"  # gone, or a zombie (`ps -o stat=` shows Z)
+            if alive and h.create_time is not None and stat is not None:
+                alive = abs(self._start_time(stat[1]) - h.create_time) <= START_TIME_TOLERANCE  # else pid reused
+            if alive:
+                live.add(h)
+            else:
+                text = codes.get(i, "")
+                exited[h] = int(text) if text.lstrip("-").isdigit() else UNKNOWN_EXIT
+        with self._poll_lock:
+            self._polled_at = time.monotonic()
+            self._seen_live = live
+            self._exited.update(exited)
+            for h in exited:
+                self._watched.pop(h, None)
 
     def signal_group(self, handle: ProcessHandle, sig: int) -> None:
         pid = self._check_pid(handle)
@@ -194,6 +310,7 @@ class SSHRunner(Runner):
             return
         # pgid == pid (setsid); fall back to the process alone if the group cannot be signalled
         code, _, err = self._exec(f"kill -{int(sig)} -{pid} 2>/dev/null || kill -{int(sig)} {pid}")
+        self._polled_at = float("-inf")  # what poll() remembers is out of date now
         if code != 0 and self.poll(handle) is None:
             raise LaunchError(f"host {self.host}: cannot signal process group {pid}: {_last_line(err)}")
 
@@ -201,7 +318,7 @@ class SSHRunner(Runner):
         python = sh_path(self.spec.python)
         code, out, err = self._exec(f"{python} -S -c {shlex.quote(_FIND_CLUSTER)} {shlex.quote(cluster_id)}")
         if code != 0:
-            raise self._python_error(code, err)
+            raise self.python_error(code, err)
         found = []
         for line in out.splitlines():
             pid, _, rest = line.partition(" ")
@@ -211,6 +328,11 @@ class SSHRunner(Runner):
         return found
 
     def close(self) -> None:
+        """Stop the background watcher and close the connection (the next call would reconnect)."""
+        self._closed.set()
+        self._disconnect()
+
+    def _disconnect(self) -> None:
         with self._lock:
             sftp, client = self._sftp, self._client
             self._sftp = self._client = None
@@ -245,7 +367,10 @@ class SSHRunner(Runner):
     def put_file(self, local: str | Path, remote: str, mode: int = 0o600) -> None:
         """Copy a local file to the host (SFTP); its mode is set before any content is written, and it
         replaces ``remote`` atomically. The remote folder is created if missing."""
-        data = Path(local).read_bytes()
+        self.put_bytes(Path(local).read_bytes(), remote, mode)
+
+    def put_bytes(self, data: bytes, remote: str, mode: int = 0o600) -> None:
+        """Write ``data`` to a file on the host, as :meth:`put_file` does."""
         folder = posixpath.dirname(remote)
         if folder:
             code, _, err = self._exec(f"mkdir -p {sh_path(folder)}")
@@ -274,7 +399,7 @@ class SSHRunner(Runner):
             f"{sh_path(self.spec.python)} -c 'import sys; print(\"%d.%d.%d\" % sys.version_info[:3])'"
         )
         if code != 0:
-            raise self._python_error(code, err)
+            raise self.python_error(code, err)
         version = _last_line(out)
         try:
             too_old = tuple(int(p) for p in version.split(".")[:2]) < (3, 10)
@@ -288,13 +413,50 @@ class SSHRunner(Runner):
             )
         return version
 
+    def forward_remote_port(self, local_port: int, remote_port: int = 0) -> int:
+        """Make ``127.0.0.1:PORT`` on the host reach ``127.0.0.1:local_port`` here, through this SSH
+        connection (``ssh -R``); returns PORT. It works where the host cannot open a connection back to this
+        machine, and it is requested again, on the same port, whenever the connection is replaced."""
+        transport = self._transport()
+        with self._lock:
+            try:
+                port = transport.request_port_forward("127.0.0.1", remote_port, handler=self._on_forwarded)
+            except paramiko.SSHException as exc:
+                raise LaunchError(
+                    f"host {self.host}: sshd refused a reverse port forward ({exc}); allow it with "
+                    "`AllowTcpForwarding yes` (or `remote`) in the host's sshd_config"
+                ) from exc
+            self._forwards[port] = local_port
+            self._forwarded_on = transport
+            return port
+
+    def _on_forwarded(self, channel: paramiko.Channel, origin: object, server: tuple[str, int]) -> None:
+        """A connection arrived on a forwarded port (paramiko's transport thread: hand it off at once)."""
+        local_port = self._forwards.get(server[1])
+        if local_port is None:
+            channel.close()
+            return
+        threading.Thread(target=_pump, args=(channel, local_port), daemon=True, name="psctl-forward").start()
+
+    def _restore_forwards(self, transport: paramiko.Transport) -> None:
+        """Ask a new connection for the forwards the old one had (best effort: retried on the next call)."""
+        if not self._forwards or self._forwarded_on is transport:
+            return
+        try:
+            for remote_port in self._forwards:
+                transport.request_port_forward("127.0.0.1", remote_port, handler=self._on_forwarded)
+        except paramiko.SSHException as exc:  # the old session may still hold the port for a while
+            log.warning("host %s: reverse port forward not restored yet: %s", self.host, exc)
+            return
+        self._forwarded_on = transport
+
     # -- connection -----------------------------------------------------------------------------------
     def _unreachable(self, target: hosts.Target, what: str, fix: str) -> HostUnreachable:
         return HostUnreachable(f"host {self.host} ({target.hostname}:{target.port}): unreachable: {what}; {fix}")
 
     def _lost(self, what: str) -> HostUnreachable:
         """Forget the connection (the next call reconnects) and describe why."""
-        self.close()
+        self._disconnect()
         target = self._target or hosts.resolve(self.spec, ssh_config=None)
         return self._unreachable(target, what, "check that the host is up and the network (the next call "
                                                "reconnects)")
@@ -304,11 +466,13 @@ class SSHRunner(Runner):
             if self._client is not None:
                 transport = self._client.get_transport()
                 if transport is not None and transport.is_active():
+                    self._restore_forwards(transport)
                     return transport
-                self.close()
+                self._disconnect()
             self._client = self._connect()
             transport = self._client.get_transport()
             assert transport is not None
+            self._restore_forwards(transport)
             return transport
 
     def _connect(self) -> paramiko.SSHClient:
@@ -413,7 +577,7 @@ class SSHRunner(Runner):
         except (paramiko.SSHException, EOFError, OSError) as exc:
             if transport.is_active():  # alive but silent: a frozen host or a cut network
                 raise self._lost(f"no reply within {timeout:g}s") from exc
-            self.close()  # the connection broke before the command was sent: reconnect once
+            self._disconnect()  # the connection broke before the command was sent: reconnect once
             try:
                 channel = self._transport().open_session(timeout=timeout)
             except (paramiko.SSHException, EOFError, OSError) as again:
@@ -482,7 +646,7 @@ class SSHRunner(Runner):
         boot, hz = self._boot
         return boot + ticks / hz
 
-    def _python_error(self, code: int, err: str) -> LaunchError:
+    def python_error(self, code: int, err: str) -> LaunchError:
         if code in (126, 127):
             return LaunchError(f"host {self.host}: python {self.spec.python!r} not found; set hosts[].python")
         return LaunchError(f"host {self.host}: python {self.spec.python!r} failed: {_last_line(err)}")

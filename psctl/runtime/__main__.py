@@ -126,5 +126,22 @@ def main() -> int:
             heartbeat.stop()
 
 
+def record_exit(code: int) -> None:
+    """Leave the exit code where ``PSCTL_EXIT_FILE`` says: a launcher that is not this process's parent (over
+    SSH) cannot wait() for it, and must tell "finished" (0) from "bad config" (2) from "killed" (no file)."""
+    path = os.environ.get("PSCTL_EXIT_FILE")
+    if not path:
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="ascii") as f:
+            f.write(f"{code}\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        print(f"psctl.runtime: cannot write the exit file {path}: {exc}", file=sys.stderr)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    record_exit(exit_code)
+    sys.exit(exit_code)

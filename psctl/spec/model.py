@@ -102,6 +102,10 @@ class ClusterSpec:
     supervision: SupervisionSpec = field(default_factory=SupervisionSpec)
     security: SecuritySpec = field(default_factory=lambda: SecuritySpec())
     source: SourceMap = field(default_factory=lambda: SourceMap("<spec>"), repr=False, compare=False)
+    #: Local files and folders (absolute) copied to every host's ``files/`` folder, beside the program.
+    files: tuple[str, ...] = ()
+    #: Shell commands run once on every host at ``up``, in that folder, before any role starts.
+    setup: tuple[str, ...] = ()
 
     @property
     def is_local(self) -> bool:

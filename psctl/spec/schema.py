@@ -25,9 +25,9 @@ from psctl.spec.model import (
     SupervisionSpec,
 )
 from psctl.spec.plan import LOCAL_HOST, conflict_error, layout, port_conflict
-from psctl.spec.training import normalise_training
+from psctl.spec.training import check_confined, normalise_training
 
-TOP_KEYS = ("name", "hosts", "roles", "training", "supervision", "security")
+TOP_KEYS = ("name", "hosts", "roles", "training", "supervision", "security", "files", "setup")
 HOST_KEYS = ("name", "address", "user", "port", "identity_file", "python", "workdir", "host_key_policy")
 ROLE_KEYS = ("replicas", "host", "hosts", "port", "ports", "restart", "env", "threads")
 RESTART_KEYS = ("policy", "max_restarts", "backoff_seconds", "max_backoff_seconds", "permanent_exit_codes")
@@ -72,7 +72,42 @@ def build_spec(data: Any, source: SourceMap, *, path: Path | None, base_dir: Pat
         allowed_paths=tuple(Path(p) for p in security.allowed_paths),
     )
     supervision = _supervision(c, top.get("supervision"))
-    return ClusterSpec(name, path, hosts, roles, training, supervision, security, source)
+    allowed = tuple(Path(p) for p in security.allowed_paths)
+    files = _files(c, top.get("files"), base_dir, allowed)
+    setup = tuple(
+        c.string(("setup", i), item, fix="write a shell command as a string")
+        for i, item in enumerate(c.items(("setup",), top.get("setup") or [], fix="list shell commands"))
+    )
+    if hosts:
+        _check_evaluator_host(c, roles, training)
+    return ClusterSpec(name, path, hosts, roles, training, supervision, security, source, files=files, setup=setup)
+
+
+def _files(c: Checker, value: object, base_dir: Path, allowed: tuple[Path, ...]) -> tuple[str, ...]:
+    """Local files or folders (relative to the spec's folder) that every host gets a copy of."""
+    files = []
+    for i, item in enumerate(c.items(("files",), value or [], fix="list paths")):
+        text = c.string(("files", i), item, fix="give a file or folder path")
+        path = (base_dir / Path(text).expanduser()).resolve()
+        if not path.exists():
+            c.fail(("files", i), f"{show(text)} does not exist (looked for {path})",
+                   "give a path relative to the spec's folder")
+        check_confined(c, ("files", i), str(path), base_dir, allowed, what="file")
+        files.append(str(path))
+    return tuple(files)
+
+
+def _check_evaluator_host(c: Checker, roles: dict[str, RoleSpec], training: dict[str, Any]) -> None:
+    """The evaluator reads the checkpoints the chief writes: on hosts, it must run where they are."""
+    evaluator, chief = roles.get("evaluator"), roles["chief"]
+    checkpoint = training.get("checkpoint") or {}
+    if evaluator is None or checkpoint.get("dir") or set(evaluator.hosts) <= set(chief.hosts[:1]):
+        return
+    key = "host" if len(evaluator.hosts) == 1 else "hosts"
+    c.fail(("roles", "evaluator", key),
+           f"the evaluator must run on the chief's host ({chief.hosts[0]}): it reads the checkpoints the chief "
+           "writes there", f"write host: {chief.hosts[0]}, or put training.checkpoint.dir on storage both hosts "
+           "share")
 
 
 def _name(c: Checker, top: dict[str, Any], default_name: str) -> str:
