@@ -18,7 +18,7 @@ from rich.table import Table
 from psctl import __version__, operations
 from psctl.errors import PsctlError, TrainingFailed
 from psctl.home import ClusterDir, list_clusters
-from psctl.render import plan_table, progress_line, status_dict, status_view
+from psctl.render import host_table, plan_table, progress_line, status_dict, status_view
 from psctl.runtime.checkpoint import export_arrays
 from psctl.supervisor.state import ClusterState, load_state
 
@@ -61,6 +61,27 @@ def validate(spec: str) -> None:
 
 @cli.command()
 @click.argument("spec", type=click.Path(dir_okay=False))
+def check(spec: str) -> None:
+    """Check that the spec's hosts are ready: SSH, python and modules, psctl, ports, disk, clocks."""
+    cluster_spec, plan = operations.plan_spec(spec)
+    runners = operations.ssh_runners(cluster_spec, plan)
+    if not runners:
+        console.print(f"{escape(spec)}: every role runs on this machine; its ports are free (no host to check)")
+        return
+    try:
+        reports = operations.check_hosts(cluster_spec, plan, runners)
+    finally:
+        for runner in runners.values():
+            runner.close()
+    console.print(host_table(reports))
+    for report in reports.values():
+        for line in report.warnings:
+            err_console.print(f"[yellow]warning:[/yellow] {escape(line)}")
+    console.print(f"[green]{len(reports)} host(s) ready[/green] for {len(plan.instances)} roles")
+
+
+@cli.command()
+@click.argument("spec", type=click.Path(dir_okay=False))
 @click.option("--detach", "-d", is_flag=True, help="Return once the cluster is starting; do not watch it.")
 @click.option("--dry-run", is_flag=True, help="Validate and print the plan; start nothing.")
 def up(spec: str, detach: bool, dry_run: bool) -> None:
@@ -70,7 +91,9 @@ def up(spec: str, detach: bool, dry_run: bool) -> None:
         console.print(plan_table(plan))
         console.print(f"dry run: nothing started ({len(plan.instances)} roles planned)")
         return
-    cdir = operations.bring_up(cluster_spec, plan)
+    cdir = operations.bring_up(
+        cluster_spec, plan, warn=lambda line: err_console.print(f"[yellow]warning:[/yellow] {escape(line)}")
+    )
     name = cluster_spec.name
     if detach:
         console.print(f"cluster {name!r} is starting; watch it with `psctl status {name}`", markup=False)
@@ -179,17 +202,19 @@ def logs(role: str, name: str | None, tail: int, follow: bool, attempt: int | No
     """Print the log of ROLE (e.g. worker-1) of cluster NAME."""
     cdir = operations.resolve_cluster(name)
     record = load_state(cdir.state_file)
-    path = operations.log_path(cdir, record, role, attempt)
-    lines, offset = operations.tail_lines_at(path, tail)
-    for line in lines:
-        click.echo(line)
-    if follow:
-        start = attempt or max(record.role(role).attempt, 1)
-        try:
-            for line in operations.follow(cdir, role, start_attempt=start, offset=offset):
+    attempt = operations.check_attempt(record, role, attempt)
+    log = operations.role_log(cdir, record, role)
+    try:
+        lines, offset = operations.tail_log(log, attempt, tail)
+        for line in lines:
+            click.echo(line)
+        if follow:
+            for line in operations.follow(cdir, log, start_attempt=attempt, offset=offset):
                 click.echo(line)
-        except KeyboardInterrupt:
-            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        log.runner.close()
 
 
 @cli.command()

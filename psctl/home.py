@@ -54,6 +54,11 @@ class ClusterDir:
     def tls_dir(self) -> Path:
         return self.root / "tls"
 
+    @property
+    def checkpoints(self) -> Path:
+        """Where the chief writes checkpoints unless the spec names a folder."""
+        return self.root / "checkpoints"
+
     def role_log(self, role: str, attempt: int) -> Path:
         return self.logs / f"{role}.{attempt}.log"
 

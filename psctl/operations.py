@@ -10,19 +10,34 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import Any
 
 import psutil
 
-from psctl.errors import ClusterNotFound, LaunchError, UsageError
+from psctl.errors import ClusterNotFound, LaunchError, PsctlError, UsageError
 from psctl.home import ClusterDir, list_clusters
-from psctl.launch.base import ProcessHandle, stop_processes
+from psctl.launch.base import ProcessHandle, Runner, stop_on_hosts
+from psctl.launch.fanout import HostsError, check_results, run_on_all
+from psctl.launch.hostset import RemoteHost, RoleDirs, host_runners, placements
 from psctl.launch.local import LocalRunner
+from psctl.launch.remote import (
+    HostDir,
+    HostReport,
+    preflight,
+    prepare_host,
+    psctl_bundle,
+    remove_files,
+    staged_files,
+    tar_gz,
+)
+from psctl.launch.ssh import SSHRunner
 from psctl.pki import create_cluster_pki
 from psctl.runtime.checkpoint import CheckpointError, Snapshot, latest_checkpoint, load_checkpoint
 from psctl.spec import ClusterSpec, Plan, load_spec, make_plan
+from psctl.spec.plan import LOCAL_HOST
 from psctl.supervisor.state import (
     ClusterRecord,
     ClusterState,
@@ -76,13 +91,103 @@ def resolve_cluster(name: str | None) -> ClusterDir:
     raise UsageError(f"several clusters exist ({names}); name the one you mean")
 
 
-def bring_up(spec: ClusterSpec, plan: Plan, *, wait_started: float = 30.0) -> ClusterDir:
-    """Persist the plan and start the cluster's supervisor; returns once the supervisor is running."""
-    if not spec.is_local:
-        raise UsageError(
-            f"{spec.path or spec.name}: hosts: launching on remote hosts over SSH is not available in this "
-            "version of psctl; remove `hosts:` (and the roles' `host`/`hosts`) to run on this machine"
+def ssh_runners(spec: ClusterSpec, plan: Plan) -> dict[str, SSHRunner]:
+    """A runner for every host the plan puts a role on (hosts defined but unused are left alone)."""
+    used = {i.host for i in plan.instances if i.host != LOCAL_HOST}
+    return {h.name: SSHRunner(h) for h in spec.hosts if h.name in used}
+
+
+def check_hosts(spec: ClusterSpec, plan: Plan, runners: Mapping[str, SSHRunner]) -> dict[str, HostReport]:
+    """The preflight on every host at once; PreflightError lists every problem found, one line each."""
+    def check(runner: SSHRunner) -> HostReport:
+        on_host = [i for i in plan.instances if i.host == runner.host]
+        ports = {i.port: i.name for i in on_host}
+        keys = {i.port: _port_key(spec, i.role, i.index) for i in on_host}
+        return preflight(runner, ports, keys)
+
+    results = run_on_all(list(runners.values()), check)
+    problems = []
+    for name in sorted(results):
+        found = results[name]
+        if isinstance(found, PsctlError):
+            problems.append(found.format_message())
+        elif isinstance(found, Exception):
+            problems.append(f"host {name}: {type(found).__name__}: {found}")
+        else:
+            problems += found.problems
+    if problems:
+        raise PreflightError(problems, len(results))
+    return {name: r for name, r in results.items() if isinstance(r, HostReport)}
+
+
+def _port_key(spec: ClusterSpec, role: str, index: int) -> str:
+    ports = spec.roles[role].ports
+    return f"roles.{role}.ports[{index}]" if ports is not None else f"roles.{role}.port"
+
+
+class PreflightError(LaunchError):
+    """Hosts not ready for the cluster: one line per problem, each naming its host and the fix."""
+
+    def __init__(self, problems: list[str], hosts: int) -> None:
+        self.problems = problems
+        failed = len({p.split(":")[0] for p in problems})
+        super().__init__("\n".join([f"preflight failed on {failed} of {hosts} hosts:", *problems]))
+
+
+def prepare_hosts(
+    spec: ClusterSpec, plan: Plan, cdir: ClusterDir, runners: Mapping[str, SSHRunner],
+    reports: Mapping[str, HostReport],
+) -> dict[str, dict[str, Any]]:
+    """Copy keys, files and (where needed) psctl to every host and run ``setup:``; returns what the state
+    file records of each host. On failure every host's copy of the cluster's files is deleted again."""
+    bundle = psctl_bundle() if any(r.copy_psctl for r in reports.values()) else None
+    staged = staged_files(spec)
+    archive = tar_gz(staged.items()) if staged else None
+
+    def prepare(runner: SSHRunner) -> dict[str, Any]:
+        hostdir = HostDir.of(runner.spec.workdir, spec.name)
+        tls: dict[str, Path] = {}
+        if spec.security.tls:
+            tls["ca.pem"] = cdir.tls_dir / "ca.pem"
+            for inst in (i for i in plan.instances if i.host == runner.host):
+                tls[f"{inst.name}.pem"] = cdir.tls_dir / f"{inst.name}.pem"
+                tls[f"{inst.name}.key"] = cdir.tls_dir / f"{inst.name}.key"
+        pythonpath = prepare_host(
+            runner, hostdir, tls_files=tls, staged=archive,
+            psctl_copy=bundle if reports[runner.host].copy_psctl else None, setup=spec.setup,
         )
+        return RemoteHost(runner.spec, str(hostdir.root), pythonpath, reports[runner.host].cpus).to_dict()
+
+    results = run_on_all(list(runners.values()), prepare)
+    try:
+        return check_results(results)
+    except HostsError:
+        run_on_all(list(runners.values()), lambda r: remove_files(r, HostDir.of(r.spec.workdir, spec.name)))
+        raise
+
+
+def bring_up(
+    spec: ClusterSpec, plan: Plan, *, wait_started: float = 30.0, warn: Callable[[str], None] | None = None
+) -> ClusterDir:
+    """Check the hosts, persist the plan, prepare the hosts and start the cluster's supervisor; returns once
+    the supervisor is running. ``warn`` gets the preflight's warnings (clock skew)."""
+    runners = ssh_runners(spec, plan)
+    try:
+        reports = check_hosts(spec, plan, runners)
+        for report in reports.values():
+            for line in report.warnings:
+                if warn is not None:
+                    warn(line)
+        return _start(spec, plan, runners, reports, wait_started=wait_started)
+    finally:
+        for runner in runners.values():
+            runner.close()
+
+
+def _start(
+    spec: ClusterSpec, plan: Plan, runners: Mapping[str, SSHRunner], reports: Mapping[str, HostReport], *,
+    wait_started: float,
+) -> ClusterDir:
     cdir = ClusterDir.named(spec.name)
     if cdir.state_file.is_file():
         old = load_state(cdir.state_file)
@@ -110,6 +215,11 @@ def bring_up(spec: ClusterSpec, plan: Plan, *, wait_started: float = 30.0) -> Cl
     if record.tls:
         members = [(i.name, i.address) for i in plan.instances] + [("supervisor", "127.0.0.1")]
         create_cluster_pki(cdir.tls_dir, record.cluster_id, members)
+    try:
+        record.hosts = prepare_hosts(spec, plan, cdir, runners, reports)
+    except PsctlError:
+        shutil.rmtree(cdir.tls_dir, ignore_errors=True)
+        raise
     save_state(cdir.state_file, record)
     fd = os.open(cdir.supervisor_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with os.fdopen(fd, "ab") as log:
@@ -144,9 +254,32 @@ class TeardownReport:
 
 
 def tear_down(cdir: ClusterDir, *, grace: float = 5.0, purge: bool = False) -> TeardownReport:
-    """Stop the supervisor and every process of the cluster; verify none is left. Safe to repeat."""
+    """Stop the supervisor and every process of the cluster on every host; verify none is left. Safe to
+    repeat. A host that cannot be reached is an error naming it (run ``down`` again once it is back)."""
     record = load_state(cdir.state_file)
-    runner = LocalRunner()
+    runners = host_runners(record.hosts)
+    try:
+        return _tear_down(cdir, record, runners, grace=grace, purge=purge)
+    finally:
+        for runner in runners.values():
+            runner.close()
+
+
+def _cluster_processes(runners: Mapping[str, Runner], cluster_id: str) -> tuple[list[ProcessHandle], dict[str, str]]:
+    """Every process of the cluster on every host, and the hosts that could not be searched (why)."""
+    found: list[ProcessHandle] = []
+    errors: dict[str, str] = {}
+    for host, result in run_on_all(list(runners.values()), lambda r: r.cluster_processes(cluster_id)).items():
+        if isinstance(result, Exception):
+            errors[host] = result.format_message() if isinstance(result, PsctlError) else str(result)
+        else:
+            found += result
+    return found, errors
+
+
+def _tear_down(
+    cdir: ClusterDir, record: ClusterRecord, runners: Mapping[str, Runner], *, grace: float, purge: bool
+) -> TeardownReport:
     was_running = not record.state.terminal
     if supervisor_alive(record):
         assert record.supervisor_pid is not None
@@ -156,13 +289,18 @@ def tear_down(cdir: ClusterDir, *, grace: float = 5.0, purge: bool = False) -> T
         deadline = time.monotonic() + grace + 10.0
         while supervisor_alive(record) and time.monotonic() < deadline:
             time.sleep(0.1)
+    found, unreachable = _cluster_processes(runners, record.cluster_id)
     handles = [
-        ProcessHandle(r.host, r.pid, r.create_time) for r in record.roles if r.pid is not None
-    ] + runner.cluster_processes(record.cluster_id)
-    handles = list({h.pid: h for h in handles}.values())  # state file and process scan overlap
-    live = [h for h in handles if runner.poll(h) is None]
-    survivors = stop_processes(runner, live, grace=grace)
-    survivors += [h for h in runner.cluster_processes(record.cluster_id) if h not in survivors]
+        ProcessHandle(r.host, r.pid, r.create_time) for r in record.roles
+        if r.pid is not None and r.host not in unreachable
+    ] + found
+    handles = list({(h.host, h.pid): h for h in handles}.values())  # state file and process scan overlap
+    live = [h for h in handles if runners[h.host].poll(h) is None]
+    survivors, errors = stop_on_hosts(runners, live, grace=grace)
+    left, still_unreachable = _cluster_processes(runners, record.cluster_id)
+    survivors += [h for h in left if h not in survivors]
+    unreachable.update(still_unreachable)
+    unreachable.update({h: e.format_message() if isinstance(e, PsctlError) else str(e) for h, e in errors.items()})
     record = load_state(cdir.state_file)
     if not record.state.terminal:
         record.state = ClusterState.STOPPED
@@ -172,16 +310,23 @@ def tear_down(cdir: ClusterDir, *, grace: float = 5.0, purge: bool = False) -> T
             role.state = RoleState.STOPPED
             role.reason = "stopped by psctl down"
     save_state(cdir.state_file, record)
+    if unreachable:
+        lines = [f"cannot verify that nothing of cluster {cdir.name!r} is left on {len(unreachable)} host(s); "
+                 f"run `psctl down {cdir.name}` again once they answer:"]
+        raise LaunchError("\n".join([*lines, *(f"  {why}" for _, why in sorted(unreachable.items()))]))
     if survivors:
-        pids = ", ".join(str(h.pid) for h in survivors)
-        raise LaunchError(f"processes of cluster {cdir.name!r} survived SIGKILL: pids {pids}")
-    if purge:  # logs and state go; checkpoints are training results and stay
+        pids = ", ".join(f"{h.host}:{h.pid}" for h in survivors)
+        raise LaunchError(f"processes of cluster {cdir.name!r} survived SIGKILL: {pids}")
+    if purge:  # logs, state and keys go, on every host; checkpoints are training results and stay
+        remote = [r for r in runners.values() if isinstance(r, SSHRunner)]
+        roots = {name: HostDir(PurePosixPath(raw["root"])) for name, raw in record.hosts.items()}
+        check_results(run_on_all(remote, lambda r: remove_files(r, roots[r.host])))
         for path in cdir.root.iterdir():
             if path.name != "checkpoints":
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
         if not any(cdir.root.iterdir()):
             cdir.root.rmdir()
-    return TeardownReport(stopped=len({h.pid for h in live}), survivors=survivors, was_running=was_running)
+    return TeardownReport(stopped=len(live), survivors=survivors, was_running=was_running)
 
 
 def find_snapshot(name: str | None, checkpoint: str | None) -> tuple[Path, Snapshot]:
@@ -216,60 +361,85 @@ def check_role(record: ClusterRecord, role: str) -> RoleRecord:
         ) from None
 
 
-def log_path(cdir: ClusterDir, record: ClusterRecord, role: str, attempt: int | None) -> Path:
+@dataclass(frozen=True)
+class RoleLog:
+    """A role's log files (one per attempt) on whatever host it runs, read through that host's runner."""
+
+    role: str
+    runner: Runner
+    dirs: RoleDirs
+
+    def read(self, attempt: int, offset: int = 0) -> bytes | None:
+        """The attempt's log from ``offset`` on; None if it does not exist (yet)."""
+        try:
+            return self.runner.read_file(str(self.dirs.role_log(self.role, attempt)), offset)
+        except FileNotFoundError:
+            return None
+
+
+def role_log(cdir: ClusterDir, record: ClusterRecord, role: str) -> RoleLog:
     rec = check_role(record, role)
+    runners = host_runners(record.hosts)
+    place = placements(cdir, record.hosts, runners, cwd=str(cdir.root))[rec.host]
+    return RoleLog(role, place.runner, place.dirs)
+
+
+def check_attempt(record: ClusterRecord, role: str, attempt: int | None) -> int:
+    """The attempt asked for (default: the latest); a UsageError if the role never had it."""
+    rec = check_role(record, role)
+    last = max(rec.attempt, 1)
     if attempt is None:
-        attempt = max(rec.attempt, 1)
-    if not 1 <= attempt <= max(rec.attempt, 1):
-        raise UsageError(f"{role} has attempts 1..{max(rec.attempt, 1)}; --attempt {attempt} does not exist")
-    return cdir.role_log(role, attempt)
+        return last
+    if not 1 <= attempt <= last:
+        raise UsageError(f"{role} has attempts 1..{last}; --attempt {attempt} does not exist")
+    return attempt
 
 
 def tail_lines(path: Path, n: int) -> list[str]:
-    return tail_lines_at(path, n)[0]
-
-
-def tail_lines_at(path: Path, n: int) -> tuple[list[str], int]:
-    """The last ``n`` lines (all if n <= 0) and the byte offset where reading stopped (for follow)."""
+    """The last ``n`` lines of a local file (all if n <= 0; none if it does not exist)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = path.read_bytes()
     except FileNotFoundError:
-        return [], 0
+        return []
+    return _last_lines(data, n)
+
+
+def _last_lines(data: bytes, n: int) -> list[str]:
     lines = data.decode("utf-8", errors="replace").splitlines()
-    return (lines[-n:] if n > 0 else lines), len(data)
+    return lines[-n:] if n > 0 else lines
+
+
+def tail_log(log: RoleLog, attempt: int, n: int) -> tuple[list[str], int]:
+    """The last ``n`` lines (all if n <= 0) of the attempt's log, and the offset where reading stopped."""
+    data = log.read(attempt) or b""
+    return _last_lines(data, n), len(data)
 
 
 def follow(
-    cdir: ClusterDir, role: str, *, start_attempt: int, offset: int | None = None, poll: float = 0.2
+    cdir: ClusterDir, log: RoleLog, *, start_attempt: int, offset: int | None = None, poll: float = 0.2
 ) -> Iterator[str]:
-    """Yield new log lines of ``role`` as they are written, from ``offset`` (default: the end), moving on to
+    """Yield new log lines of the role as they are written, from ``offset`` (default: the end), moving on to
     the next attempt's log when the role restarts; ends when the cluster has finished and all is read."""
     attempt = start_attempt
-    path = cdir.role_log(role, attempt)
     if offset is None:
-        offset = path.stat().st_size if path.exists() else 0
+        offset = len(log.read(attempt) or b"")
     pending = ""
     while True:
-        if path.exists():
-            with open(path, encoding="utf-8", errors="replace") as f:
-                f.seek(offset)
-                data = f.read()
-                offset = f.tell()
-            if data:
-                pending += data
-                *lines, pending = pending.split("\n")
-                yield from lines
-                continue
+        data = log.read(attempt, offset)
+        if data:
+            offset += len(data)
+            pending += data.decode("utf-8", errors="replace")
+            *lines, pending = pending.split("\n")
+            yield from lines
+            continue
         record = load_state(cdir.state_file)
-        nxt = cdir.role_log(role, attempt + 1)
-        if nxt.exists():
+        if log.read(attempt + 1, 0) is not None:
             if pending:
                 yield pending
                 pending = ""
             attempt += 1
-            path, offset = nxt, 0
-            yield f"--- {role}: attempt {attempt} ---"
+            offset = 0
+            yield f"--- {log.role}: attempt {attempt} ---"
             continue
         if record.state.terminal or is_stale(record):
             if pending:

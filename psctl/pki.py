@@ -12,7 +12,7 @@ import datetime as dt
 import ipaddress
 import os
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -119,7 +119,7 @@ def create_cluster_pki(directory: Path, cluster_id: str, members: Sequence[tuple
     return files
 
 
-def member_files(directory: Path, name: str) -> TlsFiles:
+def member_files(directory: PurePath, name: str) -> TlsFiles:
     return TlsFiles(
         ca=str(directory / "ca.pem"), cert=str(directory / f"{name}.pem"), key=str(directory / f"{name}.key")
     )

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+import psctl
 from psctl.home import ClusterDir
+from psctl.launch.remote import HostReport
 from psctl.runtime.metrics import last_record
 from psctl.spec import Plan
 from psctl.supervisor.state import ClusterRecord, RoleRecord, RoleState
@@ -33,6 +36,19 @@ def plan_table(plan: Plan) -> Table:
         table.add_column(col)
     for inst in plan.instances:
         table.add_row(inst.name, inst.host, inst.address, str(inst.port))
+    return table
+
+
+def host_table(reports: Mapping[str, HostReport]) -> Table:
+    """What the preflight found on each host."""
+    table = Table(title="hosts", title_justify="left")
+    for col in ("host", "python", "psctl", "cpus", "free disk", "clock skew"):
+        table.add_column(col)
+    for name in sorted(reports):
+        r = reports[name]
+        found = r.psctl or "none"
+        table.add_row(name, r.python, f"{found} (will copy {psctl.__version__})" if r.copy_psctl else found,
+                      str(r.cpus), f"{r.free_bytes / (1 << 30):.1f} GiB", f"{r.clock_skew:+.3f}s")
     return table
 
 

@@ -16,7 +16,8 @@ from psctl.launch.ssh import SSHRunner
 #: Public methods a backend offers beyond the interface, documented in its class docstring.
 EXTRAS: dict[type[Runner], set[str]] = {
     LocalRunner: set(),
-    SSHRunner: {"run", "read_file", "put_file", "check_python"},
+    SSHRunner: {"run", "put_file", "put_bytes", "check_python", "python_error", "forward_remote_port",
+                "watch_in_background"},
 }
 
 

@@ -56,6 +56,10 @@ class FakeRunner(Runner):
     def cluster_processes(self, cluster_id: str) -> list[ProcessHandle]:
         return [ProcessHandle("localhost", pid) for pid, code in self.exit_codes.items() if code is None]
 
+    def read_file(self, path: str, offset: int = 0) -> bytes:
+        data = Path(path).read_bytes()
+        return data[offset:] if offset >= 0 else data[max(0, len(data) + offset):]
+
 
 class Clock:
     def __init__(self) -> None:
@@ -89,8 +93,8 @@ def clock(sup: Supervisor) -> Clock:
 
 
 def runner(sup: Supervisor) -> FakeRunner:
-    assert isinstance(sup.runner, FakeRunner)
-    return sup.runner
+    assert isinstance(sup.runners["localhost"], FakeRunner)
+    return sup.runners["localhost"]
 
 
 def beat(

@@ -12,8 +12,9 @@ import signal
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import PurePath
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,11 @@ class ProcessHandle:
 class Runner(ABC):
     """Starts and controls processes on one kind of host. Constructors do no I/O."""
 
+    #: The host's name, as role records and process handles name it (``localhost`` for this machine).
+    host: str
+
     @abstractmethod
-    def start(self, *, argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: Path) -> ProcessHandle:
+    def start(self, *, argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: PurePath) -> ProcessHandle:
         """Start ``argv`` detached in a new session and process group, output appended to ``log_path``."""
 
     @abstractmethod
@@ -42,6 +46,11 @@ class Runner(ABC):
     @abstractmethod
     def cluster_processes(self, cluster_id: str) -> list[ProcessHandle]:
         """Every live process (not zombie) whose environment has PSCTL_CLUSTER_ID=cluster_id."""
+
+    @abstractmethod
+    def read_file(self, path: str, offset: int = 0) -> bytes:
+        """The bytes of a file on this runner's host from ``offset`` on (a negative offset counts from the
+        end); FileNotFoundError if it does not exist."""
 
     def close(self) -> None:  # noqa: B027 - optional hook: backends without connections need nothing
         """Release connections; safe to call twice."""
@@ -75,3 +84,30 @@ def stop_processes(
         if live:
             time.sleep(poll_interval)
     return live
+
+
+def stop_on_hosts(
+    runners: Mapping[str, Runner], handles: Sequence[ProcessHandle], *, grace: float = 5.0
+) -> tuple[list[ProcessHandle], dict[str, Exception]]:
+    """:func:`stop_processes` on every host at once (grouped by ``handle.host``): what survived, and the
+    hosts that could not be reached (whose processes count as survivors)."""
+    by_host: dict[str, list[ProcessHandle]] = {}
+    for handle in handles:
+        by_host.setdefault(handle.host, []).append(handle)
+    if not by_host:
+        return [], {}
+    survivors: list[ProcessHandle] = []
+    errors: dict[str, Exception] = {}
+    with ThreadPoolExecutor(max_workers=min(64, len(by_host)), thread_name_prefix="psctl-stop") as pool:
+        futures = {host: pool.submit(stop_processes, runners[host], group, grace=grace)
+                   for host, group in by_host.items()}
+    for host, future in futures.items():
+        exc = future.exception()
+        if exc is None:
+            survivors += future.result()
+        elif isinstance(exc, Exception):
+            errors[host] = exc
+            survivors += by_host[host]
+        else:
+            raise exc
+    return survivors, errors

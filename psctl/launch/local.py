@@ -6,7 +6,7 @@ import contextlib
 import os
 import subprocess
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import psutil
 
@@ -22,7 +22,8 @@ class LocalRunner(Runner):
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._exited: dict[int, int] = {}  # exit codes of children already reaped
 
-    def start(self, *, argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: Path) -> ProcessHandle:
+    def start(self, *, argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: PurePath) -> ProcessHandle:
+        log_path = Path(log_path)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             os.chmod(log_path, 0o600)
@@ -89,3 +90,11 @@ class LocalRunner(Runner):
                 continue
         return found
 
+
+    def read_file(self, path: str, offset: int = 0) -> bytes:
+        with open(path, "rb") as f:
+            if offset < 0:
+                f.seek(max(0, os.fstat(f.fileno()).st_size + offset))
+            else:
+                f.seek(offset)
+            return f.read()

@@ -301,12 +301,13 @@ def prepare_host(
 
 
 def remove_files(runner: SSHRunner, hostdir: HostDir, *, keep_checkpoints: bool = True) -> None:
-    """Delete the cluster's folder on the host (keys included); checkpoints stay unless told otherwise."""
+    """Delete the cluster's folder on the host (keys included); checkpoints stay (if there are any) unless
+    told otherwise."""
     keep = " ! -name checkpoints" if keep_checkpoints else ""
     root = sh_path(hostdir.root)
     code, _, err = runner.run(
         f"test -d {root} || exit 0; find {root} -mindepth 1 -maxdepth 1{keep} -exec rm -rf {{}} +; "
-        f"rmdir {root} 2>/dev/null; exit 0", timeout=60.0
+        f"rmdir {sh_path(hostdir.checkpoints)} 2>/dev/null; rmdir {root} 2>/dev/null; exit 0", timeout=60.0
     )
     if code != 0:
         raise LaunchError(f"host {runner.host}: cannot delete {hostdir.root}: {err.strip() or code}")

@@ -138,7 +138,8 @@ def _last_line(text: str) -> str:
 
 class SSHRunner(Runner):
     """Starts and controls processes on one host over SSH. Besides the :class:`Runner` methods it offers
-    :meth:`run`, :meth:`read_file`, :meth:`put_file` and :meth:`check_python`.
+    :meth:`run`, :meth:`put_file`, :meth:`put_bytes`, :meth:`check_python`, :meth:`python_error`,
+    :meth:`forward_remote_port` and :meth:`watch_in_background`.
 
     ``known_hosts``: the user's known_hosts file (read, and written by ``accept-new``); default
     ``~/.ssh/known_hosts`` or the ssh_config's ``UserKnownHostsFile``. ``ssh_config``: an OpenSSH client
@@ -194,7 +195,7 @@ class SSHRunner(Runner):
         return f"SSHRunner({self.host!r}, {self.spec.address}:{self.spec.port})"
 
     # -- the Runner interface -------------------------------------------------------------------------
-    def start(self, *, argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: Path) -> ProcessHandle:
+    def start(self, *, argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: PurePath) -> ProcessHandle:
         if not argv:
             raise ValueError("argv is empty")
         for name in env:
@@ -352,11 +353,14 @@ class SSHRunner(Runner):
         return self._exec(cmd, timeout=timeout, probe=True)
 
     def read_file(self, path: str, offset: int = 0) -> bytes:
-        """The bytes of a remote file from ``offset`` on (SFTP), e.g. the new part of a role's log."""
+        """The bytes of a remote file from ``offset`` on (SFTP; negative: from the end), e.g. the new part of
+        a role's log. FileNotFoundError if it does not exist."""
         try:
             with self._sftp_client().open(_sftp_path(path), "rb") as remote:
-                remote.seek(offset)
+                remote.seek(max(0, remote.stat().st_size + offset) if offset < 0 else offset)
                 return remote.read()
+        except FileNotFoundError:
+            raise
         except OSError as exc:
             if isinstance(exc, TimeoutError):
                 raise self._lost(f"no reply within {self.command_timeout:g}s") from exc
@@ -647,6 +651,7 @@ class SSHRunner(Runner):
         return boot + ticks / hz
 
     def python_error(self, code: int, err: str) -> LaunchError:
+        """The error for a failed run of the host's python: not found, or what it printed last."""
         if code in (126, 127):
             return LaunchError(f"host {self.host}: python {self.spec.python!r} not found; set hosts[].python")
         return LaunchError(f"host {self.host}: python {self.spec.python!r} failed: {_last_line(err)}")

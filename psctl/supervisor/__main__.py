@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 
 from psctl.home import ClusterDir
-from psctl.launch.local import LocalRunner
+from psctl.launch.hostset import host_runners, placements
 from psctl.spec import load_spec
 from psctl.supervisor.daemon import Supervisor
 from psctl.supervisor.state import ClusterState, load_state, save_state
@@ -26,7 +26,9 @@ def main(argv: list[str]) -> int:
     record.supervisor_pid = os.getpid()
     record.supervisor_create_time = psutil.Process().create_time()
     save_state(cdir.state_file, record)
-    supervisor = Supervisor(cdir, spec, record, LocalRunner())
+    runners = host_runners(record.hosts)
+    cwd = str(spec.path.parent if spec.path else cdir.root)
+    supervisor = Supervisor(cdir, spec, record, placements(cdir, record.hosts, runners, cwd=cwd))
 
     def on_term(signum: int, _frame: object) -> None:
         logging.info("received %s: stopping the cluster", signal.Signals(signum).name)

@@ -7,6 +7,7 @@ every change, so ``psctl status`` works from the file alone, even after this pro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -15,21 +16,26 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import grpc
 
+from psctl.errors import PsctlError
 from psctl.home import ClusterDir
-from psctl.launch.base import ProcessHandle, Runner, stop_processes
+from psctl.launch.base import ProcessHandle, Runner, stop_on_hosts
 from psctl.launch.env import tuning_env
+from psctl.launch.hostset import Placement, placements
+from psctl.launch.remote import remote_training
+from psctl.launch.ssh import SSHRunner
 from psctl.pki import member_files
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.cluster import tf_config
 from psctl.runtime.rpc import make_server
 from psctl.spec import ClusterSpec
+from psctl.spec.plan import LOCAL_HOST
 from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, save_state
 
 log = logging.getLogger("psctl.supervisor")
@@ -41,6 +47,10 @@ FINISHING_ROLES = ("chief", "evaluator")
 STABLE_FACTOR = 10.0
 #: Seconds an evaluator gets, after training finished, to evaluate the final checkpoint.
 EVALUATOR_GRACE = 120.0
+#: How often the roles on an SSH host are looked at (one command for all of them, in a thread per host).
+SSH_STATUS_INTERVAL = 0.5
+#: How often a remote chief's new metrics lines are copied here.
+MIRROR_INTERVAL = 2.0
 
 
 def describe_exit(code: int) -> str:
@@ -54,13 +64,11 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def log_tail(path: os.PathLike[str] | str, lines: int = 5) -> str:
+def log_tail(runner: Runner, path: os.PathLike[str] | str, lines: int = 5) -> str:
+    """The last lines of a role's log on its host, joined into one line ("" if it cannot be read)."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 8192))
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
+        text = runner.read_file(str(path), -8192).decode("utf-8", "replace")
+    except (OSError, PsctlError):
         return ""
     return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
 
@@ -96,16 +104,25 @@ class Supervisor:
         cdir: ClusterDir,
         spec: ClusterSpec,
         record: ClusterRecord,
-        runner: Runner,
+        runner: Runner | Mapping[str, Placement],
         *,
         get_time: Callable[[], float] = time.monotonic,
         poll_interval: float = 0.1,
         python: str = sys.executable,
     ) -> None:
+        """``runner``: the runner of this machine (every role local), or the placement of every host."""
         self.cdir = cdir
         self.spec = spec
         self.record = record
-        self.runner = runner
+        if isinstance(runner, Runner):
+            cwd = str(spec.path.parent if spec.path else cdir.root)
+            runner = placements(cdir, {}, {LOCAL_HOST: runner}, cwd=cwd, python=python)
+        self.places: dict[str, Placement] = dict(runner)
+        self.runners: dict[str, Runner] = {name: p.runner for name, p in self.places.items()}
+        #: The heartbeat endpoint as each host reaches it (127.0.0.1:PORT of a reverse forward on SSH hosts).
+        self.heartbeat_address: dict[str, str] = {}
+        self._mirror_offset = 0
+        self._mirrored_at = float("-inf")
         self.time = get_time
         self.poll_interval = poll_interval
         self.python = python
@@ -165,25 +182,30 @@ class Supervisor:
 
     # -- starting roles -------------------------------------------------------------------------------
     def role_env(self, role: RoleRecord) -> dict[str, str]:
+        place = self.places[role.host]
         jobs: dict[str, list[str]] = {}
         for r in self.record.roles:
             jobs.setdefault(r.role, []).append(f"{r.address}:{r.port}")
-        training = dict(self.spec.training)
-        if isinstance(training.get("checkpoint"), dict) and not training["checkpoint"].get("dir"):
-            training["checkpoint"] = {**training["checkpoint"], "dir": str(self.cdir.root / "checkpoints")}
+        if place.remote:
+            training = remote_training(self.spec, place.dirs)  # type: ignore[arg-type]  # a HostDir on SSH hosts
+        else:
+            training = dict(self.spec.training)
+            if isinstance(training.get("checkpoint"), dict) and not training["checkpoint"].get("dir"):
+                training["checkpoint"] = {**training["checkpoint"], "dir": str(self.cdir.checkpoints)}
         cluster = {
             "cluster": jobs,
             "task": {"type": role.role, "index": role.index},
             "cluster_id": self.record.cluster_id,
             "incarnation": role.incarnation,
             "training": training,
-            "run_dir": str(self.cdir.run_dir),
-            "supervisor": self.record.supervisor_address,
-            "tls": asdict(member_files(self.cdir.tls_dir, role.name)) if self.record.tls else None,
+            "run_dir": str(place.dirs.run_dir),
+            "supervisor": self.heartbeat_address.get(role.host, self.record.supervisor_address),
+            "tls": asdict(member_files(place.dirs.tls_dir, role.name)) if self.record.tls else None,
         }
         spec_role = self.spec.roles[role.role]
-        threads = spec_role.threads or max(1, (os.cpu_count() or 1) // max(1, len(self.record.roles)))
-        env = dict(os.environ)
+        on_host = sum(1 for r in self.record.roles if r.host == role.host)
+        threads = spec_role.threads or max(1, place.cpus // max(1, on_host))
+        env = dict(place.base_env)
         env.update(
             PSCTL_CLUSTER=json.dumps(cluster),
             TF_CONFIG=tf_config(jobs, role.role, role.index),
@@ -200,31 +222,53 @@ class Supervisor:
         role.incarnation = max(role.incarnation + 1, int(time.time() * 1000))
         role.exit_code = None
         role.last_heartbeat = None
-        log_path = self.cdir.role_log(role.name, role.attempt)
-        handle = self.runner.start(
-            argv=[self.python, "-m", "psctl.runtime"],
-            env=self.role_env(role),
-            cwd=str(self.spec.path.parent if self.spec.path else self.cdir.root),
-            log_path=log_path,
-        )
+        place = self.places[role.host]
         live = self.live[role.name]
+        try:
+            handle = place.runner.start(
+                argv=[place.python, "-m", "psctl.runtime"],
+                env=self.role_env(role),
+                cwd=place.cwd,
+                log_path=place.dirs.role_log(role.name, role.attempt),
+            )
+        except PsctlError as exc:  # the host is unreachable, or its folder is gone
+            live.handle, live.restart_at = None, None
+            reason = f"cannot start on {role.host}: {exc.format_message()}"
+            if self.record.state == ClusterState.STARTING and role.attempt == 1:
+                self.transition(role, RoleState.FAILED, reason)
+                self.finish(ClusterState.FAILED, f"{role.name} failed to start: {reason}")
+            else:
+                self.transition(role, RoleState.LOST, reason)
+                self.maybe_restart(role, None)
+            return
         live.handle, live.started, live.last_heartbeat, live.restart_at = handle, self.time(), None, None
         role.pid, role.create_time, role.started_at = handle.pid, handle.create_time, time.time()
         self.transition(role, RoleState.STARTING, f"attempt {role.attempt}, pid {handle.pid}")
 
     # -- the loop -------------------------------------------------------------------------------------
     def serve_heartbeats(self) -> None:
+        """Listen on loopback; every SSH host gets a reverse forward to it through its SSH connection, so
+        heartbeats arrive also where the hosts cannot open connections back to this machine."""
         tls = member_files(self.cdir.tls_dir, "supervisor") if self.record.tls else None
         server, port = make_server("127.0.0.1:0", tls, max_workers=8)
         pb_grpc.add_SupervisorServicer_to_server(HeartbeatServicer(self), server)
         server.start()
         self._server = server
         self.record.supervisor_address = f"127.0.0.1:{port}"
+        for name, place in self.places.items():
+            if isinstance(place.runner, SSHRunner):
+                self.heartbeat_address[name] = f"127.0.0.1:{place.runner.forward_remote_port(port)}"
+                place.runner.watch_in_background(SSH_STATUS_INTERVAL)
 
     def run(self) -> ClusterState:
-        self.serve_heartbeats()
+        try:
+            self.serve_heartbeats()
+        except PsctlError as exc:
+            self.finish(ClusterState.FAILED, exc.format_message())
         with self.lock:
             for role in self.record.roles:
+                if self.record.state.terminal:
+                    break
                 self.start_role(role)
             self.save()
         try:
@@ -235,12 +279,34 @@ class Supervisor:
                 with self.lock:
                     self.step()
                     self.save()
+                if self.time() - self._mirrored_at > MIRROR_INTERVAL:
+                    self.mirror_metrics()
                 self.stop_requested.wait(self.poll_interval)
         finally:
             if self._server is not None:
                 self._server.stop(grace=0.5)
             self.save(force=True)
+            for runner in self.runners.values():
+                runner.close()
         return self.record.state
+
+    def mirror_metrics(self) -> None:
+        """Copy what a chief on an SSH host added to its metrics.jsonl into the local run folder, so that
+        ``status`` and plots read it here (the chief's own file stays complete on its host)."""
+        self._mirrored_at = self.time()
+        chief = next((r for r in self.record.roles if r.role == "chief"), None)
+        if chief is None or not self.places[chief.host].remote:
+            return
+        place = self.places[chief.host]
+        try:
+            data = place.runner.read_file(str(place.dirs.run_dir / "metrics.jsonl"), self._mirror_offset)
+        except (OSError, PsctlError):
+            return
+        complete = data[: data.rfind(b"\n") + 1]  # whole lines only: the rest is read next time
+        if complete:
+            with open(self.cdir.run_dir / "metrics.jsonl", "ab") as f:
+                f.write(complete)
+            self._mirror_offset += len(complete)
 
     def save(self, *, force: bool = False) -> None:
         now = self.time()
@@ -261,8 +327,9 @@ class Supervisor:
                 if live.restart_at is not None and now >= live.restart_at:
                     self.start_role(role)
                 continue
-            assert live.handle is not None
-            code = self.runner.poll(live.handle)
+            if live.handle is None:  # its start failed; a restart is scheduled or it has failed
+                continue
+            code = self.runners[role.host].poll(live.handle)
             if code is not None:
                 role.exit_code = code
                 self.on_exit(role, code)
@@ -326,7 +393,8 @@ class Supervisor:
             self.transition(role, RoleState.FAILED, what)
             self.finish(ClusterState.SUCCEEDED, "training finished (the evaluator did not finish cleanly)")
             return
-        tail = log_tail(self.cdir.role_log(role.name, role.attempt))
+        place = self.places[role.host]
+        tail = log_tail(place.runner, place.dirs.role_log(role.name, role.attempt))
         reason = f"{what}" + (f"; last log lines: {tail}" if tail else "")
         if self.record.state == ClusterState.STARTING and role.attempt == 1:
             self.transition(role, RoleState.FAILED, reason)
@@ -343,7 +411,7 @@ class Supervisor:
             return
         others = [r for r in self.record.roles if r.role in ("ps", "worker") and not r.state.terminal]
         handles = [self.live[r.name].handle for r in others]
-        stop_processes(self.runner, [h for h in handles if h is not None], grace=5.0)
+        self.stop([h for h in handles if h is not None], grace=5.0)
         for role in others:
             self.transition(role, RoleState.STOPPED, "training finished")
         self._evaluator_deadline = self.time() + EVALUATOR_GRACE
@@ -351,7 +419,7 @@ class Supervisor:
     def on_lost(self, role: RoleRecord, reason: str) -> None:
         live = self.live[role.name]
         if live.handle is not None:
-            stop_processes(self.runner, [live.handle], grace=0.0)
+            self.stop([live.handle], grace=0.0)
         self.transition(role, RoleState.LOST, reason)
         self.maybe_restart(role, None)
 
@@ -389,14 +457,24 @@ class Supervisor:
             for r in self.record.roles
             if not r.state.terminal and self.live[r.name].handle is not None
         ]
-        stop_processes(self.runner, [h for h in handles if h is not None], grace=self.stop_grace())
+        self.stop([h for h in handles if h is not None], grace=self.stop_grace())
         for role in self.record.roles:
             if not role.state.terminal:
                 self.transition(role, RoleState.STOPPED, "cluster finished" if state != ClusterState.STOPPED
                                 else "stopped by psctl down")
+        self.mirror_metrics()
         self.record.result = self.read_result()
         self.cluster_transition(state, reason)
         self.save(force=True)
+
+    def stop(self, handles: list[ProcessHandle], *, grace: float) -> None:
+        """SIGTERM, wait, SIGKILL on every host at once; a host that cannot be reached is logged (its
+        processes are fenced off by their incarnation, and ``psctl down`` looks again)."""
+        survivors, errors = stop_on_hosts(self.runners, handles, grace=grace)
+        for host, exc in errors.items():
+            log.warning("cannot stop processes on %s: %s", host, exc)
+        if survivors:
+            log.warning("still running after SIGKILL: %s", ", ".join(f"{h.host}:{h.pid}" for h in survivors))
 
     def stop_grace(self) -> float:
         """Seconds between SIGTERM and SIGKILL: ``psctl down --grace`` leaves it in stop-request.json."""
@@ -406,13 +484,28 @@ class Supervisor:
             return 5.0
 
     def read_result(self) -> dict[str, Any] | None:
-        try:
-            result: dict[str, Any] = json.loads((self.cdir.run_dir / "result.json").read_text())
-        except (OSError, ValueError):
+        """The chief's result.json and the evaluator's last result, read on their hosts."""
+        by_role = {r.role: r for r in self.record.roles}
+        chief = by_role.get("chief")
+        result = self._read_run_file(chief, "result.json", 0)
+        if not isinstance(result, dict):
             return None
-        try:
-            lines = (self.cdir.run_dir / "eval.jsonl").read_text().strip().splitlines()
-            result["evaluation"] = json.loads(lines[-1]) if lines else None
-        except (OSError, ValueError):
-            pass
+        if chief is not None and self.places[chief.host].remote and result.get("checkpoint"):
+            result["checkpoint"] = f"{chief.host}:{result['checkpoint']}"  # scp's notation: where it is
+        lines = self._read_run_file(by_role.get("evaluator"), "eval.jsonl", -65536)
+        if isinstance(lines, str):
+            last = lines.strip().splitlines()[-1:] if lines.strip() else []
+            with contextlib.suppress(ValueError):
+                result["evaluation"] = json.loads(last[0]) if last else None
         return result
+
+    def _read_run_file(self, role: RoleRecord | None, name: str, offset: int) -> Any:
+        """A file of the run folder on ``role``'s host: parsed JSON for .json, else text; None if missing."""
+        if role is None:
+            return None
+        place = self.places[role.host]
+        try:
+            text = place.runner.read_file(str(place.dirs.run_dir / name), offset).decode("utf-8", "replace")
+            return json.loads(text) if name.endswith(".json") else text
+        except (OSError, ValueError, PsctlError):
+            return None

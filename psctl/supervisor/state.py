@@ -105,6 +105,9 @@ class ClusterRecord:
     reason: str = ""
     result: dict[str, Any] | None = None
     roles: list[RoleRecord] = field(default_factory=list)
+    #: The SSH hosts the cluster uses, as ``up`` prepared them: name -> RemoteHost fields (see
+    #: psctl.launch.hostset), so that status, logs and down reach them without the spec.
+    hosts: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def role(self, name: str) -> RoleRecord:
         for record in self.roles:

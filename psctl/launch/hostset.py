@@ -1,0 +1,109 @@
+"""The hosts of one cluster as ``up`` prepared them, and a runner for each: what the supervisor, ``status``,
+``logs`` and ``down`` use to reach a role wherever it runs.
+
+``up`` records every SSH host in the cluster's state (:class:`RemoteHost`: how to connect, the cluster's folder
+there, the PYTHONPATH of a psctl copy, the number of CPUs), so that later commands need neither the spec nor
+another preflight. Roles without a host run here, under the local runner (host ``localhost``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import PurePath, PurePosixPath
+from typing import Any, Protocol
+
+from psctl.home import ClusterDir
+from psctl.launch.base import Runner
+from psctl.launch.local import LocalRunner
+from psctl.launch.remote import HostDir
+from psctl.launch.ssh import SSHRunner
+from psctl.spec.model import HostSpec
+from psctl.spec.plan import LOCAL_HOST
+
+
+@dataclass(frozen=True)
+class RemoteHost:
+    """One SSH host of a running cluster (persisted in the state file as a dict)."""
+
+    spec: HostSpec
+    root: str
+    #: Where ``up`` copied psctl on the host (None: the host's own psctl is used).
+    pythonpath: str | None = None
+    cpus: int = 1
+
+    @property
+    def dirs(self) -> HostDir:
+        return HostDir(PurePosixPath(self.root))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> RemoteHost:
+        known = {f.name for f in fields(HostSpec)}
+        spec = HostSpec(**{k: v for k, v in dict(raw["spec"]).items() if k in known})
+        return cls(spec=spec, root=str(raw["root"]), pythonpath=raw.get("pythonpath"), cpus=int(raw.get("cpus", 1)))
+
+
+class RoleDirs(Protocol):
+    """The folders of a cluster on one host (local :class:`ClusterDir` or remote :class:`HostDir`)."""
+
+    @property
+    def run_dir(self) -> PurePath: ...
+
+    @property
+    def tls_dir(self) -> PurePath: ...
+
+    @property
+    def checkpoints(self) -> PurePath: ...
+
+    def role_log(self, role: str, attempt: int) -> PurePath: ...
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How the roles of one host are run: its runner, interpreter, folders, working folder, environment."""
+
+    host: str
+    runner: Runner
+    python: str
+    dirs: RoleDirs
+    cwd: str
+    #: The environment every role there starts from: this process's own here; on a host, only what psctl
+    #: sets (the login environment of the host supplies the rest).
+    base_env: Mapping[str, str]
+    cpus: int
+    remote: bool
+
+
+def remote_hosts(records: Mapping[str, Mapping[str, Any]]) -> dict[str, RemoteHost]:
+    return {name: RemoteHost.from_dict(raw) for name, raw in records.items()}
+
+
+def host_runners(records: Mapping[str, Mapping[str, Any]], *, status_ttl: float = 0.0) -> dict[str, Runner]:
+    """A runner per host of the cluster: ``localhost`` and every recorded SSH host (connecting lazily)."""
+    runners: dict[str, Runner] = {LOCAL_HOST: LocalRunner()}
+    for name, host in remote_hosts(records).items():
+        runners[name] = SSHRunner(host.spec, status_ttl=status_ttl)
+    return runners
+
+
+def placements(
+    cdir: ClusterDir, records: Mapping[str, Mapping[str, Any]], runners: Mapping[str, Runner], *, cwd: str,
+    python: str = sys.executable,
+) -> dict[str, Placement]:
+    """The placement of every host: this machine runs roles from ``cwd`` (the spec's folder)."""
+    out = {
+        LOCAL_HOST: Placement(LOCAL_HOST, runners[LOCAL_HOST], python, cdir, cwd, dict(os.environ),
+                              os.cpu_count() or 1, remote=False)
+    }
+    for name, host in remote_hosts(records).items():
+        env = {"PYTHONUNBUFFERED": "1"}
+        if host.pythonpath:
+            env["PYTHONPATH"] = host.pythonpath
+        out[name] = Placement(name, runners[name], host.spec.python, host.dirs, str(host.dirs.files), env,
+                              host.cpus, remote=True)
+    return out
