@@ -17,7 +17,7 @@ from psctl.launch.ssh import SSHRunner
 EXTRAS: dict[type[Runner], set[str]] = {
     LocalRunner: set(),
     SSHRunner: {"run", "put_file", "put_bytes", "check_python", "python_error", "forward_remote_port",
-                "watch_in_background"},
+                "watch_in_background", "remote_port"},
 }
 
 

@@ -71,7 +71,8 @@ MISTAKES = [
         """\
         colour: red
         """,
-        "cluster.yaml:1: colour: unknown key; expected one of: name, hosts, roles, training, supervision, security",
+        "cluster.yaml:1: colour: unknown key; expected one of: name, hosts, roles, training, supervision, security, "
+        "files, setup",
     ),
     (
         "unknown nested key",
@@ -567,6 +568,40 @@ MISTAKES = [
         name: !!python/object/apply:os.system [echo]
         """,
         "cluster.yaml:1: name: unsupported YAML tag 'tag:yaml.org,2002:python/object/apply:os.system'; remove the tag",
+    ),
+    (
+        "evaluator away from the chief's checkpoints",
+        """\
+        hosts: [{name: a, address: 10.0.0.11}, {name: b, address: 10.0.0.12}]
+        roles:
+          chief: {host: a, port: 7000}
+          ps: {hosts: [b], port: 7000}
+          worker: {hosts: [a], port: 7001}
+          evaluator: {host: b, port: 7002}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:6: roles.evaluator.host: the evaluator must run on the chief's host (a): it reads the "
+        "checkpoints the chief writes there; write host: a, or put training.checkpoint.dir on storage both hosts "
+        "share",
+    ),
+    (
+        "files: names a missing file",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        files: [vocab.txt]
+        """,
+        "cluster.yaml:3: files[0]: 'vocab.txt' does not exist (looked for {dir}/vocab.txt); give a path relative "
+        "to the spec's folder",
+    ),
+    (
+        "setup: not a list of strings",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        setup: [pip install foo, {run: x}]
+        """,
+        "cluster.yaml:3: setup[1]: expected a string, got a mapping; write a shell command as a string",
     ),
 ]
 

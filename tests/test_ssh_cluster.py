@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -23,7 +24,7 @@ from typing import Any
 
 import pytest
 from cluster_helpers import wait_until
-from sshbed import SSHBed, sshbed_fixture  # noqa: F401
+from sshbed import SUBNET, SSHBed, sshbed_fixture  # noqa: F401
 
 from psctl import __version__
 
@@ -80,16 +81,17 @@ def python_without_psctl(folder: Path) -> Path:
     return script
 
 
-def write_spec(bed: SSHBed, folder: Path, name: str, *, steps: int, extra_hosts: str = "",
-               roles: str | None = None, python3: str | None = None) -> tuple[Path, dict[str, Path]]:
+def write_spec(bed: SSHBed, folder: Path, name: str, *, steps: int, roles: str | None = None,
+               **host_keys: dict[str, str]) -> tuple[Path, dict[str, Path]]:
+    """The spec: hosts h1..h3 (``h2={"python": ...}`` overrides a host's keys), roles spread over them."""
     workdirs = {h: folder / "hosts" / h for h in bed.hosts}
-    python3 = python3 or str(python_without_psctl(folder))
-    pythons = {"h1": sys.executable, "h2": sys.executable, "h3": python3}
-    hosts = "\n".join(
-        f"  - {{name: {h}, address: {bed.hosts[h].address}, user: root, identity_file: {bed.client_key}, "
-        f"python: '{pythons[h]}', workdir: '{workdirs[h]}'}}"
-        for h in sorted(bed.hosts)
-    )
+    pythons = {"h1": sys.executable, "h2": sys.executable, "h3": str(python_without_psctl(folder))}
+    lines = []
+    for h in sorted(bed.hosts):
+        keys = {"name": h, "address": bed.hosts[h].address, "user": "root", "identity_file": str(bed.client_key),
+                "python": pythons[h], "workdir": str(workdirs[h]), **host_keys.get(h, {})}
+        lines.append("  - {" + ", ".join(f"{k}: '{v}'" for k, v in keys.items()) + "}")
+    hosts = "\n".join(lines)
     roles = roles or textwrap.dedent("""\
           chief: {host: h1, port: 7100}
           ps: {replicas: 2, hosts: [h2, h3], port: 7110}
@@ -98,7 +100,7 @@ def write_spec(bed: SSHBed, folder: Path, name: str, *, steps: int, extra_hosts:
         """)
     spec = folder / "cluster.yaml"
     spec.write_text(
-        f"name: {name}\nhosts:\n{hosts}\n{extra_hosts}roles:\n{textwrap.indent(roles, '  ')}"
+        f"name: {name}\nhosts:\n{hosts}\nroles:\n{textwrap.indent(roles, '  ')}"
         + textwrap.dedent(f"""\
         training:
           program: program.py
@@ -227,3 +229,130 @@ def test_status_logs_follow_and_down_while_training(remote: Remote) -> None:
     for host in remote.bed.hosts:
         assert remote.processes(host, cluster_id) == [], host
     assert remote.status()["state"] == "stopped"
+
+
+# -- what stops `up` before anything starts: one line per problem, every host reported, nothing left ---------
+def nothing_started(remote: Remote) -> None:
+    """No cluster was recorded, no supervisor runs here, no process of it runs on any host."""
+    assert not (Path(remote.env["PSCTL_HOME"]) / remote.name / "state.json").exists()
+    assert remote.psctl("status", remote.name, check=None).returncode == 4
+    for host in remote.bed.hosts:
+        out = remote.bed.exec(host, "ps axeww -o args=").stdout
+        assert f"PSCTL_CLUSTER_ID={remote.name}-" not in out, host
+    local = subprocess.run(["ps", "axeww", "-o", "args="], capture_output=True, text=True).stdout
+    assert f"PSCTL_CLUSTER_ID={remote.name}-" not in local
+
+
+def up_fails(remote: Remote, *, code: int = 1, **host_keys: dict[str, str]) -> list[str]:
+    """``psctl up`` of the spec with these host overrides: its error lines (after "error: ")."""
+    spec, _ = write_spec(remote.bed, remote.folder, remote.name, steps=100, **host_keys)
+    done = remote.psctl("up", str(spec), check=code, timeout=120)
+    assert "Traceback" not in done.stderr
+    lines = [line.strip() for line in done.stderr.strip().splitlines()]
+    assert lines[0].startswith("error: preflight failed on"), done.stderr
+    nothing_started(remote)
+    return lines[1:]
+
+
+def test_unreachable_host(remote: Remote) -> None:
+    assert up_fails(remote, h3={"address": "10.231.0.99"}) == [
+        "host h3 (10.231.0.99:22): unreachable: no route to host; check the address and the network"
+    ]
+
+
+def test_wrong_key(remote: Remote) -> None:
+    assert up_fails(remote, h1={"identity_file": str(remote.bed.other_key)}) == [
+        "host h1: authentication failed for user root; check identity_file or ssh-agent"
+    ]
+
+
+def test_unknown_host_key(remote: Remote) -> None:
+    known = Path(remote.env["HOME"]) / ".ssh" / "known_hosts"
+    h2 = remote.bed.hosts["h2"].address
+    known.write_text("".join(line + "\n" for line in known.read_text().splitlines() if not line.startswith(h2)))
+    assert up_fails(remote) == [
+        "host h2: unknown host key; add it to known_hosts (ssh-keyscan) or set host_key_policy: accept-new"
+    ]
+
+
+def test_changed_host_key(remote: Remote) -> None:
+    known = Path(remote.env["HOME"]) / ".ssh" / "known_hosts"
+    lines = known.read_text().splitlines()
+    h1_key = next(line for line in lines if line.startswith(remote.bed.hosts["h1"].address + " ")).split(" ", 1)[1]
+    h2 = remote.bed.hosts["h2"].address
+    known.write_text("".join((f"{h2} {h1_key}" if line.startswith(h2 + " ") else line) + "\n" for line in lines))
+    assert up_fails(remote) == [
+        f"host h2: host key CHANGED (possible attack); remove the old key from {known} if the change is expected"
+    ]
+
+
+def test_missing_remote_python(remote: Remote) -> None:
+    assert up_fails(remote, h1={"python": "/opt/nowhere/python3"}) == [
+        "host h1: python '/opt/nowhere/python3' not found; set hosts[].python"
+    ]
+
+
+def test_port_taken_on_one_host_and_a_bad_python_on_another_are_both_reported(remote: Remote) -> None:
+    hold = ("import socket, time; s = socket.socket(); s.bind(('0.0.0.0', 7110)); s.listen(); "
+            "print('ready', flush=True); time.sleep(120)")
+    holder = remote.bed.exec("h2", f"nohup {sys.executable} -c \"{hold}\" > /dev/null 2>&1 & echo $!").stdout.strip()
+    try:
+        wait_until(lambda: "7110" in remote.bed.exec("h2", "ss -ltnH").stdout, timeout=10, what="the port holder")
+        assert up_fails(remote, h3={"python": "/opt/nowhere/python3"}) == [
+            "host h2: port 7110 (ps-0) is already in use (Address already in use); pick another port or stop what "
+            "holds it (roles.ps.port)",
+            "host h3: python '/opt/nowhere/python3' not found; set hosts[].python",
+        ]
+    finally:
+        remote.bed.exec("h2", f"kill {holder}")
+
+
+def test_check_reports_every_host(remote: Remote) -> None:
+    done = remote.psctl("check", str(remote.spec))
+    out = " ".join(done.stdout.split())
+    assert "3 host(s) ready for 7 roles" in out
+    assert f"none (will copy {__version__})" in out  # h3's python has no psctl
+    assert out.count(f" {__version__} ") >= 2  # h1 and h2 have this version
+
+
+# -- heartbeats when the hosts cannot connect back --------------------------------------------------------------
+NO_CALLBACK = "psctl_no_callback"
+BRIDGE_ADDRESS = f"{SUBNET}.1"  # the launch machine, as the test hosts see it
+
+
+def block_connections_back(bed: SSHBed, host: str) -> None:
+    """In the host's namespace, drop every new connection towards the launch machine (the bridge address):
+    only SSH from the launch machine to the host (and the replies on it) is left open."""
+    rules = (f"table inet {NO_CALLBACK} {{\n  chain output {{ type filter hook output priority 0; "
+             f"ip daddr {BRIDGE_ADDRESS} ct state new drop; }}\n}}\n")
+    subprocess.run(["ip", "netns", "exec", bed.hosts[host].netns, "nft", "-f", "-"], input=rules, text=True,
+                   check=True)
+
+
+def allow_connections_back(bed: SSHBed, host: str) -> None:
+    subprocess.run(["ip", "netns", "exec", bed.hosts[host].netns, "nft", "delete", "table", "inet", NO_CALLBACK],
+                   capture_output=True)
+
+
+def test_heartbeats_arrive_when_hosts_cannot_connect_back(remote: Remote) -> None:
+    listener = socket.create_server((BRIDGE_ADDRESS, 0))  # stands for anything on the launch machine
+    port = listener.getsockname()[1]
+    probe = f"{sys.executable} -c \"import socket; socket.create_connection(('{BRIDGE_ADDRESS}', {port}), timeout=2)\""
+    try:
+        assert remote.bed.exec("h1", probe).returncode == 0  # reachable before the rule
+        for host in remote.bed.hosts:
+            block_connections_back(remote.bed, host)
+        for host in remote.bed.hosts:
+            assert remote.bed.exec(host, probe).returncode != 0, f"{host} can still connect back"
+        remote.psctl("up", str(remote.spec))
+        status = remote.status()
+        assert status["state"] == "succeeded"
+        for role in status["roles"]:
+            assert role["last_heartbeat"] is not None, role
+        events = (Path(remote.env["PSCTL_HOME"]) / remote.name / "events.jsonl").read_text().splitlines()
+        running = {e["role"] for e in map(json.loads, events) if e["to"] == "running" and e["role"] != "cluster"}
+        assert running == {r["name"] for r in status["roles"]}  # every role was seen alive by its heartbeats
+    finally:
+        listener.close()
+        for host in remote.bed.hosts:
+            allow_connections_back(remote.bed, host)

@@ -139,7 +139,7 @@ def _last_line(text: str) -> str:
 class SSHRunner(Runner):
     """Starts and controls processes on one host over SSH. Besides the :class:`Runner` methods it offers
     :meth:`run`, :meth:`put_file`, :meth:`put_bytes`, :meth:`check_python`, :meth:`python_error`,
-    :meth:`forward_remote_port` and :meth:`watch_in_background`.
+    :meth:`forward_remote_port`, :meth:`remote_port` and :meth:`watch_in_background`.
 
     ``known_hosts``: the user's known_hosts file (read, and written by ``accept-new``); default
     ``~/.ssh/known_hosts`` or the ssh_config's ``UserKnownHostsFile``. ``ssh_config``: an OpenSSH client
@@ -442,16 +442,30 @@ class SSHRunner(Runner):
             return
         threading.Thread(target=_pump, args=(channel, local_port), daemon=True, name="psctl-forward").start()
 
+    def remote_port(self, local_port: int) -> int | None:
+        """The port on the host that now forwards to ``local_port`` here (it can change after a reconnect)."""
+        return next((r for r, loc in self._forwards.items() if loc == local_port), None)
+
     def _restore_forwards(self, transport: paramiko.Transport) -> None:
-        """Ask a new connection for the forwards the old one had (best effort: retried on the next call)."""
+        """Ask a new connection for the forwards the old one had, on the same ports; where the host still holds
+        a port (the old session has not noticed it is dead), on a new one: processes started from now on get
+        the new port from :meth:`remote_port`, older ones lose their way and are replaced."""
         if not self._forwards or self._forwarded_on is transport:
             return
+        restored: dict[int, int] = {}
         try:
-            for remote_port in self._forwards:
-                transport.request_port_forward("127.0.0.1", remote_port, handler=self._on_forwarded)
-        except paramiko.SSHException as exc:  # the old session may still hold the port for a while
+            for remote_port, local_port in self._forwards.items():
+                try:
+                    port = transport.request_port_forward("127.0.0.1", remote_port, handler=self._on_forwarded)
+                except paramiko.SSHException:
+                    port = transport.request_port_forward("127.0.0.1", 0, handler=self._on_forwarded)
+                    log.warning("host %s: port %d still taken there; forwarding from port %d instead",
+                                self.host, remote_port, port)
+                restored[port] = local_port
+        except paramiko.SSHException as exc:
             log.warning("host %s: reverse port forward not restored yet: %s", self.host, exc)
             return
+        self._forwards = restored
         self._forwarded_on = transport
 
     # -- connection -----------------------------------------------------------------------------------

@@ -119,10 +119,10 @@ class Supervisor:
             runner = placements(cdir, {}, {LOCAL_HOST: runner}, cwd=cwd, python=python)
         self.places: dict[str, Placement] = dict(runner)
         self.runners: dict[str, Runner] = {name: p.runner for name, p in self.places.items()}
-        #: The heartbeat endpoint as each host reaches it (127.0.0.1:PORT of a reverse forward on SSH hosts).
-        self.heartbeat_address: dict[str, str] = {}
+        self._heartbeat_port: int | None = None
         self._mirror_offset = 0
         self._mirrored_at = float("-inf")
+        self._host_errors: dict[str, str | None] = {}
         self.time = get_time
         self.poll_interval = poll_interval
         self.python = python
@@ -199,7 +199,7 @@ class Supervisor:
             "incarnation": role.incarnation,
             "training": training,
             "run_dir": str(place.dirs.run_dir),
-            "supervisor": self.heartbeat_address.get(role.host, self.record.supervisor_address),
+            "supervisor": self.supervisor_address_for(place),
             "tls": asdict(member_files(place.dirs.tls_dir, role.name)) if self.record.tls else None,
         }
         spec_role = self.spec.roles[role.role]
@@ -217,6 +217,14 @@ class Supervisor:
         env.update(spec_role.env)
         return env
 
+    def supervisor_address_for(self, place: Placement) -> str | None:
+        """The heartbeat endpoint as roles on ``place`` reach it: loopback here; on an SSH host, the port
+        that forwards to it there (which a reconnect may have changed)."""
+        if isinstance(place.runner, SSHRunner) and self._heartbeat_port is not None:
+            port = place.runner.remote_port(self._heartbeat_port)
+            return f"127.0.0.1:{port}" if port is not None else None
+        return self.record.supervisor_address
+
     def start_role(self, role: RoleRecord) -> None:
         role.attempt += 1
         role.incarnation = max(role.incarnation + 1, int(time.time() * 1000))
@@ -224,6 +232,10 @@ class Supervisor:
         role.last_heartbeat = None
         place = self.places[role.host]
         live = self.live[role.name]
+        if live.handle is not None and place.remote:
+            # Lost while its host was cut off, the old process may still run there and hold the role's port:
+            # now that the host answers again, make sure it is gone (a no-op if it exited).
+            self.stop([live.handle], grace=0.0)
         try:
             handle = place.runner.start(
                 argv=[place.python, "-m", "psctl.runtime"],
@@ -255,9 +267,10 @@ class Supervisor:
         server.start()
         self._server = server
         self.record.supervisor_address = f"127.0.0.1:{port}"
-        for name, place in self.places.items():
+        self._heartbeat_port = port
+        for place in self.places.values():
             if isinstance(place.runner, SSHRunner):
-                self.heartbeat_address[name] = f"127.0.0.1:{place.runner.forward_remote_port(port)}"
+                place.runner.forward_remote_port(port)
                 place.runner.watch_in_background(SSH_STATUS_INTERVAL)
 
     def run(self) -> ClusterState:
@@ -315,10 +328,25 @@ class Supervisor:
             self._dirty = False
             self._last_save = now
 
+    def watch_hosts(self) -> None:
+        """An event when an SSH host stops answering the supervisor, and when it answers again (its roles
+        are judged by their heartbeats meanwhile)."""
+        for name, place in self.places.items():
+            error = getattr(place.runner, "last_error", None)
+            if error == self._host_errors.get(name):
+                continue
+            self._host_errors[name] = error
+            to = "unreachable" if error else "reachable"
+            event = {"time": time.time(), "role": f"host {name}", "from": "", "to": to, "reason": error or ""}
+            log.warning("host %s: %s", name, error or "answers again")
+            with open(self.cdir.events_file, "a", encoding="utf-8") as f:
+                f.write(json.dumps(event) + "\n")
+
     def step(self) -> None:
         """One pass: look at every role, decide, act."""
         sup = self.spec.supervision
         now = self.time()
+        self.watch_hosts()
         for role in self.record.roles:
             live = self.live[role.name]
             if role.state.terminal:
