@@ -16,6 +16,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -356,3 +357,59 @@ def test_heartbeats_arrive_when_hosts_cannot_connect_back(remote: Remote) -> Non
         listener.close()
         for host in remote.bed.hosts:
             allow_connections_back(remote.bed, host)
+
+
+# -- a host cut off: its worker is declared lost, training goes on, the worker comes back after the heal --------
+CUT_ROLES = """\
+chief: {host: h1, port: 7100}
+ps: {replicas: 2, hosts: [h1, h2], port: 7110}
+worker: {replicas: 3, hosts: [h1, h2, h3], port: 7120, restart: {backoff_seconds: 0.5, max_backoff_seconds: 2}}
+"""
+
+
+def test_a_cut_off_host_loses_its_worker_and_gets_it_back_after_the_heal(remote: Remote) -> None:
+    spec, _ = write_spec(remote.bed, remote.folder, remote.name, steps=1_000_000, roles=CUT_ROLES)
+    spec.write_text(spec.read_text().replace("heartbeat_timeout: 10s", "heartbeat_timeout: 3s"))
+    remote.psctl("up", str(spec), "--detach")
+    events_file = Path(remote.env["PSCTL_HOME"]) / remote.name / "events.jsonl"
+
+    def worker(status: dict[str, Any], name: str = "worker-2") -> dict[str, Any]:
+        return next(r for r in status["roles"] if r["name"] == name)
+
+    def training_everywhere() -> dict[str, Any] | None:
+        status = remote.status()
+        assert status["state"] in ("starting", "running"), remote.supervisor_log()
+        return status if all(r["local_step"] > 0 for r in status["roles"] if r["role"] == "worker") else None
+
+    before = wait_until(training_everywhere, timeout=120, what="every worker to train")
+    old_pid = worker(before)["pid"]
+    remote.bed.partition("h3")
+    cut_at = time.time()
+    try:
+        def lost() -> dict[str, Any] | None:
+            for event in map(json.loads, events_file.read_text().splitlines()):
+                if event["role"] == "worker-2" and event["to"] == "lost" and event["time"] > cut_at:
+                    return dict(event)
+            return None
+
+        event = wait_until(lost, timeout=20, what="worker-2 to be declared lost")
+        assert "no heartbeat" in event["reason"]
+        assert event["time"] - cut_at <= 3.0 + 1.5  # heartbeat_timeout, plus one look and one heartbeat
+        step_at_loss = remote.status()["roles"][0]["global_step"]
+        wait_until(lambda: remote.status()["roles"][0]["global_step"] > step_at_loss + 50, timeout=30,
+                   what="training to go on without h3")
+    finally:
+        remote.bed.heal("h3")
+
+    def back() -> dict[str, Any] | None:
+        w = worker(remote.status())
+        return w if w["state"] == "running" and w["attempt"] >= 2 and w["local_step"] > 0 else None
+
+    again = wait_until(back, timeout=90, what="worker-2 to train again after the heal")
+    assert again["pid"] != old_pid
+    # The cut-off incarnation was stopped once h3 answered again: only the new worker runs there.
+    out = remote.bed.exec("h3", "ps axeww -o pid=,args=").stdout
+    pids = [int(line.split()[0]) for line in out.splitlines() if "PSCTL_ROLE=worker-2" in line.split()]
+    assert pids == [again["pid"]], out
+    events = [e for e in map(json.loads, events_file.read_text().splitlines()) if e["role"] == "host h3"]
+    assert [e["to"] for e in events][:2] == ["unreachable", "reachable"], events

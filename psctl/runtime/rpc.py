@@ -13,6 +13,24 @@ from psctl.runtime.wire import grpc_options
 
 #: Every role certificate carries this DNS name, so a role can verify a peer known only by IP:port.
 TLS_SERVER_NAME = "psctl-role"
+#: HTTP/2 pings while a call is in flight: a peer whose host was cut off (no RST, no FIN) fails the call within
+#: about time + timeout, so the chief re-runs the step elsewhere instead of waiting on it forever.
+KEEPALIVE_TIME_MS = 2000
+KEEPALIVE_TIMEOUT_MS = 3000
+CLIENT_KEEPALIVE: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.max_pings_without_data", 0),  # a long step sends no data for a while: keep pinging
+]
+#: Servers accept those pings (by default gRPC servers answer pings more often than every 5 minutes with
+#: GOAWAY "too many pings").
+SERVER_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+    # gRPC binds with SO_REUSEPORT by default: a stale process of a role (cut off, not yet killed) would then
+    # share the port with its replacement and answer half of the connections. One port, one process.
+    ("grpc.so_reuseport", 0),
+]
 
 
 def _read(path: str) -> bytes:
@@ -27,6 +45,7 @@ def make_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
         ("grpc.enable_retries", 0),
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
+        *CLIENT_KEEPALIVE,
         # (not min_reconnect_backoff_ms: gRPC core also uses it as the connect timeout, and a TLS handshake on
         # a loaded machine can take longer than a short one)
     ]
@@ -41,7 +60,8 @@ def make_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
 
 def make_server(bind: str, tls: TlsFiles | None = None, *, max_workers: int = 16) -> tuple[grpc.Server, int]:
     """A server listening on ``bind``; returns it (not started) and the port it got."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=grpc_options())
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                         options=[*grpc_options(), *SERVER_OPTIONS])
     if tls is None:
         port = server.add_insecure_port(bind)
     else:

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import grpc
@@ -88,6 +88,9 @@ class Live:
     #: whose worker is preempted now and then is not failed for good by its eleventh preemption.
     failures_in_a_row: int = 0
     running_since: float | None = None
+    #: Earlier processes of the role on an SSH host that could not be confirmed stopped (the host was cut
+    #: off): stopped before the role starts there again, so that no zombie answers on its port.
+    stale: list[ProcessHandle] = field(default_factory=list)
 
 
 class HeartbeatServicer(pb_grpc.SupervisorServicer):
@@ -226,36 +229,70 @@ class Supervisor:
         return self.record.supervisor_address
 
     def start_role(self, role: RoleRecord) -> None:
+        """Start the role's next attempt. On an SSH host the start runs in a thread of its own (holding no
+        lock), so that a slow or cut-off host never holds up the loop, nor the heartbeats of other roles."""
         role.attempt += 1
         role.incarnation = max(role.incarnation + 1, int(time.time() * 1000))
         role.exit_code = None
         role.last_heartbeat = None
         place = self.places[role.host]
         live = self.live[role.name]
+        live.restart_at = None
         if live.handle is not None and place.remote:
-            # Lost while its host was cut off, the old process may still run there and hold the role's port:
-            # now that the host answers again, make sure it is gone (a no-op if it exited).
-            self.stop([live.handle], grace=0.0)
+            live.stale.append(live.handle)
+        live.handle = None
+        stale = list(live.stale)
+        env = self.role_env(role)
+        if place.remote:
+            threading.Thread(target=self._launch, args=(role, role.attempt, place, env, stale), daemon=True,
+                             name=f"psctl-start-{role.name}").start()
+        else:
+            self._launch(role, role.attempt, place, env, stale, locked=True)
+
+    def _launch(self, role: RoleRecord, attempt: int, place: Placement, env: dict[str, str],
+                stale: list[ProcessHandle], *, locked: bool = False) -> None:
+        handle: ProcessHandle | None = None
+        error: PsctlError | None = None
+        unreachable = getattr(place.runner, "last_error", None)
         try:
-            handle = place.runner.start(
-                argv=[place.python, "-m", "psctl.runtime"],
-                env=self.role_env(role),
-                cwd=place.cwd,
-                log_path=place.dirs.role_log(role.name, role.attempt),
-            )
+            if unreachable is not None:  # known to be down: fail at once rather than wait for the timeouts
+                raise PsctlError(unreachable)
+            if stale:
+                # Lost while its host was cut off, an old process may still run there and answer on the
+                # role's port: now that the host answers again, make sure it is gone before starting anew.
+                survivors, errors = stop_on_hosts(self.runners, stale, grace=0.0)
+                if errors or survivors:
+                    raise PsctlError(f"cannot stop the previous process first: {errors or survivors}")
+                with self.lock:
+                    live = self.live[role.name]
+                    live.stale = [h for h in live.stale if h not in stale]
+            handle = place.runner.start(argv=[place.python, "-m", "psctl.runtime"], env=env, cwd=place.cwd,
+                                        log_path=place.dirs.role_log(role.name, attempt))
         except PsctlError as exc:  # the host is unreachable, or its folder is gone
-            live.handle, live.restart_at = None, None
-            reason = f"cannot start on {role.host}: {exc.format_message()}"
-            if self.record.state == ClusterState.STARTING and role.attempt == 1:
+            error = exc
+        with contextlib.nullcontext() if locked else self.lock:
+            self._launched(role, attempt, handle, error)
+
+    def _launched(self, role: RoleRecord, attempt: int, handle: ProcessHandle | None, error: PsctlError | None) -> None:
+        live = self.live[role.name]
+        if role.attempt != attempt or self.record.state.terminal or role.state.terminal:
+            if handle is not None:  # superseded while it started (stopped by down, say): do not leave it running
+                self.stop([handle], grace=0.0)
+            return
+        if handle is None:
+            assert error is not None
+            reason = f"cannot start on {role.host}: {error.format_message()}"
+            if self.record.state == ClusterState.STARTING and attempt == 1:
                 self.transition(role, RoleState.FAILED, reason)
                 self.finish(ClusterState.FAILED, f"{role.name} failed to start: {reason}")
             else:
                 self.transition(role, RoleState.LOST, reason)
                 self.maybe_restart(role, None)
             return
-        live.handle, live.started, live.last_heartbeat, live.restart_at = handle, self.time(), None, None
+        live.handle, live.started, live.last_heartbeat = handle, self.time(), None
         role.pid, role.create_time, role.started_at = handle.pid, handle.create_time, time.time()
-        self.transition(role, RoleState.STARTING, f"attempt {role.attempt}, pid {handle.pid}")
+        self.transition(role, RoleState.STARTING, f"attempt {attempt}, pid {handle.pid}")
+        self._dirty = True
 
     # -- the loop -------------------------------------------------------------------------------------
     def serve_heartbeats(self) -> None:
@@ -446,9 +483,14 @@ class Supervisor:
 
     def on_lost(self, role: RoleRecord, reason: str) -> None:
         live = self.live[role.name]
-        if live.handle is not None:
-            self.stop([live.handle], grace=0.0)
         self.transition(role, RoleState.LOST, reason)
+        if live.handle is not None:
+            if self.places[role.host].remote:  # its host may be cut off: do not hold up the loop for it (the
+                # handle stays, so that the next start makes sure the process is gone)
+                threading.Thread(target=self.stop, args=([live.handle],), kwargs={"grace": 0.0}, daemon=True,
+                                 name=f"psctl-stop-{role.name}").start()
+            else:
+                self.stop([live.handle], grace=0.0)
         self.maybe_restart(role, None)
 
     def maybe_restart(self, role: RoleRecord, code: int | None) -> None:
