@@ -27,9 +27,6 @@ CLIENT_KEEPALIVE: list[tuple[str, Any]] = [
 SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
     ("grpc.http2.max_ping_strikes", 0),
-    # gRPC binds with SO_REUSEPORT by default: a stale process of a role (cut off, not yet killed) would then
-    # share the port with its replacement and answer half of the connections. One port, one process.
-    ("grpc.so_reuseport", 0),
 ]
 
 
