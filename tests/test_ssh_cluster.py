@@ -294,7 +294,8 @@ def test_missing_remote_python(remote: Remote) -> None:
 
 
 def test_port_taken_on_one_host_and_a_bad_python_on_another_are_both_reported(remote: Remote) -> None:
-    hold = ("import socket, time; s = socket.socket(); s.bind(('0.0.0.0', 7110)); s.listen(); "
+    hold = ("import socket, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+            "s.bind(('0.0.0.0', 7110)); s.listen(); "  # REUSEADDR: earlier tests' ps-0 may leave a TIME_WAIT
             "print('ready', flush=True); time.sleep(120)")
     holder = remote.bed.exec("h2", f"nohup {sys.executable} -c \"{hold}\" > /dev/null 2>&1 & echo $!").stdout.strip()
     try:
