@@ -116,7 +116,8 @@ def check_hosts(spec: ClusterSpec, plan: Plan, runners: Mapping[str, SSHRunner])
         else:
             problems += found.problems
     if problems:
-        raise PreflightError(problems, len(results))
+        failed = sum(1 for r in results.values() if isinstance(r, Exception) or r.problems)
+        raise PreflightError(problems, failed, len(results))
     return {name: r for name, r in results.items() if isinstance(r, HostReport)}
 
 
@@ -128,9 +129,8 @@ def _port_key(spec: ClusterSpec, role: str, index: int) -> str:
 class PreflightError(LaunchError):
     """Hosts not ready for the cluster: one line per problem, each naming its host and the fix."""
 
-    def __init__(self, problems: list[str], hosts: int) -> None:
+    def __init__(self, problems: list[str], failed: int, hosts: int) -> None:
         self.problems = problems
-        failed = len({p.split(":")[0] for p in problems})
         super().__init__("\n".join([f"preflight failed on {failed} of {hosts} hosts:", *problems]))
 
 

@@ -30,6 +30,8 @@ class Runner(ABC):
 
     #: The host's name, as role records and process handles name it (``localhost`` for this machine).
     host: str
+    #: Why the host did not answer the last look at it (None: it did, or nothing looks in the background).
+    last_error: str | None = None
 
     @abstractmethod
     def start(self, *, argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: PurePath) -> ProcessHandle:

@@ -182,8 +182,7 @@ class SSHRunner(Runner):
         self._forwarded_on: paramiko.Transport | None = None
         self._watcher: threading.Thread | None = None
         self._closed = threading.Event()  # set by close(): stops the background watcher
-        #: Why the background watcher's last look failed (None: it succeeded).
-        self.last_error: str | None = None
+        self.last_error = None
 
     def __enter__(self) -> SSHRunner:
         return self

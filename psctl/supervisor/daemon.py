@@ -253,7 +253,7 @@ class Supervisor:
                 stale: list[ProcessHandle], *, locked: bool = False) -> None:
         handle: ProcessHandle | None = None
         error: PsctlError | None = None
-        unreachable = getattr(place.runner, "last_error", None)
+        unreachable = place.runner.last_error
         try:
             if unreachable is not None:  # known to be down: fail at once rather than wait for the timeouts
                 raise PsctlError(unreachable)
@@ -369,7 +369,7 @@ class Supervisor:
         """An event when an SSH host stops answering the supervisor, and when it answers again (its roles
         are judged by their heartbeats meanwhile)."""
         for name, place in self.places.items():
-            error = getattr(place.runner, "last_error", None)
+            error = place.runner.last_error
             if error == self._host_errors.get(name):
                 continue
             self._host_errors[name] = error
