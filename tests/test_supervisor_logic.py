@@ -6,6 +6,7 @@ fencing, stalls, completion), not process handling, which the end-to-end and fau
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -215,3 +216,20 @@ def test_the_chief_finishing_stops_everyone_and_succeeds(sup: Supervisor) -> Non
     assert sup.record.state == ClusterState.SUCCEEDED
     assert state(sup, "chief-0") == RoleState.SUCCEEDED
     assert all(state(sup, n) == RoleState.STOPPED for n in ("ps-0", "worker-0", "worker-1"))
+
+
+def test_a_host_event_is_written_when_its_reachability_changes_not_its_error_text(sup: Supervisor) -> None:
+    def host_events() -> list[tuple[str, str]]:
+        lines = sup.cdir.events_file.read_text().splitlines() if sup.cdir.events_file.exists() else []
+        return [(e["from"], e["to"]) for e in map(json.loads, lines) if e["role"] == "host localhost"]
+
+    sup.watch_hosts()
+    assert host_events() == []
+    runner(sup).last_error = "host h3: timed out"
+    sup.watch_hosts()
+    runner(sup).last_error = "host h3: connection refused"  # still down, for another reason
+    sup.watch_hosts()
+    runner(sup).last_error = None
+    sup.watch_hosts()
+    sup.watch_hosts()
+    assert host_events() == [("reachable", "unreachable"), ("unreachable", "reachable")]

@@ -370,11 +370,14 @@ class Supervisor:
         are judged by their heartbeats meanwhile)."""
         for name, place in self.places.items():
             error = place.runner.last_error
-            if error == self._host_errors.get(name):
-                continue
+            # Only a change of reachability is news: a down host's error text may change from one try to
+            # the next (a timeout, then a refused connection) without it having come back.
+            was = "reachable" if self._host_errors.get(name) is None else "unreachable"
+            to = "reachable" if error is None else "unreachable"
             self._host_errors[name] = error
-            to = "unreachable" if error else "reachable"
-            event = {"time": time.time(), "role": f"host {name}", "from": "", "to": to, "reason": error or ""}
+            if to == was:
+                continue
+            event = {"time": time.time(), "role": f"host {name}", "from": was, "to": to, "reason": error or ""}
             log.warning("host %s: %s", name, error or "answers again")
             with open(self.cdir.events_file, "a", encoding="utf-8") as f:
                 f.write(json.dumps(event) + "\n")
