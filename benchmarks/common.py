@@ -69,6 +69,16 @@ def machine() -> dict[str, Any]:
     return out
 
 
+def run_as_role(module: str, threads: int, argv: Sequence[str] | None) -> None:
+    """Re-execute ``python -m module`` with the environment a role gets (malloc thresholds, BLAS threads) unless
+    this process has it already: the benchmark process plays a role itself (the worker in pushpull, the chief in
+    overhead), and the launcher starts every role with that environment. Helper processes inherit it."""
+    env = thread_env(threads)
+    if any(os.environ.get(k) != v for k, v in env.items()):
+        args = sys.argv[1:] if argv is None else argv
+        os.execvpe(sys.executable, [sys.executable, "-m", module, *args], {**os.environ, **env})
+
+
 def install_signal_handlers() -> None:
     """SIGTERM / SIGHUP unwind like Ctrl-C, so ``finally`` blocks stop every process the benchmark started."""
 
@@ -109,13 +119,13 @@ def rounded(value: float, digits: int = 3) -> float | None:
 
 # -- ports ------------------------------------------------------------------------------------------------
 def reserve_port() -> socket.socket:
-    """A loopback port held open (bound, not listening) with SO_REUSEPORT for the cluster's lifetime.
+    """A loopback port held open (bound, not listening) until its role is started.
 
-    gRPC servers bind with SO_REUSEPORT too, so the role can listen on it while no unrelated process can take
-    the port between reservation and use.
+    Roles' gRPC servers bind without SO_REUSEPORT (psctl.runtime.rpc: one port, one process), so the reservation
+    is released just before the role starts: no unrelated process takes the port in the meantime, but for that
+    instant.
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind(("127.0.0.1", 0))
     return sock
 
@@ -188,7 +198,7 @@ class BenchCluster:
         self.training = dict(training)
         self.threads = threads
         self.cluster_id = cluster_id
-        self._reservations: list[socket.socket] = []
+        self._reservations: dict[str, socket.socket] = {}
         self.jobs: dict[str, list[str]] = {}
         if with_chief:
             self.jobs["chief"] = [self._address()]
@@ -200,8 +210,9 @@ class BenchCluster:
 
     def _address(self) -> str:
         sock = reserve_port()
-        self._reservations.append(sock)
-        return f"127.0.0.1:{sock.getsockname()[1]}"
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+        self._reservations[address] = sock
+        return address
 
     def env(self, task_type: str, index: int) -> dict[str, str]:
         config = {
@@ -222,6 +233,9 @@ class BenchCluster:
 
     def start(self, task_type: str, index: int) -> Role:
         log_path = self.run_dir / f"{task_type}-{index}.log"
+        reservation = self._reservations.pop(self.jobs[task_type][index], None)
+        if reservation is not None:  # free the port for the role to bind
+            reservation.close()
         started_at = time.time()
         with log_path.open("wb") as out:
             popen = subprocess.Popen(
@@ -283,7 +297,7 @@ class BenchCluster:
         for role in self.roles:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 role.popen.wait(timeout=10)
-        for sock in self._reservations:
+        for sock in self._reservations.values():
             sock.close()
         self._reservations.clear()
         survivors = []

@@ -38,6 +38,7 @@ from benchmarks.common import (
     median,
     percentile,
     rounded,
+    run_as_role,
     run_directory,
     wait_for_workers,
 )
@@ -193,8 +194,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    install_signal_handlers()
     args = parse_args(argv)
+    run_as_role("benchmarks.overhead", args.threads, argv)
+    install_signal_handlers()
     try:
         emit(run(args))
     except (RuntimeError, TimeoutError, OSError) as exc:

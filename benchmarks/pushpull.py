@@ -53,6 +53,7 @@ from benchmarks.common import (
     machine,
     median,
     rounded,
+    run_as_role,
     run_directory,
 )
 from psctl.proto import psctl_pb2 as pb
@@ -380,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         return tcp_receiver(args.tcp_receiver)
     if args.grpc_raw_server is not None:
         return grpc_raw_server(args.grpc_raw_server)
+    run_as_role("benchmarks.pushpull", args.threads, argv)
     install_signal_handlers()
     try:
         for line in run(args):

@@ -8,7 +8,9 @@ message. Never any other exception, and the command line never prints a tracebac
 The PS: random bytes as a serialized request, and PushRequests that are wrong in every way the wire allows
 (dtypes, shapes, byte counts, row ids, NaN, kinds, offsets, declared sizes, huge repeated fields) are refused
 with a status that says so (never OK, never UNKNOWN, which would mean an unhandled exception), the PS is
-bit-for-bit what it was (variables, optimizer slots, counters, applied step ids), and it goes on serving.
+bit-for-bit what it was (variables, optimizer slots, counters, applied step ids), and it goes on serving. The
+same for the framed rpcs, on a PS registered as the runtime registers it (raw bytes in: random bytes, cut and
+mangled frames, and every bad push above as a frame).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from psctl.errors import SpecError
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime import wire
-from psctl.runtime.ps import ParameterServerServicer, VariableStore
+from psctl.runtime.ps import ParameterServerServicer, VariableStore, add_to_server
 from psctl.runtime.rpc import make_channel, make_server
 from psctl.spec import ClusterSpec, Plan, load_spec_text, make_plan
 
@@ -425,10 +427,12 @@ class Ps:
         return code  # type: ignore[no-any-return]
 
 
-def start_ps(optimizer: str, cluster_id: str) -> tuple[grpc.Server, Ps]:
+def start_ps(optimizer: str, cluster_id: str, *, framed: bool = False) -> tuple[grpc.Server, Ps]:
+    """A PS with the generated registration (plain rpcs under test), or (``framed``) psctl's own."""
     store = VariableStore(cluster_id=cluster_id)
     server, port = make_server("127.0.0.1:0", max_workers=4)
-    pb_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(store), server)
+    register = add_to_server if framed else pb_grpc.add_ParameterServerServicer_to_server
+    register(ParameterServerServicer(store), server)
     server.start()
     address = f"127.0.0.1:{port}"
     channel = make_channel(address)
@@ -441,9 +445,8 @@ def start_ps(optimizer: str, cluster_id: str) -> tuple[grpc.Server, Ps]:
     return server, ps
 
 
-@pytest.fixture(scope="module")
-def ps() -> Iterator[Ps]:
-    server, handle = start_ps("adam", "fuzz")
+def serve_fuzz_ps(*, framed: bool) -> Iterator[Ps]:
+    server, handle = start_ps("adam", "fuzz", framed=framed)
     try:
         # One real update first, so counters, step ids, slots and the worker's incarnation are not all zero.
         ids = tensor("emb", wire.IDS, np.array([1, 7], dtype=np.int64))
@@ -458,6 +461,11 @@ def ps() -> Iterator[Ps]:
     finally:
         handle.channel.close()
         server.stop(grace=None).wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def ps() -> Iterator[Ps]:
+    yield from serve_fuzz_ps(framed=False)
 
 
 # -- random bytes --------------------------------------------------------------------------------------------------
@@ -766,3 +774,104 @@ def test_a_refused_synchronous_push_does_not_fence_anyone(sync_ps: Ps) -> None:
     # The refused push must not have changed anything, the fencing table included: the worker's own push works.
     reply = sync_ps.stub.Push(sync_ps.push_request(good_entry("w"), local_step=0), timeout=30)
     assert reply.applied
+
+
+# -- framed rpcs ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fps() -> Iterator[Ps]:
+    """The same PS and history as ``ps``, registered with add_to_server: the framed rpcs read raw bytes."""
+    yield from serve_fuzz_ps(framed=True)
+
+
+def as_frame(request: Any, frame_type: Any = pb.PushRequestFrame) -> bytes:
+    """A plain request as a frame: every tensor's bytes moved to the payload (8-byte aligned), as psctl lays it out."""
+    header = type(request)()
+    header.CopyFrom(request)
+    payload = bytearray()
+    for item in header.entries:
+        data, item.tensor.data = item.tensor.data, b""
+        item.tensor.size = len(data)
+        payload += bytes(-len(payload) % wire.FRAME_ALIGN) + data
+    return frame_type(header=header, payload=bytes(payload)).SerializeToString()  # type: ignore[no-any-return]
+
+
+def _valid_push_frame() -> bytes:
+    request = pb.PushRequest(step_id=0, task="worker:0", incarnation=5, entries=[good_entry("w"), good_entry("b")])
+    return as_frame(request)
+
+
+@st.composite
+def mangled_frames(draw: st.DrawFn) -> bytes:
+    """A framed push (step id 0), then bytes flipped, cut, inserted or repeated."""
+    data = bytearray(_valid_push_frame())
+    for _ in range(draw(st.integers(1, 4))):
+        pos = draw(st.integers(0, len(data)))
+        action = draw(st.sampled_from(("flip", "cut", "insert", "repeat")))
+        if action == "flip" and pos < len(data):
+            data[pos] ^= draw(st.integers(1, 255))
+        elif action == "cut":
+            del data[pos:]
+        elif action == "insert":
+            data[pos:pos] = draw(st.binary(min_size=1, max_size=8))
+        elif action == "repeat":
+            data += data[pos:]
+    return bytes(data)
+
+
+def _could_apply(frame: bytes) -> bool:
+    """Whether ``frame`` reads as a push with a step id (random bytes rarely do; those may rightly be applied)."""
+    try:
+        header, _ = wire.decode_frame(frame, pb.PushRequest)
+    except wire.WireError:
+        return False
+    return header.step_id != 0
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(payload=st.binary(max_size=300) | mangled_frames())
+def test_random_bytes_as_a_framed_push_are_refused(fps: Ps, payload: bytes) -> None:
+    assume(not _could_apply(payload))
+    fps.refused(lambda: fps.raw("PushFramed")(payload, timeout=30), grpc.StatusCode.INVALID_ARGUMENT)
+    push_stream = fps.channel.stream_unary(f"/{wire.PS_SERVICE}/PushFramedStream")
+    fps.refused(lambda: push_stream(iter([payload]), timeout=30), grpc.StatusCode.INVALID_ARGUMENT)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(frames=st.lists(st.binary(max_size=200) | mangled_frames(), min_size=1, max_size=3))
+def test_random_bytes_to_the_other_framed_rpcs_never_crash_the_ps(fps: Ps, frames: list[bytes]) -> None:
+    before = fps.snapshot()
+    path = f"/{wire.PS_SERVICE}/"
+    calls = {
+        "PullFramed": lambda: fps.raw("PullFramed")(frames[0], timeout=30),
+        "PullFramedStream": lambda: list(fps.channel.unary_stream(path + "PullFramedStream")(frames[0], timeout=30)),
+        "AssignFramedStream": lambda: fps.channel.stream_unary(path + "AssignFramedStream")(iter(frames), timeout=30),
+    }
+    for method, call in calls.items():
+        try:
+            call()
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, exc.details())  # type: ignore[attr-defined]
+        else:
+            assert method.startswith("Pull"), method  # reading is all a pull does
+    assert fps.snapshot() == before
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(entries=bad_entries(), stream=st.booleans())
+def test_malformed_framed_pushes_are_refused_and_change_nothing(
+    fps: Ps, entries: list[pb.NamedTensor], stream: bool
+) -> None:
+    frame = as_frame(fps.push_request(*entries, increment_global_step=True))
+    if stream:
+        push_stream = fps.channel.stream_unary(f"/{wire.PS_SERVICE}/PushFramedStream")
+        fps.refused(lambda: push_stream(iter([frame]), timeout=30), grpc.StatusCode.INVALID_ARGUMENT)
+    else:
+        fps.refused(lambda: fps.raw("PushFramed")(frame, timeout=30), grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def test_a_valid_framed_push_from_a_plain_protobuf_client_is_applied(fps: Ps) -> None:
+    before = fps.store.applied_updates
+    reply = pb.PushResponseFrame.FromString(
+        fps.raw("PushFramed")(as_frame(fps.push_request(good_entry("w"), good_entry("h"))), timeout=30)
+    )
+    assert reply.header.applied and fps.store.applied_updates == before + 1

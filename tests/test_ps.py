@@ -1,7 +1,9 @@
 """The parameter server behind a real gRPC server on loopback, driven through PsClient and raw stubs.
 
 Every refusal is checked end to end: the status code a client sees, and that the PS is bit-for-bit what it
-was before (variables, optimizer slots, counters, applied step ids) and still serves afterwards.
+was before (variables, optimizer slots, counters, applied step ids) and still serves afterwards. The PS is
+registered as the runtime registers it (ps.add_to_server: framed rpcs on raw bytes); PsClient speaks frames, the
+raw stubs the plain protobuf rpcs, and malformed frames go in as raw bytes.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import pytest
 
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
+from psctl.runtime import ps as ps_module
 from psctl.runtime import wire
 from psctl.runtime.initializers import initialize
-from psctl.runtime.ps import ParameterServerServicer, VariableStore
+from psctl.runtime.optimizers import make_optimizer
+from psctl.runtime.ps import ParameterServerServicer, VariableStore, add_to_server
 from psctl.runtime.ps_client import PsClient, PsUnavailable, PushHeader
 from psctl.runtime.rpc import make_server
 from psctl.runtime.wire import DENSE, IDS, ROWS, Entry
@@ -60,10 +64,12 @@ class Servers:
 
     started: list[tuple[grpc.Server, PsClient]]
 
-    def start(self) -> Ps:
+    def start(self, *, generated: bool = False) -> Ps:
+        """A PS registered as the runtime does, or (``generated``) with the generated registration."""
         store = VariableStore(cluster_id=CLUSTER)
         server, port = make_server("127.0.0.1:0")
-        pb_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(store), server)
+        register = pb_grpc.add_ParameterServerServicer_to_server if generated else add_to_server
+        register(ParameterServerServicer(store), server)
         server.start()
         address = f"127.0.0.1:{port}"
         client = PsClient([address], timeout=60)
@@ -410,8 +416,38 @@ def _pieces(entry: Entry, chunk_bytes: int) -> list[pb.NamedTensor]:
     return [p for group in wire.iter_chunks([entry], chunk_bytes=chunk_bytes) for p in group]
 
 
+def _framed(method: str, *frames: bytes, stream: bool = False) -> Callable[[Ps], object]:
+    """Raw bytes to a framed rpc: one frame to a unary one, or a stream of frames."""
+
+    def call(ps: Ps) -> object:
+        channel = ps.client._channels[0]
+        path = f"/{wire.PS_SERVICE}/{method}"
+        if stream:
+            return channel.stream_unary(path)(iter(frames), timeout=30)
+        if method == "PullFramedStream":
+            return list(channel.unary_stream(path)(frames[0], timeout=30))
+        return channel.unary_unary(path)(frames[0], timeout=30)
+
+    return call
+
+
+def _push_header(**fields: object) -> pb.PushRequest:
+    return pb.PushRequest(**{"step_id": BAD_STEP, "task": "worker:0", "incarnation": 1,
+                             "increment_global_step": True, **fields})  # fmt: skip
+
+
+def _push_frame(entries: list[Entry], **fields: object) -> bytes:
+    return wire.encode_frame(_push_header(**fields), entries)
+
+
+def _push_frames(entries: list[Entry], **fields: object) -> list[bytes]:
+    """A streamed push in frames of 16 bytes of payload."""
+    return list(wire.frames(entries, _push_header(**fields), 16))
+
+
 GOOD_W = Entry("w", DENSE, w_grad())
 NAN_W = Entry("w", DENSE, np.where(np.eye(4, 3, dtype=bool), np.float32(np.nan), w_grad()))
+INF_LAST_W = Entry("w", DENSE, np.where(np.arange(12).reshape(4, 3) == 11, np.float32(np.inf), w_grad()))
 EMB_IDS = "emb/part_1"
 W_PIECES = _pieces(GOOD_W, 16)  # 48 bytes -> offsets 0, 16, 32
 
@@ -522,6 +558,61 @@ REFUSALS: dict[str, tuple[Callable[[Ps], object], grpc.StatusCode]] = {
     "pull-float-ids": (_pull([Entry(EMB_IDS, IDS, np.array([0.0]))]), grpc.StatusCode.INVALID_ARGUMENT),
     "pull-rows-kind": (_pull([Entry("w", ROWS, EMPTY)]), grpc.StatusCode.INVALID_ARGUMENT),
     "pull-ids-out-of-range-1d": (_pull([Entry("b", IDS, np.array([3]))]), grpc.StatusCode.INVALID_ARGUMENT),
+    "framed-truncated": (_framed("PushFramed", _push_frame([GOOD_W])[:-5]), grpc.StatusCode.INVALID_ARGUMENT),
+    "framed-header-overruns": (
+        _framed("PushFramed", b"\x0a\xff\xff\x03" + _push_frame([GOOD_W])[4:]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "framed-garbage": (_framed("PushFramed", b"\x07garbage\x00\xff"), grpc.StatusCode.INVALID_ARGUMENT),
+    "framed-garbage-header": (_framed("PushFramed", b"\x0a\x03\xff\xff\xff"), grpc.StatusCode.INVALID_ARGUMENT),
+    "framed-trailing-bytes": (
+        _framed("PushFramed", _push_frame([GOOD_W]) + b"\x22\x00"), grpc.StatusCode.INVALID_ARGUMENT
+    ),
+    "framed-data-in-header": (  # the plain form's inline bytes in a frame's header
+        _framed("PushFramed", pb.PushRequestFrame(header=_push_header(entries=[
+            _piece("w", "float32", [4, 3], GOOD_W.array.tobytes())])).SerializeToString()),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "framed-nan": (_framed("PushFramed", _push_frame([NAN_W])), grpc.StatusCode.INVALID_ARGUMENT),
+    "framed-step-id-zero": (_framed("PushFramed", _push_frame([GOOD_W], step_id=0)), grpc.StatusCode.INVALID_ARGUMENT),
+    "framed-pull-dense-unknown": (
+        _framed("PushFramed", _push_frame([GOOD_W], pull_dense=["w", "nope"])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "framed-stream-pull-dense": (
+        _framed("PushFramedStream", *_push_frames([GOOD_W], pull_dense=["w"]), stream=True),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "framed-stream-inf-in-last-piece": (
+        _framed("PushFramedStream", *_push_frames([INF_LAST_W]), stream=True),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "framed-stream-truncated-frame": (
+        _framed("PushFramedStream", *(lambda f: [f[0], f[1][:-3], *f[2:]])(_push_frames([GOOD_W])), stream=True),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "framed-stream-missing-frame": (
+        _framed("PushFramedStream", *_push_frames([GOOD_W])[:-1], stream=True),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "framed-stream-empty": (_framed("PushFramedStream", stream=True), grpc.StatusCode.INVALID_ARGUMENT),
+    "framed-pull-truncated": (
+        _framed("PullFramed", wire.encode_frame(pb.PullRequest(), [Entry(EMB_IDS, IDS, np.array([1, 2]))])[:-4]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "framed-pull-ids-out-of-range": (
+        _framed("PullFramed", wire.encode_frame(pb.PullRequest(), [Entry(EMB_IDS, IDS, np.array([1, 5]))])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "framed-pull-stream-unknown-variable": (
+        _framed("PullFramedStream", wire.encode_frame(pb.PullRequest(), [Entry("nope", DENSE, EMPTY)])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "framed-assign-incomplete": (
+        _framed("AssignFramedStream", *wire.frames([Entry("w", DENSE, w_grad())], pb.AssignRequest(global_step=5)),
+                stream=True),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
     "init-other-cluster": (lambda ps: init(ps, optimizer=ADAM, cluster_id="other"), grpc.StatusCode.PERMISSION_DENIED),
     "init-different-specs": (lambda ps: init(ps, [W], optimizer=ADAM), grpc.StatusCode.FAILED_PRECONDITION),
 }
@@ -640,3 +731,78 @@ def test_large_variable_round_trips_through_the_streaming_rpcs(ps: Ps) -> None:
     # a retry of the streamed step is recognised as a duplicate, exactly like a unary one
     assert not push(ps, 1, [Entry("big", DENSE, grad)]).applied
     assert state(ps).duplicate_updates == 1
+
+
+# -- push and pull in one round trip ------------------------------------------------------------------------
+def test_push_pull_answers_the_variables_right_after_the_update(ps: Ps) -> None:
+    init(ps)
+    g = w_grad(0.37)
+    header = PushHeader(step_id=1, task="worker:0", incarnation=1)
+    responses, pulled = ps.client.push_pull(header, {0: [Entry("w", DENSE, g)]}, {0: ["w", "b"]})
+    assert responses[0].applied and responses[0].global_step == 1
+    got = {e.name: e.array for e in pulled[0]}
+    assert got["w"].tobytes() == (initial_value(W) - np.float32(LR) * g).tobytes()
+    assert got["b"].tobytes() == initial_value(B).tobytes()
+    assert {k: v.tobytes() for k, v in got.items()} == {k: v.tobytes() for k, v in pull_dense(ps, ["w", "b"]).items()}
+    # a retry: not applied again, and still answered with the variables as they are
+    responses, again = ps.client.push_pull(header, {0: [Entry("w", DENSE, g)]}, {0: ["w"]})
+    assert not responses[0].applied
+    assert again[0][0].array.tobytes() == got["w"].tobytes()
+    assert state(ps).applied_updates == 1
+
+
+def test_a_push_asking_back_more_than_one_message_holds_is_refused_and_changes_nothing(ps: Ps) -> None:
+    big = pb.VariableSpec(name="big", dtype="float32", shape=[wire.UNARY_MAX_BYTES // 4 + 1], initializer="ones")
+    init(ps, [*SPECS, big])
+    before = snapshot(ps)
+    code = rpc_code(lambda: _framed("PushFramed", _push_frame([GOOD_W], pull_dense=["w", "big"]))(ps))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert snapshot(ps) == before
+    assert push(ps, BAD_STEP, [GOOD_W]).applied  # the step id was not used up
+
+
+def test_push_pull_needs_gradients_that_fit_one_message(ps: Ps) -> None:
+    big = Entry("w", DENSE, np.zeros(wire.UNARY_MAX_BYTES // 4 + 1, np.float32))
+    with pytest.raises(ValueError, match="do not fit one message"):
+        ps.client.push_pull(PushHeader(step_id=1, task="worker:0", incarnation=1), {0: [big]}, {0: ["w"]})
+
+
+def test_a_plain_grpc_server_serves_the_framed_rpcs_too(servers: Servers) -> None:
+    # Frames are ordinary protobuf messages: the generated registration parses and re-encodes them (slower).
+    big = pb.VariableSpec(name="big", dtype="float32", shape=[wire.UNARY_MAX_BYTES // 4 + 7], initializer="ones")
+    ps = servers.start(generated=True)
+    init(ps, [*SPECS, big])
+    g = w_grad(2.0)
+    large = np.full(tuple(big.shape), 0.5, np.float32)
+    assert push(ps, 1, [Entry("w", DENSE, g), Entry("big", DENSE, large)]).applied  # streamed
+    _, pulled = ps.client.push_pull(PushHeader(step_id=2, task="worker:0", incarnation=1),
+                                    {0: [Entry("w", DENSE, g)]}, {0: ["w"]})  # fmt: skip
+    want = initial_value(W) - np.float32(LR) * g - np.float32(LR) * g
+    assert pulled[0][0].array.tobytes() == want.tobytes()
+    values, _ = ps.client.pull({0: [Entry("big", DENSE, EMPTY)]}, {0: large.nbytes})  # streamed
+    assert values[0][0].array.tobytes() == (np.float32(1) - np.float32(LR) * large).tobytes()
+    before = snapshot(ps)
+    assert rpc_code(lambda: _framed("PushFramed", _push_frame([NAN_W]))(ps)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert snapshot(ps) == before
+
+
+# -- dense updates in blocks --------------------------------------------------------------------------------
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adagrad", "adam"])
+@pytest.mark.parametrize("size", [ps_module.UPDATE_BLOCK - 1, 3 * ps_module.UPDATE_BLOCK + 17,
+                                  ps_module.PARALLEL_MIN + ps_module.UPDATE_BLOCK // 2])  # fmt: skip
+def test_large_dense_updates_in_blocks_equal_one_whole_update_bit_for_bit(optimizer: str, size: int) -> None:
+    spec = pb.VariableSpec(name="v", dtype="float32", shape=[size], initializer="normal", seed=3)
+    store = VariableStore(cluster_id=CLUSTER)
+    store.init([spec], pb.OptimizerConfig(name=optimizer, learning_rate=0.01))
+    reference = make_optimizer(optimizer, 0.01)
+    value = initial_value(spec)
+    slots = reference.create_slots(value)
+    rng = np.random.default_rng(size)
+    for step in range(1, 4):
+        g = rng.standard_normal(size, dtype=np.float32)
+        reference.apply_dense(value, g, slots)
+        header = pb.PushRequest(step_id=step, task="worker:0", incarnation=1, increment_global_step=True)
+        assert store.push(header, [Entry("v", DENSE, g)]).applied
+    shard = store._shards["v"]
+    assert shard.value.tobytes() == value.tobytes()
+    assert {k: v.tobytes() for k, v in shard.slots.items()} == {k: v.tobytes() for k, v in slots.items()}

@@ -1,4 +1,4 @@
-"""psctl.runtime.wire: arrays <-> protobuf round trips, chunking and reassembly, and every refusal."""
+"""psctl.runtime.wire: arrays <-> protobuf and frames, round trips, chunking and reassembly, and every refusal."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from psctl.proto import psctl_pb2 as pb
 from psctl.runtime import wire
@@ -362,3 +364,179 @@ def test_assembler_refuses_declared_sizes_over_its_budget_before_data_arrives() 
 def test_unknown_kind_is_refused() -> None:
     with pytest.raises(WireError, match="unknown kind"):
         Assembler().add([_piece("v", _tensor("float32", (1,)), kind=7)])
+
+
+# -- frames ----------------------------------------------------------------------------------------------------
+def _frame_of(entries: list[Entry], header: object | None = None) -> bytes:
+    return wire.encode_frame(header if header is not None else pb.PushRequest(step_id=3, task="w:0"), entries)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", [(3, 4), (), (0,), (2, 0, 3), (1, 1, 1, 1, 1, 1, 1, 5), (7,)])
+def test_frame_round_trip_every_dtype_and_shape_in_place(dtype: str, shape: tuple[int, ...]) -> None:
+    array = _sample(dtype, shape)
+    # an odd-sized entry first, so that the next one must be padded to its alignment
+    first = np.arange(3, dtype=np.uint8)
+    frame = _frame_of([Entry("odd", DENSE, first), Entry("x", ROWS, array)])
+    header, entries = wire.read_frame(frame, pb.PushRequest)
+    assert (header.step_id, header.task) == (3, "w:0")
+    assert [(e.name, e.kind) for e in entries] == [("odd", DENSE), ("x", ROWS)]
+    _assert_same(entries[0].array, first)
+    decoded = entries[1].array
+    _assert_same(decoded, array)
+    assert not decoded.flags.writeable
+    assert decoded.ctypes.data % wire.FRAME_ALIGN == 0
+    if array.size:  # decoded in place: a view of the received message, nothing copied
+        assert np.shares_memory(decoded, np.frombuffer(frame, np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [">i4", ">f8", ">u2", ">f2"])
+def test_frames_carry_little_endian_bytes(dtype: str) -> None:
+    array = np.arange(-3, 9, dtype=dtype).reshape(3, 4) if dtype[1] != "u" else np.arange(12, dtype=dtype)
+    (entry,) = wire.read_frame(_frame_of([Entry("x", DENSE, array)]), pb.PushRequest)[1]
+    assert entry.array.dtype == array.dtype.newbyteorder("<")
+    np.testing.assert_array_equal(entry.array, array)
+    assert array.astype(array.dtype.newbyteorder("<")).tobytes() in _frame_of([Entry("x", DENSE, array)])
+
+
+def test_non_contiguous_inputs_travel_framed_in_c_order() -> None:
+    array = np.arange(60, dtype=np.float32).reshape(6, 10)[::2, ::3]
+    (entry,) = wire.read_frame(_frame_of([Entry("x", DENSE, array)]), pb.PushRequest)[1]
+    _assert_same(entry.array, array)
+
+
+def test_a_frame_is_the_protobuf_message_its_schema_describes() -> None:
+    entries = _entries()
+    frame = _frame_of(entries)
+    message = pb.PushRequestFrame.FromString(frame)
+    assert (message.header.step_id, message.header.task) == (3, "w:0")
+    assert [e.name for e in message.header.entries] == [e.name for e in entries]
+    assert all(not e.tensor.data for e in message.header.entries)
+    assert sum(e.tensor.size for e in message.header.entries) == wire.payload_bytes(entries)
+    assert set(message.padding) <= {0}
+    # A plain protobuf client's frame (no padding, so the payload is not aligned) is read too, with one copy.
+    plain = pb.PushRequestFrame(header=message.header, payload=message.payload).SerializeToString()
+    _, got = wire.read_frame(plain, pb.PushRequest)
+    for decoded, want in zip(got, entries, strict=True):
+        _assert_same(decoded.array, np.asarray(want.array))
+        assert decoded.array.ctypes.data % wire.FRAME_ALIGN == 0
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 8, 13, 64, 1 << 20])
+def test_framed_streams_reassemble_exactly(chunk_bytes: int) -> None:
+    entries = _entries()
+    frames = list(wire.frames(entries, pb.PushRequest(step_id=9, task="w:1"), chunk_bytes))
+    assembler = Assembler()
+    for i, frame in enumerate(frames):
+        header, pieces = wire.decode_frame(frame, pb.PushRequest)
+        assert (header.step_id, header.task) == ((9, "w:1") if i == 0 else (0, ""))
+        assert sum(len(data) for _, data in pieces) <= chunk_bytes
+        assembler.add_pieces(pieces)
+    assert len(frames) >= math.ceil(wire.payload_bytes(entries) / chunk_bytes)
+    for got, want in zip(assembler.entries(), entries, strict=True):
+        assert (got.name, got.kind) == (want.name, want.kind)
+        _assert_same(got.array, np.asarray(want.array))
+
+
+def test_a_stream_of_no_arrays_is_one_frame() -> None:
+    (frame,) = wire.frames([], pb.AssignRequest(global_step=4))
+    header, pieces = wire.decode_frame(frame, pb.AssignRequest)
+    assert (header.global_step, pieces) == (4, [])
+
+
+def test_arrays_that_cannot_travel_are_refused_before_any_frame_is_made() -> None:
+    bad = [Entry("ok", DENSE, np.zeros(3)), Entry("x", DENSE, np.array(["a"]))]
+    with pytest.raises(WireError, match="cannot travel"):
+        wire.frames(bad, pb.PushRequest())  # not lazily, in gRPC's request thread
+    with pytest.raises(WireError, match="cannot travel"):
+        _frame_of(bad)
+
+
+def _good_frame() -> bytes:
+    return _frame_of([Entry("w", DENSE, np.arange(12, dtype=np.float32).reshape(3, 4)),
+                      Entry("e", IDS, np.array([4, 1], dtype=np.int64))])  # fmt: skip
+
+
+def _tag(number: int, wire_type: int = 2) -> bytes:
+    return bytes([number << 3 | wire_type])
+
+
+def _field(number: int, data: bytes) -> bytes:
+    return _tag(number) + wire._varint(len(data)) + data
+
+
+def _header_bytes(*items: pb.NamedTensor) -> bytes:
+    return pb.PushRequest(step_id=1, entries=list(items)).SerializeToString()
+
+
+def _item(name: str = "w", dtype: str = "float32", shape: tuple[int, ...] = (2,), size: int = 8,
+          data: bytes = b"", offset: int = 0) -> pb.NamedTensor:  # fmt: skip
+    return pb.NamedTensor(name=name, tensor=pb.Tensor(dtype=dtype, shape=shape, size=size, data=data, offset=offset))
+
+
+def _refuse(frame: bytes, match: str) -> None:
+    with pytest.raises(WireError, match=match):
+        wire.read_frame(frame, pb.PushRequest)
+
+
+def test_every_truncation_of_a_frame_is_refused() -> None:
+    frame = _good_frame()
+    for n in range(1, len(frame)):
+        with pytest.raises(WireError):
+            wire.read_frame(frame[:n], pb.PushRequest)
+    assert wire.read_frame(b"", pb.PushRequest)[1] == []  # no bytes at all: an empty header and no arrays
+
+
+@pytest.mark.parametrize(
+    ("frame", "match"),
+    [
+        (_field(1, _header_bytes(_item())) + _field(3, bytes(8)) + b"\x00", "unexpected field 0"),
+        (_tag(1) + wire._varint(1 << 40) + _header_bytes(), "field 1 of 1099511627776 bytes overruns the message"),
+        (_field(1, _header_bytes(_item())) + _tag(3) + wire._varint(100) + bytes(8), "field 3 of 100 bytes overruns"),
+        (_tag(1) + b"\xff" * 11, "more than 64 bits|truncated"),
+        (_tag(1) + b"\x80", "truncated inside a length"),
+        (_field(3, bytes(8)) + _field(1, _header_bytes(_item())), "unexpected field 1"),
+        (_field(1, _header_bytes()) + _field(1, _header_bytes()), "unexpected field 1"),
+        (_field(1, _header_bytes()) + _field(4, b"x"), "unexpected field 4"),
+        (_tag(1, 0) + b"\x05", r"unexpected field 1 \(wire type 0\)"),
+        (_field(1, b"\xff\xff\xff"), "not a valid PushRequest"),
+        (_field(1, _header_bytes(_item(data=bytes(8)))) + _field(3, bytes(8)), "belong in the payload"),
+        (_field(1, _header_bytes(_item(size=-1))) + _field(3, bytes(8)), "overrun the payload"),
+        (_field(1, _header_bytes(_item(size=16))) + _field(3, bytes(8)), "overrun the payload"),
+        (_field(1, _header_bytes(_item(size=8))) + _field(3, bytes(9)), "payload holds 9 bytes, its entries 8"),
+        (_field(1, _header_bytes(_item(size=4))) + _field(3, bytes(4)), "got 4 of 8 bytes"),
+        (_field(1, _header_bytes(_item(shape=(1,), size=8))) + _field(3, bytes(8)), "more bytes than shape"),
+        (_field(1, _header_bytes(_item(dtype="complex64"))) + _field(3, bytes(8)), "unsupported dtype"),
+        (_field(1, _header_bytes(_item(shape=(1 << 40, 1 << 40)))) + _field(3, bytes(8)), "exceeds the limit"),
+        (_field(1, _header_bytes(_item(offset=8, size=0))), "first piece starts at offset 8"),
+        (_field(1, _header_bytes(_item(), _item())) + _field(3, bytes(16)), "given twice"),
+    ],
+    ids=[
+        "trailing-garbage", "header-length-overruns", "payload-length-overruns", "endless-varint",
+        "truncated-varint", "payload-first",
+        "header-twice", "unknown-field", "wrong-wire-type", "garbage-header", "data-in-header", "negative-size",
+        "size-overruns", "payload-too-long", "short-of-shape", "more-than-shape", "bad-dtype", "huge-shape",
+        "offset-on-first-piece", "entry-twice",
+    ],
+)  # fmt: skip
+def test_malformed_frames_are_refused(frame: bytes, match: str) -> None:
+    _refuse(frame, match)
+
+
+def test_pieces_are_aligned_in_the_payload_and_anything_else_is_refused() -> None:
+    # two 4-byte pieces: the second starts at payload offset 8, after 4 bytes of padding
+    header = _header_bytes(_item("a", shape=(1,), size=4), _item("b", shape=(1,), size=4))
+    ok = _field(1, header) + _field(3, np.float32(1).tobytes() + bytes(4) + np.float32(2).tobytes())
+    assert [e.array.item() for e in wire.read_frame(ok, pb.PushRequest)[1]] == [1.0, 2.0]
+    _refuse(_field(1, header) + _field(3, np.array([1, 2], np.float32).tobytes()), "overrun the payload")
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=200) | st.builds(lambda cut, noise: _good_frame()[:cut] + noise,
+                                                 st.integers(0, 200), st.binary(max_size=8)))  # fmt: skip
+def test_random_bytes_are_a_frame_or_a_wire_error(data: bytes) -> None:
+    try:
+        _, entries = wire.read_frame(data, pb.PushRequest)
+    except WireError:
+        return
+    assert all(isinstance(e.array, np.ndarray) for e in entries)

@@ -19,16 +19,18 @@ ROWS: Kind
 SLOT: Kind
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data", "offset")
+    __slots__ = ("dtype", "shape", "data", "offset", "size")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     offset: int
-    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
+    size: int
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class NamedTensor(_message.Message):
     __slots__ = ("name", "kind", "tensor")
@@ -118,7 +120,7 @@ class PullResponse(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., global_step: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("step_id", "task", "incarnation", "entries", "increment_global_step", "local_step", "shard", "position")
+    __slots__ = ("step_id", "task", "incarnation", "entries", "increment_global_step", "local_step", "shard", "position", "pull_dense")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +129,7 @@ class PushRequest(_message.Message):
     LOCAL_STEP_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
+    PULL_DENSE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     task: str
     incarnation: int
@@ -135,17 +138,20 @@ class PushRequest(_message.Message):
     local_step: int
     shard: int
     position: int
-    def __init__(self, step_id: _Optional[int] = ..., task: _Optional[str] = ..., incarnation: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., increment_global_step: _Optional[bool] = ..., local_step: _Optional[int] = ..., shard: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
+    pull_dense: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., task: _Optional[str] = ..., incarnation: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., increment_global_step: _Optional[bool] = ..., local_step: _Optional[int] = ..., shard: _Optional[int] = ..., position: _Optional[int] = ..., pull_dense: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("applied", "global_step", "stale")
+    __slots__ = ("applied", "global_step", "stale", "entries")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     STALE_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
     applied: bool
     global_step: int
     stale: bool
-    def __init__(self, applied: _Optional[bool] = ..., global_step: _Optional[int] = ..., stale: _Optional[bool] = ...) -> None: ...
+    entries: _containers.RepeatedCompositeFieldContainer[NamedTensor]
+    def __init__(self, applied: _Optional[bool] = ..., global_step: _Optional[int] = ..., stale: _Optional[bool] = ..., entries: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("part",)
@@ -174,6 +180,56 @@ class AssignChunk(_message.Message):
     PART_FIELD_NUMBER: _ClassVar[int]
     part: AssignRequest
     def __init__(self, part: _Optional[_Union[AssignRequest, _Mapping]] = ...) -> None: ...
+
+class PushRequestFrame(_message.Message):
+    __slots__ = ("header", "padding", "payload")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    header: PushRequest
+    padding: bytes
+    payload: bytes
+    def __init__(self, header: _Optional[_Union[PushRequest, _Mapping]] = ..., padding: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class PushResponseFrame(_message.Message):
+    __slots__ = ("header", "padding", "payload")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    header: PushResponse
+    padding: bytes
+    payload: bytes
+    def __init__(self, header: _Optional[_Union[PushResponse, _Mapping]] = ..., padding: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class PullRequestFrame(_message.Message):
+    __slots__ = ("header", "padding", "payload")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    header: PullRequest
+    padding: bytes
+    payload: bytes
+    def __init__(self, header: _Optional[_Union[PullRequest, _Mapping]] = ..., padding: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class PullResponseFrame(_message.Message):
+    __slots__ = ("header", "padding", "payload")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    header: PullResponse
+    padding: bytes
+    payload: bytes
+    def __init__(self, header: _Optional[_Union[PullResponse, _Mapping]] = ..., padding: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class AssignRequestFrame(_message.Message):
+    __slots__ = ("header", "padding", "payload")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    header: AssignRequest
+    padding: bytes
+    payload: bytes
+    def __init__(self, header: _Optional[_Union[AssignRequest, _Mapping]] = ..., padding: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class AssignResponse(_message.Message):
     __slots__ = ("global_step",)
@@ -246,18 +302,20 @@ class StateResponse(_message.Message):
     def __init__(self, global_step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., applied_updates: _Optional[int] = ..., duplicate_updates: _Optional[int] = ..., fenced_updates: _Optional[int] = ..., initialized: _Optional[bool] = ..., applied_step_ids: _Optional[_Iterable[int]] = ..., shard_positions: _Optional[_Iterable[int]] = ..., newest_step_id: _Optional[int] = ..., sync_gradients_applied: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., timed_out_steps: _Optional[int] = ..., pending_replicas: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "shard", "position", "function", "sync_step")
+    __slots__ = ("step_id", "shard", "position", "function", "sync_step", "params_epoch")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     FUNCTION_FIELD_NUMBER: _ClassVar[int]
     SYNC_STEP_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_EPOCH_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     shard: int
     position: int
     function: str
     sync_step: int
-    def __init__(self, step_id: _Optional[int] = ..., shard: _Optional[int] = ..., position: _Optional[int] = ..., function: _Optional[str] = ..., sync_step: _Optional[int] = ...) -> None: ...
+    params_epoch: int
+    def __init__(self, step_id: _Optional[int] = ..., shard: _Optional[int] = ..., position: _Optional[int] = ..., function: _Optional[str] = ..., sync_step: _Optional[int] = ..., params_epoch: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("loss", "examples", "metrics", "compute_seconds", "step_seconds", "global_step", "applied", "ps_global_steps")

@@ -80,6 +80,31 @@ class ParameterServerStub:
                 request_serializer=psctl_dot_proto_dot_psctl__pb2.SyncFlushRequest.SerializeToString,
                 response_deserializer=psctl_dot_proto_dot_psctl__pb2.SyncFlushResponse.FromString,
                 _registered_method=True)
+        self.PullFramed = channel.unary_unary(
+                '/psctl.ParameterServer/PullFramed',
+                request_serializer=psctl_dot_proto_dot_psctl__pb2.PullRequestFrame.SerializeToString,
+                response_deserializer=psctl_dot_proto_dot_psctl__pb2.PullResponseFrame.FromString,
+                _registered_method=True)
+        self.PullFramedStream = channel.unary_stream(
+                '/psctl.ParameterServer/PullFramedStream',
+                request_serializer=psctl_dot_proto_dot_psctl__pb2.PullRequestFrame.SerializeToString,
+                response_deserializer=psctl_dot_proto_dot_psctl__pb2.PullResponseFrame.FromString,
+                _registered_method=True)
+        self.PushFramed = channel.unary_unary(
+                '/psctl.ParameterServer/PushFramed',
+                request_serializer=psctl_dot_proto_dot_psctl__pb2.PushRequestFrame.SerializeToString,
+                response_deserializer=psctl_dot_proto_dot_psctl__pb2.PushResponseFrame.FromString,
+                _registered_method=True)
+        self.PushFramedStream = channel.stream_unary(
+                '/psctl.ParameterServer/PushFramedStream',
+                request_serializer=psctl_dot_proto_dot_psctl__pb2.PushRequestFrame.SerializeToString,
+                response_deserializer=psctl_dot_proto_dot_psctl__pb2.PushResponseFrame.FromString,
+                _registered_method=True)
+        self.AssignFramedStream = channel.stream_unary(
+                '/psctl.ParameterServer/AssignFramedStream',
+                request_serializer=psctl_dot_proto_dot_psctl__pb2.AssignRequestFrame.SerializeToString,
+                response_deserializer=psctl_dot_proto_dot_psctl__pb2.AssignResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -149,6 +174,41 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullFramed(self, request, context):
+        """Pull, framed: the answer in one frame (up to wire.UNARY_MAX_BYTES).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullFramedStream(self, request, context):
+        """Pull, framed, for larger answers: frames of at most wire.CHUNK_BYTES of payload each.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushFramed(self, request, context):
+        """Push, framed, in one frame; with pull_dense, also returns the variables after the update.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushFramedStream(self, request_iterator, context):
+        """Push, framed, for larger requests (pull_dense is refused here: the answer must fit one message).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AssignFramedStream(self, request_iterator, context):
+        """Assign, framed (restoring a checkpoint); all or nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -196,6 +256,31 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.SyncFlush,
                     request_deserializer=psctl_dot_proto_dot_psctl__pb2.SyncFlushRequest.FromString,
                     response_serializer=psctl_dot_proto_dot_psctl__pb2.SyncFlushResponse.SerializeToString,
+            ),
+            'PullFramed': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullFramed,
+                    request_deserializer=psctl_dot_proto_dot_psctl__pb2.PullRequestFrame.FromString,
+                    response_serializer=psctl_dot_proto_dot_psctl__pb2.PullResponseFrame.SerializeToString,
+            ),
+            'PullFramedStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullFramedStream,
+                    request_deserializer=psctl_dot_proto_dot_psctl__pb2.PullRequestFrame.FromString,
+                    response_serializer=psctl_dot_proto_dot_psctl__pb2.PullResponseFrame.SerializeToString,
+            ),
+            'PushFramed': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushFramed,
+                    request_deserializer=psctl_dot_proto_dot_psctl__pb2.PushRequestFrame.FromString,
+                    response_serializer=psctl_dot_proto_dot_psctl__pb2.PushResponseFrame.SerializeToString,
+            ),
+            'PushFramedStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushFramedStream,
+                    request_deserializer=psctl_dot_proto_dot_psctl__pb2.PushRequestFrame.FromString,
+                    response_serializer=psctl_dot_proto_dot_psctl__pb2.PushResponseFrame.SerializeToString,
+            ),
+            'AssignFramedStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.AssignFramedStream,
+                    request_deserializer=psctl_dot_proto_dot_psctl__pb2.AssignRequestFrame.FromString,
+                    response_serializer=psctl_dot_proto_dot_psctl__pb2.AssignResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -442,6 +527,141 @@ class ParameterServer:
             '/psctl.ParameterServer/SyncFlush',
             psctl_dot_proto_dot_psctl__pb2.SyncFlushRequest.SerializeToString,
             psctl_dot_proto_dot_psctl__pb2.SyncFlushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullFramed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psctl.ParameterServer/PullFramed',
+            psctl_dot_proto_dot_psctl__pb2.PullRequestFrame.SerializeToString,
+            psctl_dot_proto_dot_psctl__pb2.PullResponseFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullFramedStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/psctl.ParameterServer/PullFramedStream',
+            psctl_dot_proto_dot_psctl__pb2.PullRequestFrame.SerializeToString,
+            psctl_dot_proto_dot_psctl__pb2.PullResponseFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushFramed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psctl.ParameterServer/PushFramed',
+            psctl_dot_proto_dot_psctl__pb2.PushRequestFrame.SerializeToString,
+            psctl_dot_proto_dot_psctl__pb2.PushResponseFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushFramedStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/psctl.ParameterServer/PushFramedStream',
+            psctl_dot_proto_dot_psctl__pb2.PushRequestFrame.SerializeToString,
+            psctl_dot_proto_dot_psctl__pb2.PushResponseFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AssignFramedStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/psctl.ParameterServer/AssignFramedStream',
+            psctl_dot_proto_dot_psctl__pb2.AssignRequestFrame.SerializeToString,
+            psctl_dot_proto_dot_psctl__pb2.AssignResponse.FromString,
             options,
             channel_credentials,
             insecure,

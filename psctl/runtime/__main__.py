@@ -26,12 +26,9 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
 
     server, _port = make_server(info.bind_address(), info.tls)
     if info.task_type == "ps":
-        from psctl.proto import psctl_pb2_grpc as pb_grpc
-        from psctl.runtime.ps import ParameterServerServicer, VariableStore
+        from psctl.runtime.ps import ParameterServerServicer, VariableStore, add_to_server
 
-        pb_grpc.add_ParameterServerServicer_to_server(
-            ParameterServerServicer(VariableStore(cluster_id=info.cluster_id)), server
-        )
+        add_to_server(ParameterServerServicer(VariableStore(cluster_id=info.cluster_id)), server)
     else:
         from psctl.proto import psctl_pb2_grpc as pb_grpc
         from psctl.runtime.config import TrainingConfig

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -152,6 +153,10 @@ class ClusterCoordinator:
         #: fast worker cannot take the closure a slower one needs to contribute its replica.
         self.one_per_round = one_per_round
         self.max_observed_lag = 0
+        #: Sent with every step; changes when the PS variables may have been replaced wholesale (recover(), or
+        #: another coordinator: a new chief), so that workers reuse the variables a push brought back only
+        #: while they are still the PS's.
+        self.params_epoch = 1 + secrets.randbits(62)
         self._queue: collections.deque[Closure] = collections.deque()
         self._inflight = 0
         self._error: BaseException | None = None
@@ -259,6 +264,7 @@ class ClusterCoordinator:
                 self._queue.popleft().remote._fail(CancelledError("cancelled by a PS restore"))
             self.cursors = {i: 0 for i in range(len(self.workers))}
             self.cursors.update(cursors)
+            self.params_epoch += 1
             self.ps_failed.clear()
             self._cond.notify_all()
             return dropped
@@ -384,6 +390,7 @@ class ClusterCoordinator:
                 position=closure.position or 0,
                 function=closure.function,
                 sync_step=0 if closure.sync_step is None else closure.sync_step + 1,
+                params_epoch=self.params_epoch,
             )
             try:
                 response = stub.RunStep(request, timeout=self.step_timeout)

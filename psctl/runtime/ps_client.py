@@ -1,13 +1,15 @@
 """Talking to every PS at once: one pull and one push rpc per PS per step, all in flight together.
 
-Small payloads go as one unary message (lowest latency); large ones are streamed in chunks.
+Arrays travel in frames (psctl.runtime.wire) over the PS's framed rpcs: small payloads as one unary message
+(lowest latency), large ones streamed in chunks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import grpc
@@ -41,6 +43,26 @@ class PushHeader:
 
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
+#: One rpc to one PS: a unary rpc with its request, or a function that makes a streaming call (a thread each).
+Call = tuple[grpc.UnaryUnaryMultiCallable, bytes] | Callable[[], Any]
+
+
+class FramedStub:
+    """The framed rpcs of one PS, bytes in and bytes out: psctl.runtime.wire writes and reads the frames."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.pull = channel.unary_unary(f"/{wire.PS_SERVICE}/PullFramed")
+        self.pull_stream = channel.unary_stream(f"/{wire.PS_SERVICE}/PullFramedStream")
+        self.push = channel.unary_unary(f"/{wire.PS_SERVICE}/PushFramed")
+        self.push_stream = channel.stream_unary(f"/{wire.PS_SERVICE}/PushFramedStream")
+        self.assign_stream = channel.stream_unary(f"/{wire.PS_SERVICE}/AssignFramedStream")
+
+
+def _push_reply(frame: bytes) -> tuple[pb.PushResponse, list[Entry]]:
+    response, entries = wire.read_frame(frame, pb.PushResponse)
+    del response.entries[:]  # they are the entries returned beside it
+    return response, entries
+
 
 class PsClient:
     def __init__(self, addresses: Sequence[str], *, tls: TlsFiles | None = None, timeout: float = 60.0) -> None:
@@ -48,6 +70,7 @@ class PsClient:
         self.timeout = timeout
         self._channels = [make_channel(a, tls) for a in self.addresses]
         self.stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
+        self._framed = [FramedStub(c) for c in self._channels]
         # Streaming calls need a thread each to be issued in parallel; unary calls use grpc futures.
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.addresses)), thread_name_prefix="ps-stream")
 
@@ -63,6 +86,26 @@ class PsClient:
         if code == grpc.StatusCode.FAILED_PRECONDITION and "no variables" in details:
             return PsUnavailable(ps, self.addresses[ps], "it restarted and lost its variables")
         return exc
+
+    def _on_every_ps(self, calls: Mapping[int, Call]) -> dict[int, Any]:
+        """Make every call, all in flight at once, and return their results. The first runs in this thread: a
+        blocking gRPC call saves the hand-off from gRPC's completion thread that a future costs."""
+        first, *rest = sorted(calls)
+        pending: dict[int, Future[Any] | grpc.Future] = {}
+        for ps in rest:
+            call = calls[ps]
+            pending[ps] = self._pool.submit(call) if callable(call) else call[0].future(call[1], timeout=self.timeout)
+        call = calls[first]
+        out = {first: self._guard(first, call if callable(call) else lambda: call[0](call[1], timeout=self.timeout))}
+        for ps, future in pending.items():
+            out[ps] = self._guard(ps, future.result)
+        return out
+
+    def _guard(self, ps: int, run: Callable[[], Any]) -> Any:
+        try:
+            return run()
+        except grpc.RpcError as exc:
+            raise self._wrap(ps, exc) from None
 
     # -- pull -----------------------------------------------------------------------------------------
     def pull(
@@ -84,38 +127,28 @@ class PsClient:
         include_slots: bool = False,
     ) -> tuple[dict[int, list[Entry]], dict[int, int]]:
         """Like pull, returning every PS's own global step at the time it answered."""
-        calls: dict[int, Future] = {}
-        for ps in range(len(self.stubs)):
-            entries = plan.get(ps, [])
-            request = pb.PullRequest(include_slots=include_slots)
-            wire.add_entries(request.entries, entries)
+        calls: dict[int, Call] = {}
+        for ps in range(len(self._framed)):
+            request = wire.encode_frame(pb.PullRequest(include_slots=include_slots), plan.get(ps, []))
             if include_slots or (expected_bytes or {}).get(ps, 0) > wire.UNARY_MAX_BYTES:
-                calls[ps] = self._pool.submit(self._pull_stream, ps, request)
+                calls[ps] = partial(self._pull_stream, ps, request)
             else:
-                calls[ps] = self.stubs[ps].Pull.future(request, timeout=self.timeout)
+                calls[ps] = (self._framed[ps].pull, request)
         out: dict[int, list[Entry]] = {}
         steps: dict[int, int] = {}
-        for ps, call in calls.items():
-            try:
-                result = call.result()
-            except grpc.RpcError as exc:
-                raise self._wrap(ps, exc) from None
-            if isinstance(result, tuple):
-                entries, step = result
-            else:
-                entries, step = wire.decode_entries(result.entries), result.global_step
-            out[ps] = entries
-            steps[ps] = step
+        for ps, result in self._on_every_ps(calls).items():
+            header, out[ps] = wire.read_frame(result, pb.PullResponse) if isinstance(result, bytes) else result
+            steps[ps] = header.global_step
         return out, steps
 
-    def _pull_stream(self, ps: int, request: pb.PullRequest) -> tuple[list[Entry], int]:
+    def _pull_stream(self, ps: int, request: bytes) -> tuple[pb.PullResponse, list[Entry]]:
         assembler = wire.Assembler()
-        step = 0
-        for i, chunk in enumerate(self.stubs[ps].PullStream(request, timeout=self.timeout)):
-            if i == 0:
-                step = chunk.part.global_step
-            assembler.add(chunk.part.entries)
-        return assembler.entries(), step
+        first = None
+        for frame in self._framed[ps].pull_stream(request, timeout=self.timeout):
+            header, pieces = wire.decode_frame(frame, pb.PullResponse)
+            first = header if first is None else first
+            assembler.add_pieces(pieces)
+        return first if first is not None else pb.PullResponse(), assembler.entries()
 
     # -- push -----------------------------------------------------------------------------------------
     def push(
@@ -127,10 +160,33 @@ class PsClient:
     ) -> dict[int, pb.PushResponse]:
         """Push one step's gradients to every PS (each gets a push, possibly empty, so the step id is
         recorded everywhere); ps ``increment_on`` advances the global step."""
-        calls: dict[int, Future] = {}
-        for ps in range(len(self.stubs)):
+        return {ps: response for ps, (response, _) in self._push(header, plan, increment_on, {}).items()}
+
+    def push_pull(
+        self,
+        header: PushHeader,
+        plan: Mapping[int, Sequence[Entry]],
+        pull: Mapping[int, Sequence[str]],
+        *,
+        increment_on: int | None = 0,
+    ) -> tuple[dict[int, pb.PushResponse], dict[int, list[Entry]]]:
+        """Push, and get back the whole shards ``pull`` names on each PS as they are right after the update,
+        in the same round trip (an asynchronous worker's next step's variables). Each PS's gradients must fit
+        one unary message."""
+        done = self._push(header, plan, increment_on, pull)
+        return {ps: r for ps, (r, _) in done.items()}, {ps: e for ps, (_, e) in done.items()}
+
+    def _push(
+        self,
+        header: PushHeader,
+        plan: Mapping[int, Sequence[Entry]],
+        increment_on: int | None,
+        pull: Mapping[int, Sequence[str]],
+    ) -> dict[int, tuple[pb.PushResponse, list[Entry]]]:
+        calls: dict[int, Call] = {}
+        for ps in range(len(self._framed)):
             entries = plan.get(ps, [])
-            fields: dict[str, Any] = dict(
+            request = pb.PushRequest(
                 step_id=header.step_id,
                 task=header.task,
                 incarnation=header.incarnation,
@@ -138,46 +194,26 @@ class PsClient:
                 increment_global_step=ps == increment_on,
                 shard=header.shard,
                 position=header.position,
+                pull_dense=list(pull.get(ps, ())),
             )
-            if wire.payload_bytes(entries) > wire.UNARY_MAX_BYTES:
-                calls[ps] = self._pool.submit(self._push_stream, ps, fields, entries)
+            if wire.payload_bytes(entries) <= wire.UNARY_MAX_BYTES:
+                calls[ps] = (self._framed[ps].push, wire.encode_frame(request, entries))
+            elif request.pull_dense:
+                raise ValueError(f"push_pull: the gradients for ps:{ps} do not fit one message")
             else:
-                request = pb.PushRequest(**fields)
-                wire.add_entries(request.entries, entries)
-                calls[ps] = self.stubs[ps].Push.future(request, timeout=self.timeout)
-        out: dict[int, pb.PushResponse] = {}
-        for ps, call in calls.items():
-            try:
-                out[ps] = call.result()
-            except grpc.RpcError as exc:
-                raise self._wrap(ps, exc) from None
-        return out
-
-    def _push_stream(self, ps: int, fields: dict[str, Any], entries: Sequence[Entry]) -> pb.PushResponse:
-        def new_chunk(i: int) -> pb.PushChunk:
-            return pb.PushChunk(part=pb.PushRequest(**fields)) if i == 0 else pb.PushChunk()
-
-        chunks = wire.fill_chunks(entries, new_chunk)
-        return self.stubs[ps].PushStream(chunks, timeout=self.timeout)  # type: ignore[no-any-return]
+                frames = wire.frames(entries, request)
+                calls[ps] = partial(self._framed[ps].push_stream, frames, timeout=self.timeout)
+        return {ps: _push_reply(frame) for ps, frame in self._on_every_ps(calls).items()}
 
     def assign(self, per_ps: Mapping[int, Sequence[Entry]], global_step: int, positions: Sequence[int]) -> None:
         """Replace every PS's variables and slots (restore), all PS in parallel, streamed."""
 
-        def new_chunk(i: int) -> pb.AssignChunk:
-            if i == 0:
-                return pb.AssignChunk(part=pb.AssignRequest(global_step=global_step, shard_positions=list(positions)))
-            return pb.AssignChunk()
+        def one(ps: int) -> bytes:
+            frames = wire.frames(per_ps.get(ps, []), pb.AssignRequest(global_step=global_step,
+                                                                      shard_positions=list(positions)))
+            return self._framed[ps].assign_stream(frames, timeout=self.timeout)  # type: ignore[no-any-return]
 
-        def one(ps: int) -> pb.AssignResponse:
-            chunks = wire.fill_chunks(per_ps.get(ps, []), new_chunk)
-            return self.stubs[ps].AssignStream(chunks, timeout=self.timeout)  # type: ignore[no-any-return]
-
-        calls = {ps: self._pool.submit(one, ps) for ps in range(len(self.stubs))}
-        for ps, call in calls.items():
-            try:
-                call.result()
-            except grpc.RpcError as exc:
-                raise self._wrap(ps, exc) from None
+        self._on_every_ps({ps: partial(one, ps) for ps in range(len(self._framed))})
 
     # -- control --------------------------------------------------------------------------------------
     def init(self, specs: Mapping[int, Sequence[pb.VariableSpec]], optimizer: pb.OptimizerConfig,

@@ -4,6 +4,12 @@ A step names the data shard and batch position it consumes. Datasets are determi
 compute any shard's batch: a step re-run elsewhere after its worker died consumes exactly the data the dead
 worker would have, and nothing is repeated or skipped.
 
+Asynchronous steps of a model without embeddings cost one round trip per PS: each push brings back the variables
+as they are right after it (PsClient.push_pull), and the worker's next step starts from those instead of pulling
+again, provided nothing could have replaced them meanwhile (same params epoch from the chief, no PS failure). They
+miss only the pushes of other workers that land between this worker's steps, the staleness asynchronous training
+has anyway.
+
 Status codes the coordinator relies on:
 - FAILED_PRECONDITION "ps unavailable: ..." — a PS is down; the step can be retried once it is back.
 - PERMISSION_DENIED — this worker's incarnation was fenced off; it stops.
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 import grpc
 
@@ -24,6 +31,16 @@ from psctl.runtime.heartbeat import PROGRESS, Progress
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import Dataset
 from psctl.runtime.ps_client import PsClient, PsUnavailable, PushHeader
+from psctl.runtime.wire import DENSE, UNARY_MAX_BYTES, Entry
+
+
+@dataclass(frozen=True)
+class Prefetched:
+    """The variables a push brought back, for the next step of the same params epoch."""
+
+    epoch: int
+    pulled: dict[int, list[Entry]]
+    steps: dict[int, int]  # each PS's global step right after the push
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
@@ -51,6 +68,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         #: A step failed because a PS was unavailable: before the next, wait for the channels to reconnect
         #: (the chief resends work only after the PS is back and restored).
         self._ps_was_down = False
+        self._prefetched: Prefetched | None = None
         self._lock = threading.Lock()
 
     def dataset(self, split: str, shard: int) -> Dataset:
@@ -100,7 +118,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         batch = self.dataset("train", request.shard).batch(request.position, self.batch_size)
         ids = program.embedding_ids(batch)
         plan = self.model.pull_plan(ids)
-        pulled, steps = self.ps.pull_with_steps(plan, self.model.pull_bytes(plan))
+        expected = self.model.pull_bytes(plan)
+        reuse = _reusable(request, plan, expected)
+        pulled, steps = self._variables(request, plan, expected, reuse)
         params = self.model.assemble(ids, pulled)
         compute_start = time.perf_counter()
         loss, grads = program.loss_and_grads(params, batch)
@@ -114,7 +134,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             shard=request.shard,
             position=request.position,
         )
-        responses = self.ps.push(header, self.model.push_plan(grads))
+        responses = self._push(request, header, self.model.push_plan(grads), plan if reuse else None)
         first = responses[0]
         p = self.progress  # what this worker's heartbeats report
         p.local_step += 1
@@ -131,6 +151,34 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             ps_global_steps=[responses[ps].global_step for ps in sorted(responses)],
         )
 
+    def _variables(
+        self, request: pb.StepRequest, plan: dict[int, list[Entry]], expected: dict[int, int], reuse: bool
+    ) -> tuple[dict[int, list[Entry]], dict[int, int]]:
+        """The step's variables and each PS's global step: what the previous push brought back if they may be
+        reused (and are of this epoch), else pulled."""
+        with self._lock:
+            prefetched, self._prefetched = self._prefetched, None  # used once at most, also if this step fails
+        if reuse and prefetched is not None and prefetched.epoch == request.params_epoch:
+            return prefetched.pulled, prefetched.steps
+        return self.ps.pull_with_steps(plan, expected)
+
+    def _push(
+        self,
+        request: pb.StepRequest,
+        header: PushHeader,
+        gradients: dict[int, list[Entry]],
+        plan: dict[int, list[Entry]] | None,
+    ) -> dict[int, pb.PushResponse]:
+        """Push the gradients; with the step's pull ``plan``, also bring its shards back for the next step."""
+        if plan is None:
+            return self.ps.push(header, gradients)
+        names = {ps: [e.name for e in entries] for ps, entries in plan.items()}
+        responses, after = self.ps.push_pull(header, gradients, names)
+        steps = {ps: r.global_step for ps, r in responses.items()}
+        with self._lock:
+            self._prefetched = Prefetched(request.params_epoch, after, steps)
+        return responses
+
     def _evaluate(self, request: pb.StepRequest) -> pb.StepResponse:
         start = time.perf_counter()
         batch = self.dataset("test", request.shard).batch(request.position, self.batch_size)
@@ -142,3 +190,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             step_seconds=time.perf_counter() - start,
             global_step=global_step,
         )
+
+
+def _reusable(request: pb.StepRequest, plan: dict[int, list[Entry]], expected: dict[int, int]) -> bool:
+    """Whether this step may bring back the variables for the next one: asynchronous (a synchronous step must
+    see its round's variables), an epoch from the chief, only whole dense shards (embedding rows depend on the
+    batch), each PS's small enough for one message."""
+    return (
+        request.sync_step == 0
+        and request.params_epoch != 0
+        and all(e.kind == DENSE for entries in plan.values() for e in entries)
+        and max(expected.values(), default=0) <= UNARY_MAX_BYTES
+    )
