@@ -121,9 +121,9 @@ def rounded(value: float, digits: int = 3) -> float | None:
 def reserve_port() -> socket.socket:
     """A loopback port held open (bound, not listening) until its role is started.
 
-    Roles' gRPC servers bind without SO_REUSEPORT (psctl.runtime.rpc: one port, one process), so the reservation
-    is released just before the role starts: no unrelated process takes the port in the meantime, but for that
-    instant.
+    The reservation has no SO_REUSEPORT, so nothing else can bind the port, the role's gRPC server included:
+    it is released just before the role starts (no unrelated process takes the port in the meantime, but for
+    that instant, and a role never shares its port with a leftover socket of the benchmark).
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
