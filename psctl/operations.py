@@ -37,7 +37,8 @@ from psctl.launch.ssh import SSHRunner
 from psctl.pki import create_cluster_pki
 from psctl.runtime.checkpoint import CheckpointError, Snapshot, latest_checkpoint, load_checkpoint
 from psctl.spec import ClusterSpec, Plan, load_spec, make_plan
-from psctl.spec.plan import LOCAL_HOST
+from psctl.spec.plan import LOCAL_HOST, RoleInstance
+from psctl.supervisor.hosts import hosts_for
 from psctl.supervisor.state import (
     ClusterRecord,
     ClusterState,
@@ -92,8 +93,9 @@ def resolve_cluster(name: str | None) -> ClusterDir:
 
 
 def ssh_runners(spec: ClusterSpec, plan: Plan) -> dict[str, SSHRunner]:
-    """A runner for every host the plan puts a role on (hosts defined but unused are left alone)."""
-    used = {i.host for i in plan.instances if i.host != LOCAL_HOST}
+    """A runner for every host the plan puts a role on or a worker may move to (hosts defined but unused are
+    left alone)."""
+    used = {h for i in plan.instances for h in hosts_for(i.role, i.host, spec.roles[i.role].hosts)} - {LOCAL_HOST}
     return {h.name: SSHRunner(h) for h in spec.hosts if h.name in used}
 
 
@@ -149,7 +151,8 @@ def prepare_hosts(
         tls: dict[str, Path] = {}
         if spec.security.tls:
             tls["ca.pem"] = cdir.tls_dir / "ca.pem"
-            for inst in (i for i in plan.instances if i.host == runner.host):
+            for inst in (i for i in plan.instances if runner.host in hosts_for(i.role, i.host,
+                                                                            spec.roles[i.role].hosts)):
                 tls[f"{inst.name}.pem"] = cdir.tls_dir / f"{inst.name}.pem"
                 tls[f"{inst.name}.key"] = cdir.tls_dir / f"{inst.name}.key"
         pythonpath = prepare_host(
@@ -213,7 +216,12 @@ def _start(
     )
     record.tls = spec.security.tls
     if record.tls:
-        members = [(i.name, i.address) for i in plan.instances] + [("supervisor", "127.0.0.1")]
+        addresses = {h.name: h.address for h in spec.hosts}
+
+        def where(i: RoleInstance) -> list[str]:  # the addresses of every host the instance may run on
+            return [addresses.get(h, i.address) for h in hosts_for(i.role, i.host, spec.roles[i.role].hosts)]
+
+        members = [(i.name, where(i)) for i in plan.instances] + [("supervisor", ["127.0.0.1"])]
         create_cluster_pki(cdir.tls_dir, record.cluster_id, members)
     try:
         record.hosts = prepare_hosts(spec, plan, cdir, runners, reports)

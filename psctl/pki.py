@@ -38,12 +38,13 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
                              serialization.NoEncryption())
 
 
-def _names(address: str) -> list[x509.GeneralName]:
+def _names(addresses: str | Sequence[str]) -> list[x509.GeneralName]:
     names: list[x509.GeneralName] = [x509.DNSName(TLS_SERVER_NAME)]
-    try:
-        names.append(x509.IPAddress(ipaddress.ip_address(address)))
-    except ValueError:
-        names.append(x509.DNSName(address))
+    for address in dict.fromkeys([addresses] if isinstance(addresses, str) else addresses):
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(address)))
+        except ValueError:
+            names.append(x509.DNSName(address))
     return names
 
 
@@ -51,12 +52,13 @@ def issue(
     ca_key: ec.EllipticCurvePrivateKey,
     ca_cert: x509.Certificate,
     common_name: str,
-    address: str,
+    address: str | Sequence[str],
     *,
     not_before: dt.datetime | None = None,
     validity: dt.timedelta = VALIDITY,
 ) -> tuple[bytes, bytes]:
-    """A key and a certificate (PEM) for one role, valid as server and as client."""
+    """A key and a certificate (PEM) for one role, valid as server and as client, naming every address the role
+    may listen on (a worker's whole pool)."""
     key = ec.generate_private_key(ec.SECP256R1())
     start = not_before or dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
     cert = (
@@ -101,8 +103,10 @@ def new_ca(cluster_id: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificat
     return key, cert
 
 
-def create_cluster_pki(directory: Path, cluster_id: str, members: Sequence[tuple[str, str]]) -> dict[str, TlsFiles]:
-    """CA plus one certificate per member ``(name, address)``; returns each member's files."""
+def create_cluster_pki(
+    directory: Path, cluster_id: str, members: Sequence[tuple[str, str | Sequence[str]]]
+) -> dict[str, TlsFiles]:
+    """CA plus one certificate per member ``(name, address or addresses)``; returns each member's files."""
     directory.mkdir(parents=True, exist_ok=True)
     directory.chmod(0o700)
     ca_key, ca_cert = new_ca(cluster_id)

@@ -23,11 +23,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from cluster_helpers import wait_until
 from sshbed import SUBNET, SSHBed, sshbed_fixture  # noqa: F401
 
 from psctl import __version__
+from psctl.pki import member_files
+from psctl.proto import psctl_pb2 as pb
+from psctl.proto import psctl_pb2_grpc as pb_grpc
+from psctl.runtime.rpc import make_channel
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 
@@ -175,8 +180,9 @@ def test_a_cluster_over_three_hosts_trains_to_completion_and_leaves_nothing(remo
         assert (root / "files" / "program.py").read_text() == PROGRAM
         assert (root / "files" / "data" / "digits.npz").stat().st_size > 0
         keys = sorted(p.name for p in (root / "tls").iterdir())
-        expected = {"h1": ["chief-0", "evaluator-0", "worker-0"], "h2": ["ps-0", "worker-1"],
-                    "h3": ["ps-1", "worker-2"]}[host]
+        workers = ["worker-0", "worker-1", "worker-2"]  # a worker's key is on every host of its pool
+        expected = {"h1": ["chief-0", "evaluator-0", *workers], "h2": ["ps-0", *workers],
+                    "h3": ["ps-1", *workers]}[host]
         assert keys == sorted(["ca.pem", *(f"{n}.key" for n in expected), *(f"{n}.pem" for n in expected)])
         assert {oct((root / "tls" / k).stat().st_mode & 0o777) for k in keys} == {"0o600"}
         copies = list(workdir.glob(f"psctl-{__version__}-*/.complete"))
@@ -368,7 +374,7 @@ worker: {replicas: 3, hosts: [h1, h2, h3], port: 7120, restart: {backoff_seconds
 """
 
 
-def test_a_cut_off_host_loses_its_worker_and_gets_it_back_after_the_heal(remote: Remote) -> None:
+def test_a_worker_on_a_cut_off_host_moves_to_another_host_of_its_pool(remote: Remote) -> None:
     spec, _ = write_spec(remote.bed, remote.folder, remote.name, steps=1_000_000, roles=CUT_ROLES)
     spec.write_text(spec.read_text().replace("heartbeat_timeout: 10s", "heartbeat_timeout: 3s"))
     remote.psctl("up", str(spec), "--detach")
@@ -383,7 +389,8 @@ def test_a_cut_off_host_loses_its_worker_and_gets_it_back_after_the_heal(remote:
         return status if all(r["local_step"] > 0 for r in status["roles"] if r["role"] == "worker") else None
 
     before = wait_until(training_everywhere, timeout=120, what="every worker to train")
-    old_pid = worker(before)["pid"]
+    old = worker(before)
+    assert old["host"] == "h3"
     remote.bed.partition("h3")
     cut_at = time.time()
     try:
@@ -396,21 +403,41 @@ def test_a_cut_off_host_loses_its_worker_and_gets_it_back_after_the_heal(remote:
         event = wait_until(lost, timeout=20, what="worker-2 to be declared lost")
         assert "no heartbeat" in event["reason"]
         assert event["time"] - cut_at <= 3.0 + 1.5  # heartbeat_timeout, plus one look and one heartbeat
-        step_at_loss = remote.status()["roles"][0]["global_step"]
-        wait_until(lambda: remote.status()["roles"][0]["global_step"] > step_at_loss + 50, timeout=30,
-                   what="training to go on without h3")
+
+        # While h3 is still cut off, worker-2 restarts on h2 (h1 holds the chief, ps-0 and worker-0; h2 only
+        # ps-1 and worker-1), and the chief, told of its new address, gives it work.
+        def moved() -> dict[str, Any] | None:
+            w = worker(remote.status())
+            return w if w["state"] == "running" and w["host"] == "h2" and w["local_step"] > 0 else None
+
+        new = wait_until(moved, timeout=60, what="worker-2 to train on h2")
+        recovered_at = time.time()
+        assert new["address"] == remote.bed.hosts["h2"].address and new["incarnation"] > old["incarnation"]
+        reasons = [e["reason"] for e in map(json.loads, events_file.read_text().splitlines())
+                   if e["role"] == "worker-2"]
+        assert any(r.startswith("moves from h3 to h2 (") for r in reasons), reasons
     finally:
         remote.bed.heal("h3")
+    print(f"worker-2: lost {event['time'] - cut_at:.1f}s after the cut, training on h2 {recovered_at - cut_at:.1f}s "
+          "after it")
 
-    def back() -> dict[str, Any] | None:
-        w = worker(remote.status())
-        return w if w["state"] == "running" and w["attempt"] >= 2 and w["local_step"] > 0 else None
+    # Once h3 answers again, the cut-off incarnation is stopped there...
+    def gone_from_h3() -> bool:
+        out = remote.bed.exec("h3", "ps axeww -o pid=,args=").stdout
+        return not any("PSCTL_ROLE=worker-2" in line.split() for line in out.splitlines())
 
-    again = wait_until(back, timeout=90, what="worker-2 to train again after the heal")
-    assert again["pid"] != old_pid
-    # The cut-off incarnation was stopped once h3 answered again: only the new worker runs there.
-    out = remote.bed.exec("h3", "ps axeww -o pid=,args=").stdout
-    pids = [int(line.split()[0]) for line in out.splitlines() if "PSCTL_ROLE=worker-2" in line.split()]
-    assert pids == [again["pid"]], out
+    wait_until(gone_from_h3, timeout=30, what="the old worker-2 to be stopped on h3")
     events = [e for e in map(json.loads, events_file.read_text().splitlines()) if e["role"] == "host h3"]
     assert [e["to"] for e in events][:2] == ["unreachable", "reachable"], events
+    # ...and had it pushed anything, every PS refuses its incarnation: it was replaced.
+    tls = member_files(Path(remote.env["PSCTL_HOME"]) / remote.name / "tls", "worker-2")
+    for ps in (r for r in remote.status()["roles"] if r["role"] == "ps"):
+        channel = make_channel(f"{ps['address']}:{ps['port']}", tls)
+        try:
+            with pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.ParameterServerStub(channel).Push(
+                    pb.PushRequest(step_id=2**62, task="worker:2", incarnation=old["incarnation"]), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value
+        finally:
+            channel.close()
+    assert worker(remote.status())["state"] == "running"

@@ -7,13 +7,12 @@ fencing, stalls, completion), not process handling, which the end-to-end and fau
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
+from supervisor_fakes import Clock, FakeRunner
 
 from psctl.home import ClusterDir
-from psctl.launch.base import ProcessHandle, Runner
 from psctl.proto import psctl_pb2 as pb
 from psctl.spec import load_spec_text, make_plan
 from psctl.supervisor.daemon import Supervisor
@@ -29,45 +28,6 @@ training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
 supervision: {heartbeat_interval: 1s, heartbeat_timeout: 5s, startup_grace: 20s, stall_timeout: 30s}
 security: {tls: false}
 """
-
-
-class FakeRunner(Runner):
-    """Processes that exist only as entries in a dict: the test decides when they exit."""
-
-    def __init__(self) -> None:
-        self.next_pid = 1000
-        self.exit_codes: dict[int, int | None] = {}
-        self.signals: list[tuple[int, int]] = []
-
-    def start(self, *, argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: Path) -> ProcessHandle:
-        self.next_pid += 1
-        self.exit_codes[self.next_pid] = None
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_path.write_text("started\n")
-        return ProcessHandle("localhost", self.next_pid, 0.0)
-
-    def poll(self, handle: ProcessHandle) -> int | None:
-        return self.exit_codes.get(handle.pid, -255)
-
-    def signal_group(self, handle: ProcessHandle, sig: int) -> None:
-        self.signals.append((handle.pid, sig))
-        if self.exit_codes.get(handle.pid) is None:
-            self.exit_codes[handle.pid] = -sig
-
-    def cluster_processes(self, cluster_id: str) -> list[ProcessHandle]:
-        return [ProcessHandle("localhost", pid) for pid, code in self.exit_codes.items() if code is None]
-
-    def read_file(self, path: str, offset: int = 0) -> bytes:
-        data = Path(path).read_bytes()
-        return data[offset:] if offset >= 0 else data[max(0, len(data) + offset):]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.coordinator import ClusterCoordinator
 from psctl.runtime.evaluation import evaluate_batch
+from psctl.runtime.heartbeat import Progress, WorkerAddresses
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import ProgramRef, load_program
 from psctl.runtime.ps import ParameterServerServicer, VariableStore
@@ -78,3 +79,46 @@ def test_an_evaluate_step_returns_the_programs_metrics_on_that_test_batch(cluste
     assert response.loss == pytest.approx(want["loss"], rel=1e-6)
     assert response.examples == BATCH
     assert ps.state(0).global_step == 3  # evaluating changed nothing
+
+
+def test_the_coordinator_follows_a_worker_restarted_at_another_address(cluster) -> None:
+    """A worker moved to another host of its pool: the chief is told its new address and sends steps there."""
+    coordinator, model, ps, _old = cluster
+    for _ in range(3):
+        coordinator.schedule("train")
+    coordinator.join(timeout=30)
+    events: list[str] = []
+    coordinator.on_worker_event = events.append
+    worker_ps = PsClient(list(ps.addresses), timeout=10)
+    progress = Progress()
+    moved = WorkerServicer(model, worker_ps, task="worker:0", incarnation=2, batch_size=BATCH, num_shards=1,
+                           progress=progress)
+    server, port = make_server("127.0.0.1:0")
+    pb_grpc.add_WorkerServicer_to_server(moved, server)
+    server.start()
+    try:
+        coordinator.set_worker_address(0, f"127.0.0.1:{port}")
+        for _ in range(4):
+            coordinator.schedule("train")
+        coordinator.join(timeout=30)
+    finally:
+        server.stop(grace=None).wait()
+        worker_ps.close()
+    assert progress.local_step == 4  # every step after the move ran on the moved worker
+    assert ps.state(0).global_step == 7
+    assert list(ps.state(0).shard_positions) == [6]  # its input went on where it was: batches 3..6
+    assert coordinator.workers[0].address == f"127.0.0.1:{port}"
+    assert any("moved from" in e for e in events) and any("back as a new process" in e for e in events)
+
+
+def test_worker_addresses_reach_subscribers_when_they_change() -> None:
+    book = WorkerAddresses()
+    seen: list[dict[str, str]] = []
+    unsubscribe = book.subscribe(seen.append)
+    book.update({"worker:0": "a:1", "worker:1": "b:2"})
+    book.update({"worker:0": "a:1", "worker:1": "b:2"})  # the same again: nothing new
+    book.update({"worker:0": "a:1", "worker:1": "c:2"})
+    unsubscribe()
+    book.update({"worker:0": "d:1", "worker:1": "c:2"})
+    assert seen == [{"worker:0": "a:1", "worker:1": "b:2"}, {"worker:0": "a:1", "worker:1": "c:2"}]
+    assert book.known() == {"worker:0": "d:1", "worker:1": "c:2"}

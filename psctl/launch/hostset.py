@@ -21,7 +21,7 @@ from psctl.launch.local import LocalRunner
 from psctl.launch.remote import HostDir
 from psctl.launch.ssh import SSHRunner
 from psctl.spec.model import HostSpec
-from psctl.spec.plan import LOCAL_HOST
+from psctl.spec.plan import LOCAL_ADDRESS, LOCAL_HOST
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,8 @@ class Placement:
     base_env: Mapping[str, str]
     cpus: int
     remote: bool
+    #: Where roles on this host listen (the address a role moved here gets).
+    address: str = LOCAL_ADDRESS
 
 
 def remote_hosts(records: Mapping[str, Mapping[str, Any]]) -> dict[str, RemoteHost]:
@@ -105,5 +107,5 @@ def placements(
         if host.pythonpath:
             env["PYTHONPATH"] = host.pythonpath
         out[name] = Placement(name, runners[name], host.spec.python, host.dirs, str(host.dirs.files), env,
-                              host.cpus, remote=True)
+                              host.cpus, remote=True, address=host.spec.address)
     return out

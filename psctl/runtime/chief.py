@@ -20,7 +20,7 @@ from psctl.runtime.cluster import ClusterInfo
 from psctl.runtime.config import TrainingConfig
 from psctl.runtime.coordinator import Closure, ClusterCoordinator, PsFailure, StepError
 from psctl.runtime.evaluation import evaluate_split
-from psctl.runtime.heartbeat import PROGRESS
+from psctl.runtime.heartbeat import PROGRESS, WORKER_ADDRESSES
 from psctl.runtime.metrics import MetricsFile, TrainingMeter
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import ProgramRef, load_program
@@ -93,6 +93,8 @@ class Chief:
             staleness=cfg.staleness if cfg.mode == "bounded" else None,
             one_per_round=cfg.mode == "sync" and bool(cfg.distinct_replicas),
         )
+        unsubscribe = WORKER_ADDRESSES.subscribe(lambda addresses: _follow_moves(coordinator, addresses))
+        _follow_moves(coordinator, WORKER_ADDRESSES.known())  # a move the heartbeats told of before now
         coordinator.wait_for_workers(self.ready_timeout)
         reporter = threading.Thread(target=self._report_loop, name="metrics", daemon=True)
         reporter.start()
@@ -123,6 +125,7 @@ class Chief:
             if not self.stop.is_set() and self.checkpointer is not None:
                 self._checkpoint()
         finally:
+            unsubscribe()
             coordinator.shutdown()
             self._reporting_done.set()
             reporter.join(timeout=5)
@@ -315,3 +318,11 @@ class Chief:
     def close(self) -> None:
         self.ps.close()
         self.metrics.close()
+
+
+def _follow_moves(coordinator: ClusterCoordinator, addresses: dict[str, str]) -> None:
+    """Point the coordinator at each worker's address as the supervisor knows it ("worker:2" -> "host:port")."""
+    for task, address in addresses.items():
+        job, _, index = task.partition(":")
+        if job == "worker" and index.isdigit() and int(index) < len(coordinator.workers):
+            coordinator.set_worker_address(int(index), address)

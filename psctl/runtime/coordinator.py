@@ -135,6 +135,7 @@ class ClusterCoordinator:
         # Every worker is probed before its first step: its incarnation is known from the start (so a restart
         # is recognised), and one still starting is waited for rather than counted as lost.
         self.workers = [WorkerState(i, a, alive=False) for i, a in enumerate(workers)]
+        self._tls = tls
         self._channels = [make_channel(a, tls) for a in workers]
         self._stubs = [pb_grpc.WorkerStub(c) for c in self._channels]
         self._next_step_id = step_id_base
@@ -254,6 +255,24 @@ class ClusterCoordinator:
         for channel in self._channels:
             channel.close()
 
+    def set_worker_address(self, index: int, address: str) -> None:
+        """Worker ``index`` now listens at ``address`` (its supervisor restarted it on another host of its pool).
+
+        Its old channel is closed, which fails a step still in flight there (the step goes back on the queue),
+        and the worker is probed at its new address before it gets work again.
+        """
+        with self._cond:
+            worker = self.workers[index]
+            if worker.address == address:
+                return
+            old = self._channels[index]
+            self.on_worker_event(f"worker:{index} moved from {worker.address} to {address}")
+            worker.address = address
+            self._channels[index] = make_channel(address, self._tls)
+            self._stubs[index] = pb_grpc.WorkerStub(self._channels[index])
+            worker.alive = False
+        old.close()
+
     def recover(self, cursors: dict[int, int]) -> int:
         """After the chief restored the PS: drop every queued closure (their data positions are from before
         the restore), move each shard's cursor to the restored position, and resume. Returns how many
@@ -368,7 +387,6 @@ class ClusterCoordinator:
                     self._fail_all(StepError("chief", f"coordinator error: {type(exc).__name__}: {exc}"))
 
     def _serve_worker(self, worker: WorkerState) -> None:
-        stub = self._stubs[worker.index]
         while not self._stopping.is_set():
             if not worker.alive and not self._wait_for_worker(worker):
                 if not self._stopping.is_set():
@@ -393,7 +411,7 @@ class ClusterCoordinator:
                 params_epoch=self.params_epoch,
             )
             try:
-                response = stub.RunStep(request, timeout=self.step_timeout)
+                response = self._stubs[worker.index].RunStep(request, timeout=self.step_timeout)
             except grpc.RpcError as exc:
                 self._on_rpc_error(worker, closure, exc)
                 continue

@@ -38,6 +38,46 @@ class Progress:
 PROGRESS = Progress()
 
 
+class WorkerAddresses:
+    """Where the supervisor says each worker is now (the chief's heartbeats bring it back): a worker restarted
+    on another host of its pool has a new address. The coordinator subscribes to follow such moves."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._known: dict[str, str] = {}
+        self._subscribers: list[Callable[[dict[str, str]], None]] = []
+
+    def subscribe(self, callback: Callable[[dict[str, str]], None]) -> Callable[[], None]:
+        """Call ``callback({"worker:0": "host:port", ...})`` with every worker's address whenever one differs
+        from the last reply (and on the first); returns the function that unsubscribes."""
+        with self._lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def update(self, addresses: dict[str, str]) -> None:
+        with self._lock:
+            if addresses == self._known:
+                return
+            self._known = dict(addresses)
+            subscribers = list(self._subscribers)
+        for callback in subscribers:
+            callback(dict(addresses))
+
+    def known(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._known)
+
+
+#: Filled from the chief's heartbeat replies.
+WORKER_ADDRESSES = WorkerAddresses()
+
+
 def _rss() -> int:
     try:
         with open(f"/proc/{os.getpid()}/statm") as f:
@@ -54,12 +94,14 @@ class Heartbeater:
         interval: float | None = None,
         progress: Progress = PROGRESS,
         on_fenced: Callable[[], None] | None = None,
+        addresses: WorkerAddresses = WORKER_ADDRESSES,
     ) -> None:
         self.info = info
         # the launcher passes supervision.heartbeat_interval in the environment
         self.interval = interval or float(os.environ.get("PSCTL_HEARTBEAT_INTERVAL", "1.0"))
         self.progress = progress
         self.on_fenced = on_fenced or (lambda: os._exit(0))
+        self.addresses = addresses
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -93,6 +135,8 @@ class Heartbeater:
                 if reply.fenced:
                     log.error("%s incarnation %d was replaced: exiting", self.info.task, self.info.incarnation)
                     self.on_fenced()
+                if reply.worker_addresses:
+                    self.addresses.update(dict(reply.worker_addresses))
             except grpc.RpcError:
                 pass
             self._stop.wait(self.interval)

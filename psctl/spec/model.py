@@ -66,12 +66,17 @@ class RoleSpec:
 
 @dataclass(frozen=True)
 class SupervisionSpec:
-    """Heartbeat and progress deadlines, in seconds (a role is dead only once past ``startup_grace``)."""
+    """Heartbeat and progress deadlines, in seconds (a role is dead only once past ``startup_grace``), and the
+    benching of SSH hosts: ``bench_after_failures`` role failures on one host within ``bench_window`` keep
+    roles that can go elsewhere (workers with a pool) off it for ``bench_cooloff`` (0 failures: never)."""
 
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     startup_grace: float = 30.0
     stall_timeout: float = 60.0
+    bench_after_failures: int = 3
+    bench_window: float = 300.0
+    bench_cooloff: float = 600.0
 
 
 @dataclass(frozen=True)

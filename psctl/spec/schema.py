@@ -31,7 +31,8 @@ TOP_KEYS = ("name", "hosts", "roles", "training", "supervision", "security", "fi
 HOST_KEYS = ("name", "address", "user", "port", "identity_file", "python", "workdir", "host_key_policy")
 ROLE_KEYS = ("replicas", "host", "hosts", "port", "ports", "restart", "env", "threads")
 RESTART_KEYS = ("policy", "max_restarts", "backoff_seconds", "max_backoff_seconds", "permanent_exit_codes")
-SUPERVISION_KEYS = ("heartbeat_interval", "heartbeat_timeout", "startup_grace", "stall_timeout")
+SUPERVISION_KEYS = ("heartbeat_interval", "heartbeat_timeout", "startup_grace", "stall_timeout",
+                    "bench_after_failures", "bench_window", "bench_cooloff")
 REQUIRED_ROLES = ("chief", "ps", "worker")
 SINGLE_ROLES = ("chief", "evaluator")
 MAX_REPLICAS = 1000
@@ -388,4 +389,8 @@ def _supervision(c: Checker, value: object) -> SupervisionSpec:
         heartbeat_timeout=timeout,
         startup_grace=c.duration((*p, "startup_grace"), d.get("startup_grace", 30.0), positive=False),
         stall_timeout=c.duration((*p, "stall_timeout"), d.get("stall_timeout", 60.0)),
+        bench_after_failures=c.integer((*p, "bench_after_failures"), d.get("bench_after_failures", 3), minimum=0,
+                                       fix="give a count of role failures, or 0 to never bench a host"),
+        bench_window=c.duration((*p, "bench_window"), d.get("bench_window", 300.0)),
+        bench_cooloff=c.duration((*p, "bench_cooloff"), d.get("bench_cooloff", 600.0)),
     )

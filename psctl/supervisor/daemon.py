@@ -36,6 +36,7 @@ from psctl.runtime.cluster import tf_config
 from psctl.runtime.rpc import make_server
 from psctl.spec import ClusterSpec
 from psctl.spec.plan import LOCAL_HOST
+from psctl.supervisor.hosts import HostBench, Occupant, restart_host
 from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, save_state
 
 log = logging.getLogger("psctl.supervisor")
@@ -89,7 +90,8 @@ class Live:
     failures_in_a_row: int = 0
     running_since: float | None = None
     #: Earlier processes of the role on an SSH host that could not be confirmed stopped (the host was cut
-    #: off): stopped before the role starts there again, so that no zombie answers on its port.
+    #: off): stopped before the role starts there again, so that no zombie answers on its port, and on any
+    #: host as soon as it answers again.
     stale: list[ProcessHandle] = field(default_factory=list)
 
 
@@ -98,7 +100,10 @@ class HeartbeatServicer(pb_grpc.SupervisorServicer):
         self.supervisor = supervisor
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
-        return pb.HeartbeatResponse(fenced=self.supervisor.on_heartbeat(request))
+        response = pb.HeartbeatResponse(fenced=self.supervisor.on_heartbeat(request))
+        if request.task.startswith("chief:") and not response.fenced:  # it follows workers that move
+            response.worker_addresses.update(self.supervisor.worker_addresses())
+        return response
 
 
 class Supervisor:
@@ -126,6 +131,9 @@ class Supervisor:
         self._mirror_offset = 0
         self._mirrored_at = float("-inf")
         self._host_errors: dict[str, str | None] = {}
+        sup = spec.supervision
+        self.bench = HostBench(failures=sup.bench_after_failures, window=sup.bench_window, cooloff=sup.bench_cooloff)
+        self._sweeping: set[str] = set()  # hosts whose stale processes a thread is stopping now
         self.time = get_time
         self.poll_interval = poll_interval
         self.python = python
@@ -183,12 +191,17 @@ class Supervisor:
             role.metrics = dict(hb.metrics)
             return False
 
+    def worker_addresses(self) -> dict[str, str]:
+        """Every worker's address as ``"worker:2" -> "host:port"``: what the chief's heartbeats bring back."""
+        with self.lock:
+            return {f"worker:{r.index}": r.endpoint for r in self.record.roles if r.role == "worker"}
+
     # -- starting roles -------------------------------------------------------------------------------
     def role_env(self, role: RoleRecord) -> dict[str, str]:
         place = self.places[role.host]
         jobs: dict[str, list[str]] = {}
         for r in self.record.roles:
-            jobs.setdefault(r.role, []).append(f"{r.address}:{r.port}")
+            jobs.setdefault(r.role, []).append(r.endpoint)
         if place.remote:
             training = remote_training(self.spec, place.dirs)  # type: ignore[arg-type]  # a HostDir on SSH hosts
         else:
@@ -231,23 +244,68 @@ class Supervisor:
     def start_role(self, role: RoleRecord) -> None:
         """Start the role's next attempt. On an SSH host the start runs in a thread of its own (holding no
         lock), so that a slow or cut-off host never holds up the loop, nor the heartbeats of other roles."""
+        live = self.live[role.name]
+        if live.handle is not None and self.places[role.host].remote:
+            live.stale.append(live.handle)
+        live.handle = None
+        self.place_role(role)
         role.attempt += 1
         role.incarnation = max(role.incarnation + 1, int(time.time() * 1000))
         role.exit_code = None
         role.last_heartbeat = None
         place = self.places[role.host]
-        live = self.live[role.name]
         live.restart_at = None
-        if live.handle is not None and place.remote:
-            live.stale.append(live.handle)
-        live.handle = None
-        stale = list(live.stale)
+        stale = [h for h in live.stale if h.host == role.host]  # the rest: swept once their host answers
         env = self.role_env(role)
         if place.remote:
             threading.Thread(target=self._launch, args=(role, role.attempt, place, env, stale), daemon=True,
                              name=f"psctl-start-{role.name}").start()
         else:
             self._launch(role, role.attempt, place, env, stale, locked=True)
+
+    def usable(self, host: str) -> bool:
+        """Whether roles may start on ``host`` now: it answers and is not benched."""
+        place = self.places.get(host)
+        return place is not None and place.runner.last_error is None and not self.bench.is_benched(host, self.time())
+
+    def place_role(self, role: RoleRecord) -> None:
+        """Move a worker whose host is cut off or benched to another host of its pool (if one is usable)."""
+        if role.attempt == 0:
+            return  # the first start goes where the plan put it
+        occupants = [Occupant(r.name, r.host, r.port) for r in self.record.roles if not r.state.terminal]
+        pool = self.spec.roles[role.role].hosts
+        target = restart_host(role.role, role.name, role.host, role.port, pool, occupants, self.usable)
+        if target == role.host:
+            return
+        old = role.host
+        why = self.places[old].runner.last_error or (
+            "benched" if self.bench.is_benched(old, self.time()) else "not usable")
+        self.transition(role, role.state, f"moves from {old} to {target} ({why})")
+        role.host, role.address = target, self.places[target].address
+        self._dirty = True
+        self.sweep_stale(old)
+
+    def sweep_stale(self, host: str) -> None:
+        """Stop, in a thread, the stale processes of every role on ``host`` if it answers (else: later).
+        Called holding the lock."""
+        handles = [h for live in self.live.values() for h in live.stale if h.host == host]
+        if not handles or host in self._sweeping or self.places[host].runner.last_error is not None:
+            return
+        self._sweeping.add(host)
+
+        def sweep() -> None:
+            survivors, errors = stop_on_hosts(self.runners, handles, grace=0.0)
+            with self.lock:
+                self._sweeping.discard(host)
+                if errors:
+                    return
+                gone = [h for h in handles if h not in survivors]
+                for live in self.live.values():
+                    live.stale = [h for h in live.stale if h not in gone]
+                if gone:
+                    log.info("stopped %d stale process(es) on %s", len(gone), host)
+
+        threading.Thread(target=sweep, daemon=True, name=f"psctl-sweep-{host}").start()
 
     def _launch(self, role: RoleRecord, attempt: int, place: Placement, env: dict[str, str],
                 stale: list[ProcessHandle], *, locked: bool = False) -> None:
@@ -377,10 +435,17 @@ class Supervisor:
             self._host_errors[name] = error
             if to == was:
                 continue
-            event = {"time": time.time(), "role": f"host {name}", "from": was, "to": to, "reason": error or ""}
             log.warning("host %s: %s", name, error or "answers again")
-            with open(self.cdir.events_file, "a", encoding="utf-8") as f:
-                f.write(json.dumps(event) + "\n")
+            self.host_event(name, was, to, error or "")
+            if to == "reachable":
+                self.sweep_stale(name)
+        for name in self.bench.released(self.time()):
+            self.host_event(name, "benched", "available", "cooling-off ended")
+
+    def host_event(self, host: str, was: str, to: str, reason: str) -> None:
+        event = {"time": time.time(), "role": f"host {host}", "from": was, "to": to, "reason": reason}
+        with open(self.cdir.events_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps(event) + "\n")
 
     def step(self) -> None:
         """One pass: look at every role, decide, act."""
@@ -499,6 +564,11 @@ class Supervisor:
     def maybe_restart(self, role: RoleRecord, code: int | None) -> None:
         policy = self.spec.roles[role.role].restart
         live = self.live[role.name]
+        if self.places[role.host].remote and self.bench.record_failure(role.host, self.time()):
+            sup = self.spec.supervision
+            self.host_event(role.host, "available", "benched",
+                            f"{sup.bench_after_failures} role failures within {sup.bench_window:.0f}s; "
+                            f"no role that can go elsewhere starts there for {sup.bench_cooloff:.0f}s")
         why_not = None
         if policy.policy == "never":
             why_not = "restart policy is never"

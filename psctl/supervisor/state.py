@@ -79,6 +79,11 @@ class RoleRecord:
     rss_bytes: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def endpoint(self) -> str:
+        """``address:port`` (an IPv6 address in brackets): where the role listens."""
+        return f"[{self.address}]:{self.port}" if ":" in self.address else f"{self.address}:{self.port}"
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RoleRecord:
         known = {f.name for f in fields(cls)}

@@ -1,0 +1,108 @@
+"""Which host a role restarts on: hosts that keep failing are benched for a while, and a worker whose host is
+benched or cannot be reached moves to another host of its pool.
+
+Pure logic on an injected clock (the supervisor passes ``now``), so that it is tested without processes.
+Only workers move: every other role's address is part of the cluster view each role was started with (the
+chief's address is the evaluator's, the ps's are every worker's), while the chief follows a worker's new
+address through its heartbeat replies.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+#: The roles that may restart on another host of their pool.
+MOVABLE_ROLES = frozenset({"worker"})
+
+
+def hosts_for(role: str, planned: str, pool: Sequence[str]) -> tuple[str, ...]:
+    """Every host an instance of ``role`` planned on ``planned`` may run on: its pool when it can move, else
+    its own host. ``up`` prepares (keys, files) and checks each of them."""
+    return tuple(dict.fromkeys((planned, *pool))) if role in MOVABLE_ROLES else (planned,)
+
+
+@dataclass
+class _HostRecord:
+    failures: collections.deque[float] = field(default_factory=collections.deque)
+    benched_until: float | None = None
+
+
+class HostBench:
+    """Counts role failures per host; ``failures`` of them within ``window`` seconds bench the host for
+    ``cooloff`` seconds (``failures`` 0: never). A benched host gets no role that can go elsewhere."""
+
+    def __init__(self, *, failures: int, window: float, cooloff: float) -> None:
+        self.failures = failures
+        self.window = window
+        self.cooloff = cooloff
+        self._hosts: dict[str, _HostRecord] = collections.defaultdict(_HostRecord)
+
+    def record_failure(self, host: str, now: float) -> bool:
+        """A role failed on ``host`` (exited badly or was lost); True if that benched the host just now."""
+        if self.failures <= 0:
+            return False
+        record = self._hosts[host]
+        record.failures.append(now)
+        while record.failures and now - record.failures[0] > self.window:
+            record.failures.popleft()
+        if self.is_benched(host, now) or len(record.failures) < self.failures:
+            return False
+        record.benched_until = now + self.cooloff
+        record.failures.clear()
+        return True
+
+    def is_benched(self, host: str, now: float) -> bool:
+        record = self._hosts.get(host)
+        return record is not None and record.benched_until is not None and now < record.benched_until
+
+    def benched_until(self, host: str) -> float | None:
+        record = self._hosts.get(host)
+        return None if record is None else record.benched_until
+
+    def released(self, now: float) -> list[str]:
+        """Hosts whose cooling-off has ended since the last call (each reported once)."""
+        out = []
+        for host, record in self._hosts.items():
+            if record.benched_until is not None and now >= record.benched_until:
+                record.benched_until = None
+                out.append(host)
+        return out
+
+
+@dataclass(frozen=True)
+class Occupant:
+    """A role of the cluster as placement sees it: where it is and the port it listens on."""
+
+    name: str
+    host: str
+    port: int
+
+
+def restart_host(
+    role: str,
+    name: str,
+    current: str,
+    port: int,
+    pool: Sequence[str],
+    occupants: Iterable[Occupant],
+    usable: Callable[[str], bool],
+) -> str:
+    """The host role instance ``name`` (of kind ``role``, listening on ``port``) should restart on.
+
+    Its current host while that is ``usable`` (reachable and not benched), or when the role cannot move. Else
+    the usable host of its pool with the fewest roles of the cluster whose ``port`` no other role already
+    uses there (ties: pool order); its current host when there is none.
+    """
+    if role not in MOVABLE_ROLES or usable(current):
+        return current
+    others = [o for o in occupants if o.name != name]
+    load: Mapping[str, int] = collections.Counter(o.host for o in others)
+    candidates = [
+        h for h in pool
+        if h != current and usable(h) and not any(o.host == h and o.port == port for o in others)
+    ]
+    if not candidates:
+        return current
+    return min(candidates, key=lambda h: (load.get(h, 0), pool.index(h)))

@@ -1,0 +1,176 @@
+"""Benching hosts and moving workers within their pool: the supervisor's decisions on fake hosts and a clock.
+
+The hosts are fake runners (see supervisor_fakes): what is under test is where a role restarts, what the
+events say and what the chief is told, not SSH, which tests/test_ssh_cluster.py covers with real hosts.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from supervisor_fakes import Clock, FakeRunner
+
+from psctl.home import ClusterDir
+from psctl.launch.hostset import Placement
+from psctl.proto import psctl_pb2 as pb
+from psctl.spec import load_spec_text, make_plan
+from psctl.supervisor.daemon import HeartbeatServicer, Supervisor
+from psctl.supervisor.hosts import HostBench, Occupant, hosts_for, restart_host
+from psctl.supervisor.state import ClusterRecord, RoleRecord, RoleState
+
+SPEC = """\
+name: pools
+hosts:
+  - {name: h1, address: 10.9.0.1}
+  - {name: h2, address: 10.9.0.2}
+  - {name: h3, address: 10.9.0.3}
+roles:
+  chief: {host: h1, port: 7000}
+  ps: {host: h3, port: 7010}
+  worker: {replicas: 3, hosts: [h1, h2, h3], port: 7020,
+           restart: {max_restarts: 10, backoff_seconds: 1, max_backoff_seconds: 1}}
+training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+supervision: {heartbeat_interval: 1s, heartbeat_timeout: 5s, startup_grace: 20s,
+              bench_after_failures: 2, bench_window: 60s, bench_cooloff: 100s}
+"""
+
+
+@pytest.fixture
+def sup(tmp_path: Path) -> Supervisor:
+    spec = load_spec_text(SPEC, filename=str(tmp_path / "pools.yaml"))
+    plan = make_plan(spec, check_ports=False)
+    record = ClusterRecord(
+        name="pools", cluster_id="pools-test", spec_path="", tls=False,
+        roles=[RoleRecord(i.name, i.role, i.index, i.host, i.address, i.port) for i in plan.instances],
+    )
+    cdir = ClusterDir(tmp_path / "home" / "pools")
+    cdir.create()
+    places = {
+        h.name: Placement(h.name, FakeRunner(h.name), "python3", cdir, str(tmp_path), {}, 2, remote=True,
+                          address=h.address)
+        for h in spec.hosts
+    }
+    supervisor = Supervisor(cdir, spec, record, places, get_time=Clock())
+    with supervisor.lock:
+        for role in record.roles:
+            supervisor.start_role(role)
+    settle()
+    return supervisor
+
+
+def settle() -> None:
+    """Wait for the supervisor's start, stop and sweep threads (SSH hosts are handled off the loop)."""
+    deadline = time.monotonic() + 10
+    for thread in threading.enumerate():
+        if thread.name.startswith(("psctl-start-", "psctl-stop-", "psctl-sweep-")):
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            assert not thread.is_alive(), f"{thread.name} did not finish"
+
+
+def host(sup: Supervisor, name: str) -> FakeRunner:
+    runner = sup.runners[name]
+    assert isinstance(runner, FakeRunner)
+    return runner
+
+
+def step(sup: Supervisor, seconds: float, *, silent: tuple[str, ...] = ()) -> None:
+    """Advance the clock, heartbeat every live role but the ``silent`` ones, run one pass of the loop."""
+    assert isinstance(sup.time, Clock)
+    sup.time.now += seconds
+    for role in sup.record.roles:
+        if role.name not in silent and not role.state.terminal and role.state != RoleState.RESTARTING:
+            sup.on_heartbeat(pb.HeartbeatRequest(task=f"{role.role}:{role.index}", incarnation=role.incarnation))
+    with sup.lock:
+        sup.step()
+    settle()
+
+
+def events(sup: Supervisor) -> list[dict[str, str]]:
+    return [json.loads(line) for line in sup.cdir.events_file.read_text().splitlines()]
+
+
+def chief_is_told(sup: Supervisor) -> dict[str, str]:
+    chief = sup.record.role("chief-0")
+    request = pb.HeartbeatRequest(task="chief:0", incarnation=chief.incarnation)
+    return dict(HeartbeatServicer(sup).Heartbeat(request, None).worker_addresses)  # type: ignore[arg-type]
+
+
+def test_a_worker_on_a_cut_off_host_restarts_on_the_least_loaded_host_of_its_pool(sup: Supervisor) -> None:
+    step(sup, 1)
+    worker = sup.record.role("worker-2")
+    assert (worker.host, worker.address) == ("h3", "10.9.0.3")
+    old = sup.live["worker-2"].handle
+    host(sup, "h3").last_error = "host h3: timed out"
+    step(sup, 6, silent=("worker-2", "ps-0"))  # h3 silent past heartbeat_timeout: its roles are lost
+    step(sup, 1.5)  # past the backoff: the worker restarts, the ps (which cannot move) tries h3 again
+    worker = sup.record.role("worker-2")
+    # h1 holds chief-0 and worker-0, h2 only worker-1: the worker goes to h2
+    assert (worker.host, worker.address, worker.state, worker.attempt) == ("h2", "10.9.0.2", RoleState.STARTING, 2)
+    assert sup.live["worker-2"].handle is not None and sup.live["worker-2"].handle.host == "h2"
+    assert sup.record.role("ps-0").host == "h3"
+    assert any(e["role"] == "worker-2" and e["reason"] == "moves from h3 to h2 (host h3: timed out)"
+               for e in events(sup))
+    assert chief_is_told(sup) == {"worker:0": "10.9.0.1:7020", "worker:1": "10.9.0.2:7021",
+                                  "worker:2": "10.9.0.2:7022"}
+    # The old process could not be stopped on the cut-off host; once h3 answers again it is.
+    assert old is not None and old in sup.live["worker-2"].stale
+    host(sup, "h3").last_error = None
+    step(sup, 0.5)
+    assert sup.live["worker-2"].stale == []
+    assert host(sup, "h3").exit_codes[old.pid] is not None
+
+
+def test_a_host_where_roles_keep_failing_is_benched_then_released(sup: Supervisor) -> None:
+    step(sup, 1)
+    h2 = host(sup, "h2")
+    for _ in (1, 2):  # worker-1 exits badly twice on h2 (bench_after_failures: 2)
+        assert sup.record.role("worker-1").host == "h2"
+        h2.exit_codes[sup.record.role("worker-1").pid] = 1
+        step(sup, 0.1)
+        step(sup, 1.5)
+    benched = [e for e in events(sup) if e["role"] == "host h2"]
+    assert [(e["from"], e["to"]) for e in benched] == [("available", "benched")]
+    assert "2 role failures within 60s" in benched[0]["reason"]
+    worker = sup.record.role("worker-1")
+    assert (worker.host, worker.attempt) == ("h1", 3)  # h1 and h3 hold two roles each: pool order decides
+    # After the cooling-off, h2 takes roles again.
+    step(sup, 100)
+    assert [(e["from"], e["to"]) for e in events(sup) if e["role"] == "host h2"][-1] == ("benched", "available")
+    assert sup.usable("h2")
+
+
+def test_roles_that_cannot_move_stay_on_their_host() -> None:
+    def up(h: str) -> bool:
+        return h != "h3"
+
+    occupants = [Occupant("ps-0", "h3", 7010)]
+    assert restart_host("ps", "ps-0", "h3", 7010, ("h3",), occupants, up) == "h3"
+    assert restart_host("chief", "chief-0", "h3", 7000, ("h1", "h2", "h3"), occupants, up) == "h3"
+    assert restart_host("worker", "worker-0", "h3", 7020, ("h3",), occupants, up) == "h3"  # no other host
+
+
+def test_a_move_avoids_hosts_where_the_port_is_taken_and_breaks_ties_by_pool_order() -> None:
+    occupants = [Occupant("worker-0", "h1", 7020), Occupant("evaluator-0", "h2", 7022),
+                 Occupant("worker-2", "h3", 7022)]
+    assert restart_host("worker", "worker-2", "h3", 7022, ("h1", "h2", "h3"), occupants, lambda h: h != "h3") == "h1"
+    assert restart_host("worker", "worker-2", "h3", 7022, ("h2", "h4", "h3"), [], lambda h: h != "h3") == "h2"
+    assert restart_host("worker", "worker-2", "h3", 7022, ("h1", "h2", "h3"), occupants, lambda h: True) == "h3"
+
+
+def test_failures_spread_wider_than_the_window_do_not_bench() -> None:
+    bench = HostBench(failures=3, window=10, cooloff=50)
+    assert [bench.record_failure("h1", t) for t in (0, 6, 17, 23)] == [False, False, False, False]
+    assert [bench.record_failure("h1", t) for t in (30, 31)] == [False, True]  # 23, 30, 31: three within 10 s
+    assert bench.is_benched("h1", 80) and not bench.is_benched("h1", 81)
+    assert bench.released(80) == [] and bench.released(81) == ["h1"] and bench.released(82) == []
+    never = HostBench(failures=0, window=10, cooloff=50)
+    assert not any(never.record_failure("h1", t) for t in range(10))
+
+
+def test_a_worker_may_run_on_its_whole_pool_other_roles_on_their_host() -> None:
+    assert hosts_for("worker", "h2", ("h1", "h2", "h3")) == ("h2", "h1", "h3")
+    assert hosts_for("ps", "h2", ("h1", "h2")) == ("h2",)
