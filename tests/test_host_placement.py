@@ -41,7 +41,12 @@ supervision: {heartbeat_interval: 1s, heartbeat_timeout: 5s, startup_grace: 20s,
 
 @pytest.fixture
 def sup(tmp_path: Path) -> Supervisor:
-    spec = load_spec_text(SPEC, filename=str(tmp_path / "pools.yaml"))
+    return supervisor_of(SPEC, tmp_path)
+
+
+def supervisor_of(text: str, tmp_path: Path) -> Supervisor:
+    """A supervisor of the spec ``text`` over fake hosts h1..h3, every role started."""
+    spec = load_spec_text(text, filename=str(tmp_path / "pools.yaml"))
     plan = make_plan(spec, check_ports=False)
     record = ClusterRecord(
         name="pools", cluster_id="pools-test", spec_path="", tls=False,
@@ -96,7 +101,7 @@ def events(sup: Supervisor) -> list[dict[str, str]]:
 def chief_is_told(sup: Supervisor) -> dict[str, str]:
     chief = sup.record.role("chief-0")
     request = pb.HeartbeatRequest(task="chief:0", incarnation=chief.incarnation)
-    return dict(HeartbeatServicer(sup).Heartbeat(request, None).worker_addresses)  # type: ignore[arg-type]
+    return dict(HeartbeatServicer(sup).Heartbeat(request, None).addresses)  # type: ignore[arg-type]
 
 
 def test_a_worker_on_a_cut_off_host_restarts_on_the_least_loaded_host_of_its_pool(sup: Supervisor) -> None:
@@ -114,8 +119,8 @@ def test_a_worker_on_a_cut_off_host_restarts_on_the_least_loaded_host_of_its_poo
     assert sup.record.role("ps-0").host == "h3"
     assert any(e["role"] == "worker-2" and e["reason"] == "moves from h3 to h2 (host h3: timed out)"
                for e in events(sup))
-    assert chief_is_told(sup) == {"worker:0": "10.9.0.1:7020", "worker:1": "10.9.0.2:7021",
-                                  "worker:2": "10.9.0.2:7022"}
+    assert chief_is_told(sup) == {"ps:0": "10.9.0.3:7010", "worker:0": "10.9.0.1:7020",
+                                  "worker:1": "10.9.0.2:7021", "worker:2": "10.9.0.2:7022"}
     # The old process could not be stopped on the cut-off host; once h3 answers again it is.
     assert old is not None and old in sup.live["worker-2"].stale
     host(sup, "h3").last_error = None
@@ -143,6 +148,24 @@ def test_a_host_where_roles_keep_failing_is_benched_then_released(sup: Superviso
     assert sup.usable("h2")
 
 
+def test_a_ps_with_a_pool_moves_and_the_chief_and_workers_are_told(tmp_path: Path) -> None:
+    sup = supervisor_of(SPEC.replace("ps: {host: h3, port: 7010}", "ps: {hosts: [h3, h1], port: 7010}"), tmp_path)
+    step(sup, 1)
+    host(sup, "h3").last_error = "host h3: timed out"
+    step(sup, 6, silent=("worker-2", "ps-0"))
+    step(sup, 2.5)  # past any backoff (ps: 1 s by default, ± 20 %)
+    ps = sup.record.role("ps-0")
+    assert (ps.host, ps.address, ps.attempt) == ("h1", "10.9.0.1", 2)  # the only other host of its pool
+    for task in ("chief:0", "worker:0"):
+        role = sup.record.role(task.replace(":", "-"))
+        reply = HeartbeatServicer(sup).Heartbeat(
+            pb.HeartbeatRequest(task=task, incarnation=role.incarnation), None)  # type: ignore[arg-type]
+        assert reply.addresses["ps:0"] == "10.9.0.1:7010"
+    ps_reply = HeartbeatServicer(sup).Heartbeat(
+        pb.HeartbeatRequest(task="ps:0", incarnation=ps.incarnation), None)  # type: ignore[arg-type]
+    assert dict(ps_reply.addresses) == {}  # a ps talks to no other role
+
+
 def test_roles_that_cannot_move_stay_on_their_host() -> None:
     def up(h: str) -> bool:
         return h != "h3"
@@ -150,6 +173,7 @@ def test_roles_that_cannot_move_stay_on_their_host() -> None:
     occupants = [Occupant("ps-0", "h3", 7010)]
     assert restart_host("ps", "ps-0", "h3", 7010, ("h3",), occupants, up) == "h3"
     assert restart_host("chief", "chief-0", "h3", 7000, ("h1", "h2", "h3"), occupants, up) == "h3"
+    assert restart_host("evaluator", "evaluator-0", "h3", 7030, ("h1", "h3"), occupants, up) == "h3"
     assert restart_host("worker", "worker-0", "h3", 7020, ("h3",), occupants, up) == "h3"  # no other host
 
 
@@ -171,6 +195,7 @@ def test_failures_spread_wider_than_the_window_do_not_bench() -> None:
     assert not any(never.record_failure("h1", t) for t in range(10))
 
 
-def test_a_worker_may_run_on_its_whole_pool_other_roles_on_their_host() -> None:
+def test_workers_and_ps_may_run_on_their_whole_pool_other_roles_on_their_host() -> None:
     assert hosts_for("worker", "h2", ("h1", "h2", "h3")) == ("h2", "h1", "h3")
-    assert hosts_for("ps", "h2", ("h1", "h2")) == ("h2",)
+    assert hosts_for("ps", "h2", ("h1", "h2")) == ("h2", "h1")
+    assert hosts_for("chief", "h2", ("h1", "h2")) == ("h2",)

@@ -148,6 +148,9 @@ class HeartbeatRecorder:
         self.heartbeats.append(hb)
         return False
 
+    def addresses(self) -> dict[str, str]:
+        return {}
+
 
 @dataclass
 class Target:

@@ -180,9 +180,9 @@ def test_a_cluster_over_three_hosts_trains_to_completion_and_leaves_nothing(remo
         assert (root / "files" / "program.py").read_text() == PROGRAM
         assert (root / "files" / "data" / "digits.npz").stat().st_size > 0
         keys = sorted(p.name for p in (root / "tls").iterdir())
-        workers = ["worker-0", "worker-1", "worker-2"]  # a worker's key is on every host of its pool
-        expected = {"h1": ["chief-0", "evaluator-0", *workers], "h2": ["ps-0", *workers],
-                    "h3": ["ps-1", *workers]}[host]
+        workers = ["worker-0", "worker-1", "worker-2"]  # a worker's or ps's key is on every host of its pool
+        expected = {"h1": ["chief-0", "evaluator-0", *workers], "h2": ["ps-0", "ps-1", *workers],
+                    "h3": ["ps-0", "ps-1", *workers]}[host]
         assert keys == sorted(["ca.pem", *(f"{n}.key" for n in expected), *(f"{n}.pem" for n in expected)])
         assert {oct((root / "tls" / k).stat().st_mode & 0o777) for k in keys} == {"0o600"}
         copies = list(workdir.glob(f"psctl-{__version__}-*/.complete"))
@@ -369,12 +369,12 @@ def test_heartbeats_arrive_when_hosts_cannot_connect_back(remote: Remote) -> Non
 # -- a host cut off: its worker is declared lost, training goes on, the worker comes back after the heal --------
 CUT_ROLES = """\
 chief: {host: h1, port: 7100}
-ps: {replicas: 2, hosts: [h1, h2], port: 7110}
+ps: {replicas: 2, hosts: [h1, h3], port: 7110, restart: {backoff_seconds: 0.5, max_backoff_seconds: 2}}
 worker: {replicas: 3, hosts: [h1, h2, h3], port: 7120, restart: {backoff_seconds: 0.5, max_backoff_seconds: 2}}
 """
 
 
-def test_a_worker_on_a_cut_off_host_moves_to_another_host_of_its_pool(remote: Remote) -> None:
+def test_a_cut_off_hosts_ps_and_worker_move_to_other_hosts_of_their_pools(remote: Remote) -> None:
     spec, _ = write_spec(remote.bed, remote.folder, remote.name, steps=1_000_000, roles=CUT_ROLES)
     spec.write_text(spec.read_text().replace("heartbeat_timeout: 10s", "heartbeat_timeout: 3s"))
     remote.psctl("up", str(spec), "--detach")
@@ -390,7 +390,8 @@ def test_a_worker_on_a_cut_off_host_moves_to_another_host_of_its_pool(remote: Re
 
     before = wait_until(training_everywhere, timeout=120, what="every worker to train")
     old = worker(before)
-    assert old["host"] == "h3"
+    assert old["host"] == "h3" and worker(before, "ps-1")["host"] == "h3"
+    step_at_cut = before["roles"][0]["global_step"]
     remote.bed.partition("h3")
     cut_at = time.time()
     try:
@@ -404,29 +405,42 @@ def test_a_worker_on_a_cut_off_host_moves_to_another_host_of_its_pool(remote: Re
         assert "no heartbeat" in event["reason"]
         assert event["time"] - cut_at <= 3.0 + 1.5  # heartbeat_timeout, plus one look and one heartbeat
 
-        # While h3 is still cut off, worker-2 restarts on h2 (h1 holds the chief, ps-0 and worker-0; h2 only
-        # ps-1 and worker-1), and the chief, told of its new address, gives it work.
+        # While h3 is still cut off, ps-1 restarts on h1 (the other host of its pool) and is restored from the
+        # latest checkpoint, and worker-2 on h2 (h1 holds more roles); the chief and the other workers, told of
+        # their new addresses, train with them.
         def moved() -> dict[str, Any] | None:
-            w = worker(remote.status())
-            return w if w["state"] == "running" and w["host"] == "h2" and w["local_step"] > 0 else None
+            status = remote.status()
+            w, ps = worker(status), worker(status, "ps-1")
+            trained = w["local_step"] > 0 and status["roles"][0]["global_step"] > step_at_cut + 50
+            return status if (w["host"], ps["host"]) == ("h2", "h1") and w["state"] == "running" and trained else None
 
-        new = wait_until(moved, timeout=60, what="worker-2 to train on h2")
+        def explain() -> str:
+            roles = [(r["name"], r["host"], r["state"], r["global_step"], r["local_step"])
+                     for r in remote.status()["roles"]]
+            logs = remote.workdirs["h1"] / remote.name / "logs"
+            tails = {p.name: p.read_text(errors="replace")[-2500:] for p in sorted(logs.glob("chief-0.*.log"))}
+            return f"roles: {roles}\nevents:\n{events_file.read_text()[-6000:]}\nchief logs: {tails}"
+
+        after = wait_until(moved, timeout=120, what="ps-1 on h1 and worker-2 on h2 to train", detail=explain)
         recovered_at = time.time()
+        new = worker(after)
         assert new["address"] == remote.bed.hosts["h2"].address and new["incarnation"] > old["incarnation"]
-        reasons = [e["reason"] for e in map(json.loads, events_file.read_text().splitlines())
-                   if e["role"] == "worker-2"]
-        assert any(r.startswith("moves from h3 to h2 (") for r in reasons), reasons
+        assert worker(after, "ps-1")["address"] == remote.bed.hosts["h1"].address
+        reasons = {name: [e["reason"] for e in map(json.loads, events_file.read_text().splitlines())
+                          if e["role"] == name] for name in ("worker-2", "ps-1")}
+        assert any(r.startswith("moves from h3 to h2 (") for r in reasons["worker-2"]), reasons
+        assert any(r.startswith("moves from h3 to h1 (") for r in reasons["ps-1"]), reasons
     finally:
         remote.bed.heal("h3")
-    print(f"worker-2: lost {event['time'] - cut_at:.1f}s after the cut, training on h2 {recovered_at - cut_at:.1f}s "
-          "after it")
+    print(f"worker-2: lost {event['time'] - cut_at:.1f}s after the cut; ps-1 and worker-2 training on h1 and h2 "
+          f"{recovered_at - cut_at:.1f}s after it")
 
     # Once h3 answers again, the cut-off incarnation is stopped there...
     def gone_from_h3() -> bool:
         out = remote.bed.exec("h3", "ps axeww -o pid=,args=").stdout
-        return not any("PSCTL_ROLE=worker-2" in line.split() for line in out.splitlines())
+        return not any(f"PSCTL_CLUSTER_ID={before['cluster_id']}" in line.split() for line in out.splitlines())
 
-    wait_until(gone_from_h3, timeout=30, what="the old worker-2 to be stopped on h3")
+    wait_until(gone_from_h3, timeout=30, what="the old ps-1 and worker-2 to be stopped on h3")
     events = [e for e in map(json.loads, events_file.read_text().splitlines()) if e["role"] == "host h3"]
     assert [e["to"] for e in events][:2] == ["unreachable", "reachable"], events
     # ...and had it pushed anything, every PS refuses its incarnation: it was replaced.

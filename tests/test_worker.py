@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -11,10 +13,10 @@ from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.coordinator import ClusterCoordinator
 from psctl.runtime.evaluation import evaluate_batch
-from psctl.runtime.heartbeat import Progress, WorkerAddresses
+from psctl.runtime.heartbeat import ClusterAddresses, Progress, tasks_of
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import ProgramRef, load_program
-from psctl.runtime.ps import ParameterServerServicer, VariableStore
+from psctl.runtime.ps import ParameterServerServicer, VariableStore, add_to_server
 from psctl.runtime.ps_client import PsClient
 from psctl.runtime.rpc import make_server
 from psctl.runtime.worker import WorkerServicer
@@ -111,8 +113,8 @@ def test_the_coordinator_follows_a_worker_restarted_at_another_address(cluster) 
     assert any("moved from" in e for e in events) and any("back as a new process" in e for e in events)
 
 
-def test_worker_addresses_reach_subscribers_when_they_change() -> None:
-    book = WorkerAddresses()
+def test_cluster_addresses_reach_subscribers_when_they_change() -> None:
+    book = ClusterAddresses()
     seen: list[dict[str, str]] = []
     unsubscribe = book.subscribe(seen.append)
     book.update({"worker:0": "a:1", "worker:1": "b:2"})
@@ -122,3 +124,28 @@ def test_worker_addresses_reach_subscribers_when_they_change() -> None:
     book.update({"worker:0": "d:1", "worker:1": "c:2"})
     assert seen == [{"worker:0": "a:1", "worker:1": "b:2"}, {"worker:0": "a:1", "worker:1": "c:2"}]
     assert book.known() == {"worker:0": "d:1", "worker:1": "c:2"}
+    assert tasks_of("ps", {"ps:1": "x:1", "worker:0": "y:2", "ps:": "z:3"}) == {1: "x:1"}
+
+
+def test_a_ps_client_follows_a_ps_to_its_new_address(cluster) -> None:
+    """A ps restarted on another host: the client's calls go to the new address, also a wait already begun."""
+    _coordinator, _model, ps, _servicer = cluster
+    old_address = ps.addresses[0]
+    client = PsClient([old_address], timeout=10)
+    server, port = make_server("127.0.0.1:0")
+    add_to_server(ParameterServerServicer(VariableStore(cluster_id="w")), server)
+    server.start()
+    try:
+        client.set_address(0, "127.0.0.1:1")  # nothing listens there: a wait blocks...
+        waiting = threading.Thread(target=client.wait_ready, args=(20,))
+        started = time.monotonic()
+        waiting.start()
+        client.follow({"ps:0": f"127.0.0.1:{port}", "worker:0": "ignored:1"})  # ...until the ps is found moved
+        waiting.join(timeout=20)
+        assert not waiting.is_alive() and time.monotonic() - started < 5
+        assert client.addresses == [f"127.0.0.1:{port}"]
+        assert client.state(0).initialized is False  # the new, empty ps answers; the old one had variables
+        assert ps.state(0).initialized is True
+    finally:
+        client.close()
+        server.stop(grace=None).wait()

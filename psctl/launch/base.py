@@ -32,6 +32,8 @@ class Runner(ABC):
     host: str
     #: Why the host did not answer the last look at it (None: it did, or nothing looks in the background).
     last_error: str | None = None
+    #: ``time.monotonic()`` of the last look that the host answered (None: nothing looks in the background).
+    answered_at: float | None = None
 
     @abstractmethod
     def start(self, *, argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: PurePath) -> ProcessHandle:

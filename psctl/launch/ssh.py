@@ -263,6 +263,7 @@ class SSHRunner(Runner):
             try:
                 self._refresh_status()
                 self.last_error = None
+                self.answered_at = time.monotonic()
             except PsctlError as exc:  # the host is unreachable: heartbeats decide; keep looking
                 self.last_error = exc.format_message()
 

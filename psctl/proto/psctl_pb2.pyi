@@ -388,8 +388,8 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, task: _Optional[str] = ..., incarnation: _Optional[int] = ..., pid: _Optional[int] = ..., global_step: _Optional[int] = ..., local_step: _Optional[int] = ..., loss: _Optional[float] = ..., steps_per_second: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., status: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("fenced", "worker_addresses")
-    class WorkerAddressesEntry(_message.Message):
+    __slots__ = ("fenced", "addresses")
+    class AddressesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -397,7 +397,7 @@ class HeartbeatResponse(_message.Message):
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     FENCED_FIELD_NUMBER: _ClassVar[int]
-    WORKER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     fenced: bool
-    worker_addresses: _containers.ScalarMap[str, str]
-    def __init__(self, fenced: _Optional[bool] = ..., worker_addresses: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    addresses: _containers.ScalarMap[str, str]
+    def __init__(self, fenced: _Optional[bool] = ..., addresses: _Optional[_Mapping[str, str]] = ...) -> None: ...

@@ -32,6 +32,7 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
     else:
         from psctl.proto import psctl_pb2_grpc as pb_grpc
         from psctl.runtime.config import TrainingConfig
+        from psctl.runtime.heartbeat import ADDRESSES
         from psctl.runtime.model import ShardedModel
         from psctl.runtime.program import ProgramRef, load_program
         from psctl.runtime.ps_client import PsClient
@@ -40,9 +41,12 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
         cfg = TrainingConfig.from_dict(info.training)
         program = load_program(ProgramRef(cfg.program, cfg.args, cfg.data, cfg.seed))
         model = ShardedModel(program, len(info.ps), cfg.partitioner)
+        ps = PsClient(info.ps, tls=info.tls)
+        ps.follow(ADDRESSES.known())
+        ADDRESSES.subscribe(ps.follow)  # a ps restarted on another host of its pool: push and pull there
         servicer = WorkerServicer(
             model,
-            PsClient(info.ps, tls=info.tls),
+            ps,
             task=info.task,
             incarnation=info.incarnation or int(time.time() * 1000),
             batch_size=cfg.batch_size,

@@ -20,7 +20,7 @@ from psctl.runtime.cluster import ClusterInfo
 from psctl.runtime.config import TrainingConfig
 from psctl.runtime.coordinator import Closure, ClusterCoordinator, PsFailure, StepError
 from psctl.runtime.evaluation import evaluate_split
-from psctl.runtime.heartbeat import PROGRESS, WORKER_ADDRESSES
+from psctl.runtime.heartbeat import ADDRESSES, PROGRESS, tasks_of
 from psctl.runtime.metrics import MetricsFile, TrainingMeter
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import ProgramRef, load_program
@@ -54,6 +54,8 @@ class Chief:
         self.program = load_program(ProgramRef(cfg.program, cfg.args, cfg.data, cfg.seed))
         self.model = ShardedModel(self.program, len(info.ps), cfg.partitioner)
         self.ps = PsClient(info.ps, tls=info.tls)
+        self.ps.follow(ADDRESSES.known())
+        self._unfollow_ps = ADDRESSES.subscribe(self.ps.follow)  # a ps restarted on another host: go there
         self.meter = TrainingMeter()
         run_dir = Path(info.run_dir)
         self.metrics = MetricsFile(run_dir / "metrics.jsonl")
@@ -93,8 +95,8 @@ class Chief:
             staleness=cfg.staleness if cfg.mode == "bounded" else None,
             one_per_round=cfg.mode == "sync" and bool(cfg.distinct_replicas),
         )
-        unsubscribe = WORKER_ADDRESSES.subscribe(lambda addresses: _follow_moves(coordinator, addresses))
-        _follow_moves(coordinator, WORKER_ADDRESSES.known())  # a move the heartbeats told of before now
+        unsubscribe = ADDRESSES.subscribe(lambda addresses: _follow_moves(coordinator, self.ps, addresses))
+        _follow_moves(coordinator, self.ps, ADDRESSES.known())  # a move the heartbeats told of before now
         coordinator.wait_for_workers(self.ready_timeout)
         reporter = threading.Thread(target=self._report_loop, name="metrics", daemon=True)
         reporter.start()
@@ -115,13 +117,7 @@ class Chief:
                     last_failure = time.monotonic()
                     log.warning("ps lost (%s): restoring every ps and resuming", exc)
                     self.stop.wait(backoff)
-                    self.ps.wait_ready(self.ps_wait)
-                    self._init_or_restore()
-                    restored = self.ps.state(0)
-                    self._resumed_at(restored.global_step)
-                    dropped = coordinator.recover(_cursors(list(restored.shard_positions)))
-                    log.info("resuming at global step %d (%d queued steps re-planned)",
-                             self.ps.state(0).global_step, dropped)
+                    self._restore_after_ps_loss(coordinator)
             if not self.stop.is_set() and self.checkpointer is not None:
                 self._checkpoint()
         finally:
@@ -315,14 +311,36 @@ class Chief:
         while not self._reporting_done.wait(self.config.log_every_seconds):
             self._report()
 
+    def _restore_after_ps_loss(self, coordinator: ClusterCoordinator) -> None:
+        """Wait for every ps (at its new address if it moved), restore them all, re-plan the queued steps.
+
+        A ps can look ready and still fail the restore (a channel to a cut-off host stays open until keepalive
+        gives up on it): that is retried until ``ps_wait`` has passed, then it is the training's failure."""
+        deadline = time.monotonic() + self.ps_wait
+        while True:
+            try:
+                self.ps.wait_ready(max(1.0, deadline - time.monotonic()))
+                self._init_or_restore()
+                restored = self.ps.state(0)
+                break
+            except PsUnavailable as exc:
+                if self.stop.is_set() or time.monotonic() >= deadline:
+                    raise
+                log.warning("restore not done yet (%s): retrying", exc)
+                self.stop.wait(1.0)
+        self._resumed_at(restored.global_step)
+        dropped = coordinator.recover(_cursors(list(restored.shard_positions)))
+        log.info("resuming at global step %d (%d queued steps re-planned)", restored.global_step, dropped)
+
     def close(self) -> None:
+        self._unfollow_ps()
         self.ps.close()
         self.metrics.close()
 
 
-def _follow_moves(coordinator: ClusterCoordinator, addresses: dict[str, str]) -> None:
-    """Point the coordinator at each worker's address as the supervisor knows it ("worker:2" -> "host:port")."""
-    for task, address in addresses.items():
-        job, _, index = task.partition(":")
-        if job == "worker" and index.isdigit() and int(index) < len(coordinator.workers):
-            coordinator.set_worker_address(int(index), address)
+def _follow_moves(coordinator: ClusterCoordinator, ps: PsClient, addresses: dict[str, str]) -> None:
+    """Point the coordinator at each worker, and the PS client at each ps, where the supervisor says they are."""
+    for index, address in tasks_of("worker", addresses).items():
+        if index < len(coordinator.workers):
+            coordinator.set_worker_address(index, address)
+    ps.follow(addresses)

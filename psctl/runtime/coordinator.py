@@ -33,7 +33,7 @@ import grpc
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.cluster import TlsFiles
-from psctl.runtime.rpc import make_channel
+from psctl.runtime.rpc import close_later, make_channel
 
 log = logging.getLogger("psctl.coordinator")
 
@@ -258,8 +258,8 @@ class ClusterCoordinator:
     def set_worker_address(self, index: int, address: str) -> None:
         """Worker ``index`` now listens at ``address`` (its supervisor restarted it on another host of its pool).
 
-        Its old channel is closed, which fails a step still in flight there (the step goes back on the queue),
-        and the worker is probed at its new address before it gets work again.
+        A step still in flight at the old address fails there (keepalive, or the old process's refusal) and goes
+        back on the queue; the worker is probed at its new address before it gets work again.
         """
         with self._cond:
             worker = self.workers[index]
@@ -271,7 +271,7 @@ class ClusterCoordinator:
             self._channels[index] = make_channel(address, self._tls)
             self._stubs[index] = pb_grpc.WorkerStub(self._channels[index])
             worker.alive = False
-        old.close()
+        close_later(old)
 
     def recover(self, cursors: dict[int, int]) -> int:
         """After the chief restored the PS: drop every queued closure (their data positions are from before

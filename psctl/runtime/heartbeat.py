@@ -38,9 +38,9 @@ class Progress:
 PROGRESS = Progress()
 
 
-class WorkerAddresses:
-    """Where the supervisor says each worker is now (the chief's heartbeats bring it back): a worker restarted
-    on another host of its pool has a new address. The coordinator subscribes to follow such moves."""
+class ClusterAddresses:
+    """Where the supervisor says each ps and worker is now (heartbeat replies bring it back): a role restarted
+    on another host of its pool has a new address. The coordinator and the PS clients subscribe to follow."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -48,8 +48,8 @@ class WorkerAddresses:
         self._subscribers: list[Callable[[dict[str, str]], None]] = []
 
     def subscribe(self, callback: Callable[[dict[str, str]], None]) -> Callable[[], None]:
-        """Call ``callback({"worker:0": "host:port", ...})`` with every worker's address whenever one differs
-        from the last reply (and on the first); returns the function that unsubscribes."""
+        """Call ``callback({"ps:0": "host:port", "worker:0": ..., ...})`` with every address whenever one
+        differs from the last reply (and on the first); returns the function that unsubscribes."""
         with self._lock:
             self._subscribers.append(callback)
 
@@ -74,8 +74,18 @@ class WorkerAddresses:
             return dict(self._known)
 
 
-#: Filled from the chief's heartbeat replies.
-WORKER_ADDRESSES = WorkerAddresses()
+def tasks_of(job: str, addresses: dict[str, str]) -> dict[int, str]:
+    """``{index: address}`` of one job's tasks in an address map such as ``{"ps:0": "h:7110", ...}``."""
+    out = {}
+    for task, address in addresses.items():
+        name, _, index = task.partition(":")
+        if name == job and index.isdigit():
+            out[int(index)] = address
+    return out
+
+
+#: Filled from this role's heartbeat replies.
+ADDRESSES = ClusterAddresses()
 
 
 def _rss() -> int:
@@ -94,7 +104,7 @@ class Heartbeater:
         interval: float | None = None,
         progress: Progress = PROGRESS,
         on_fenced: Callable[[], None] | None = None,
-        addresses: WorkerAddresses = WORKER_ADDRESSES,
+        addresses: ClusterAddresses = ADDRESSES,
     ) -> None:
         self.info = info
         # the launcher passes supervision.heartbeat_interval in the environment
@@ -135,8 +145,8 @@ class Heartbeater:
                 if reply.fenced:
                     log.error("%s incarnation %d was replaced: exiting", self.info.task, self.info.incarnation)
                     self.on_fenced()
-                if reply.worker_addresses:
-                    self.addresses.update(dict(reply.worker_addresses))
+                if reply.addresses:
+                    self.addresses.update(dict(reply.addresses))
             except grpc.RpcError:
                 pass
             self._stop.wait(self.interval)

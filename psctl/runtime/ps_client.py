@@ -6,6 +6,9 @@ Arrays travel in frames (psctl.runtime.wire) over the PS's framed rpcs: small pa
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,8 +21,11 @@ from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime import wire
 from psctl.runtime.cluster import TlsFiles
-from psctl.runtime.rpc import make_channel
+from psctl.runtime.heartbeat import tasks_of
+from psctl.runtime.rpc import close_later, make_channel
 from psctl.runtime.wire import Entry
+
+log = logging.getLogger("psctl.ps_client")
 
 
 class PsUnavailable(Exception):
@@ -68,6 +74,8 @@ class PsClient:
     def __init__(self, addresses: Sequence[str], *, tls: TlsFiles | None = None, timeout: float = 60.0) -> None:
         self.addresses = list(addresses)
         self.timeout = timeout
+        self._tls = tls
+        self._lock = threading.Lock()
         self._channels = [make_channel(a, tls) for a in self.addresses]
         self.stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
         self._framed = [FramedStub(c) for c in self._channels]
@@ -78,6 +86,27 @@ class PsClient:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for channel in self._channels:
             channel.close()
+
+    def set_address(self, ps: int, address: str) -> None:
+        """PS ``ps`` now listens at ``address`` (its supervisor restarted it on another host of its pool): later
+        calls go there; calls in flight to the old address fail as for a lost PS."""
+        with self._lock:
+            if self.addresses[ps] == address:
+                return
+            log.warning("ps:%d moved from %s to %s", ps, self.addresses[ps], address)
+            old = self._channels[ps]
+            channel = make_channel(address, self._tls)
+            self.addresses[ps] = address
+            self._channels[ps] = channel
+            self.stubs[ps] = pb_grpc.ParameterServerStub(channel)
+            self._framed[ps] = FramedStub(channel)
+        close_later(old)
+
+    def follow(self, addresses: Mapping[str, str]) -> None:
+        """Apply the ps addresses of a supervisor's address map (``{"ps:1": "host:port", ...}``)."""
+        for ps, address in tasks_of("ps", dict(addresses)).items():
+            if ps < len(self.addresses):
+                self.set_address(ps, address)
 
     def _wrap(self, ps: int, exc: grpc.RpcError) -> Exception:
         code, details = exc.code(), exc.details() or ""  # type: ignore[attr-defined]
@@ -257,9 +286,15 @@ class PsClient:
         return out
 
     def wait_ready(self, timeout: float) -> None:
-        """Block until every PS channel is connected (roles start in any order)."""
-        for ps, channel in enumerate(self._channels):
-            try:
-                grpc.channel_ready_future(channel).result(timeout=timeout)
-            except grpc.FutureTimeoutError:
-                raise PsUnavailable(ps, self.addresses[ps], f"not reachable within {timeout:.0f}s") from None
+        """Block until every PS channel is connected (roles start in any order). A PS that moves meanwhile is
+        waited for at its new address."""
+        deadline = time.monotonic() + timeout
+        for ps in range(len(self._channels)):
+            while True:
+                channel = self._channels[ps]
+                try:
+                    grpc.channel_ready_future(channel).result(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                    break
+                except grpc.FutureTimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise PsUnavailable(ps, self.addresses[ps], f"not reachable within {timeout:.0f}s") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,18 @@ def make_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
     )
     options.append(("grpc.ssl_target_name_override", TLS_SERVER_NAME))
     return grpc.secure_channel(address, creds, options=options)
+
+
+#: How long a replaced channel stays open: a call another thread took its stub for just before the swap must
+#: not hit a closed channel (a ValueError, not an RpcError); calls to a dead peer fail by keepalive meanwhile.
+REPLACED_CHANNEL_GRACE = 60.0
+
+
+def close_later(channel: grpc.Channel, delay: float = REPLACED_CHANNEL_GRACE) -> None:
+    """Close a channel that was just replaced (its peer moved) once no call can still be starting on it."""
+    timer = threading.Timer(delay, channel.close)
+    timer.daemon = True
+    timer.start()
 
 
 def make_server(bind: str, tls: TlsFiles | None = None, *, max_workers: int = 16) -> tuple[grpc.Server, int]:

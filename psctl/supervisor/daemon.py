@@ -50,6 +50,9 @@ STABLE_FACTOR = 10.0
 EVALUATOR_GRACE = 120.0
 #: How often the roles on an SSH host are looked at (one command for all of them, in a thread per host).
 SSH_STATUS_INTERVAL = 0.5
+#: A host whose last answered look is older than this is not given a moving role (its current look may be
+#: waiting on a cut-off connection, which takes seconds to time out).
+LOOK_OVERDUE = 2.5
 #: How often a remote chief's new metrics lines are copied here.
 MIRROR_INTERVAL = 2.0
 
@@ -101,8 +104,8 @@ class HeartbeatServicer(pb_grpc.SupervisorServicer):
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         response = pb.HeartbeatResponse(fenced=self.supervisor.on_heartbeat(request))
-        if request.task.startswith("chief:") and not response.fenced:  # it follows workers that move
-            response.worker_addresses.update(self.supervisor.worker_addresses())
+        if request.task.startswith(("chief:", "worker:")) and not response.fenced:  # they follow roles that move
+            response.addresses.update(self.supervisor.addresses())
         return response
 
 
@@ -191,10 +194,11 @@ class Supervisor:
             role.metrics = dict(hb.metrics)
             return False
 
-    def worker_addresses(self) -> dict[str, str]:
-        """Every worker's address as ``"worker:2" -> "host:port"``: what the chief's heartbeats bring back."""
+    def addresses(self) -> dict[str, str]:
+        """Every ps's and worker's address (``"worker:2" -> "host:port"``): what the heartbeat replies of the
+        chief and the workers bring back, so that they follow a role that moved."""
         with self.lock:
-            return {f"worker:{r.index}": r.endpoint for r in self.record.roles if r.role == "worker"}
+            return {f"{r.role}:{r.index}": r.endpoint for r in self.record.roles if r.role in ("ps", "worker")}
 
     # -- starting roles -------------------------------------------------------------------------------
     def role_env(self, role: RoleRecord) -> dict[str, str]:
@@ -264,12 +268,16 @@ class Supervisor:
             self._launch(role, role.attempt, place, env, stale, locked=True)
 
     def usable(self, host: str) -> bool:
-        """Whether roles may start on ``host`` now: it answers and is not benched."""
+        """Whether roles may start on ``host`` now: it answers (its last look neither failed nor is overdue: a
+        cut-off host's look takes seconds to time out) and is not benched."""
         place = self.places.get(host)
-        return place is not None and place.runner.last_error is None and not self.bench.is_benched(host, self.time())
+        if place is None or place.runner.last_error is not None or self.bench.is_benched(host, self.time()):
+            return False
+        answered = place.runner.answered_at
+        return answered is None or time.monotonic() - answered <= LOOK_OVERDUE
 
     def place_role(self, role: RoleRecord) -> None:
-        """Move a worker whose host is cut off or benched to another host of its pool (if one is usable)."""
+        """Move a worker or ps whose host is cut off or benched to another host of its pool (if one is usable)."""
         if role.attempt == 0:
             return  # the first start goes where the plan put it
         occupants = [Occupant(r.name, r.host, r.port) for r in self.record.roles if not r.state.terminal]

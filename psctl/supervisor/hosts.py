@@ -1,10 +1,10 @@
-"""Which host a role restarts on: hosts that keep failing are benched for a while, and a worker whose host is
-benched or cannot be reached moves to another host of its pool.
+"""Which host a role restarts on: hosts that keep failing are benched for a while, and a worker or ps whose
+host is benched or cannot be reached moves to another host of its pool.
 
 Pure logic on an injected clock (the supervisor passes ``now``), so that it is tested without processes.
-Only workers move: every other role's address is part of the cluster view each role was started with (the
-chief's address is the evaluator's, the ps's are every worker's), while the chief follows a worker's new
-address through its heartbeat replies.
+Workers and ps move: the chief and the workers follow their new addresses through their heartbeat replies (a
+moved ps is restored from the latest checkpoint, as a restarted one is). The chief and the evaluator stay on
+their host: the checkpoints they write and read live there unless ``training.checkpoint.dir`` is shared.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 #: The roles that may restart on another host of their pool.
-MOVABLE_ROLES = frozenset({"worker"})
+MOVABLE_ROLES = frozenset({"worker", "ps"})
 
 
 def hosts_for(role: str, planned: str, pool: Sequence[str]) -> tuple[str, ...]:
