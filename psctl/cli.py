@@ -214,7 +214,7 @@ def logs(role: str, name: str | None, tail: int, follow: bool, attempt: int | No
     except KeyboardInterrupt:
         pass
     finally:
-        log.runner.close()
+        log.close()
 
 
 @cli.command()

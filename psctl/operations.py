@@ -21,7 +21,7 @@ from psctl.errors import ClusterNotFound, LaunchError, PsctlError, UsageError
 from psctl.home import ClusterDir, list_clusters
 from psctl.launch.base import ProcessHandle, Runner, stop_on_hosts
 from psctl.launch.fanout import HostsError, check_results, run_on_all
-from psctl.launch.hostset import RemoteHost, RoleDirs, host_runners, placements
+from psctl.launch.hostset import Placement, RemoteHost, host_runners, placements
 from psctl.launch.local import LocalRunner
 from psctl.launch.remote import (
     HostDir,
@@ -369,27 +369,40 @@ def check_role(record: ClusterRecord, role: str) -> RoleRecord:
         ) from None
 
 
-@dataclass(frozen=True)
+@dataclass
 class RoleLog:
-    """A role's log files (one per attempt) on whatever host it runs, read through that host's runner."""
+    """A role's log files (one per attempt) on whatever host ran each attempt, read through its runner."""
 
     role: str
-    runner: Runner
-    dirs: RoleDirs
+    places: Mapping[str, Placement]
+    #: The role's record: which host ran which attempt (``follow`` refreshes it as the role restarts).
+    record: RoleRecord
 
     def read(self, attempt: int, offset: int = 0) -> bytes | None:
         """The attempt's log from ``offset`` on; None if it does not exist (yet)."""
+        place = self.places[self.record.host_of(attempt)]
         try:
-            return self.runner.read_file(str(self.dirs.role_log(self.role, attempt)), offset)
+            return place.runner.read_file(str(place.dirs.role_log(self.role, attempt)), offset)
         except FileNotFoundError:
             return None
+
+    def read_end(self, attempt: int, nbytes: int) -> tuple[bytes, int] | None:
+        """The last ``nbytes`` of the attempt's log and its size; None if it does not exist (yet)."""
+        place = self.places[self.record.host_of(attempt)]
+        try:
+            return place.runner.read_end(str(place.dirs.role_log(self.role, attempt)), nbytes)
+        except FileNotFoundError:
+            return None
+
+    def close(self) -> None:
+        for place in self.places.values():
+            place.runner.close()
 
 
 def role_log(cdir: ClusterDir, record: ClusterRecord, role: str) -> RoleLog:
     rec = check_role(record, role)
     runners = host_runners(record.hosts)
-    place = placements(cdir, record.hosts, runners, cwd=str(cdir.root))[rec.host]
-    return RoleLog(role, place.runner, place.dirs)
+    return RoleLog(role, placements(cdir, record.hosts, runners, cwd=str(cdir.root)), rec)
 
 
 def check_attempt(record: ClusterRecord, role: str, attempt: int | None) -> int:
@@ -417,10 +430,28 @@ def _last_lines(data: bytes, n: int) -> list[str]:
     return lines[-n:] if n > 0 else lines
 
 
+#: ``logs --tail`` reads this much of the log's end first, and four times more while lines are missing.
+TAIL_CHUNK = 64 << 10
+
+
 def tail_log(log: RoleLog, attempt: int, n: int) -> tuple[list[str], int]:
-    """The last ``n`` lines (all if n <= 0) of the attempt's log, and the offset where reading stopped."""
-    data = log.read(attempt) or b""
-    return _last_lines(data, n), len(data)
+    """The last ``n`` lines (all if n <= 0) of the attempt's log, and the offset where reading stopped.
+    Only the end of a long log is read (it may be on another host)."""
+    if n <= 0:
+        data = log.read(attempt) or b""
+        return _last_lines(data, n), len(data)
+    nbytes = TAIL_CHUNK
+    while True:
+        found = log.read_end(attempt, nbytes)
+        if found is None:
+            return [], 0
+        data, size = found
+        whole = len(data) >= size
+        if not whole:  # the first line is cut: it is not one of the last n unless more is read
+            data = data[data.find(b"\n") + 1:] if b"\n" in data else b""
+        if whole or data.count(b"\n") > n:
+            return _last_lines(data, n), size
+        nbytes *= 4
 
 
 def follow(
@@ -441,6 +472,7 @@ def follow(
             yield from lines
             continue
         record = load_state(cdir.state_file)
+        log.record = record.role(log.role)  # the next attempt may run on another host
         if log.read(attempt + 1, 0) is not None:
             if pending:
                 yield pending

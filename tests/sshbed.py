@@ -258,6 +258,18 @@ class SSHBed:
         else:
             raise ValueError(f"how: 'nft' or 'link', not {how!r}")
 
+    def ssh_only_from_hosts(self, name: str) -> None:
+        """Let the host accept SSH only from the other test hosts, not from this machine (a bastion setup);
+        :meth:`heal` undoes it."""
+        host = self.hosts[name]
+        rules = (
+            f"table inet {NFT_TABLE} {{\n"
+            f"  chain input {{ type filter hook input priority -300; "
+            f"iifname \"eth0\" ip saddr {SUBNET}.1 tcp dport 22 drop; }}\n"
+            "}\n"
+        )
+        _run("ip", "netns", "exec", host.netns, "nft", "-f", "-", input=rules)
+
     def heal(self, name: str) -> None:
         """Undo :meth:`partition` (either kind)."""
         host = self.hosts[name]

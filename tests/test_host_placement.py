@@ -116,6 +116,8 @@ def test_a_worker_on_a_cut_off_host_restarts_on_the_least_loaded_host_of_its_poo
     # h1 holds chief-0 and worker-0, h2 only worker-1: the worker goes to h2
     assert (worker.host, worker.address, worker.state, worker.attempt) == ("h2", "10.9.0.2", RoleState.STARTING, 2)
     assert sup.live["worker-2"].handle is not None and sup.live["worker-2"].handle.host == "h2"
+    assert worker.hosts_by_attempt == [[1, "h3"], [2, "h2"]]  # where each attempt's log is
+    assert (worker.host_of(1), worker.host_of(2), worker.host_of(3)) == ("h3", "h2", "h2")
     assert sup.record.role("ps-0").host == "h3"
     assert any(e["role"] == "worker-2" and e["reason"] == "moves from h3 to h2 (host h3: timed out)"
                for e in events(sup))

@@ -283,6 +283,21 @@ MISTAKES = [
         "cluster.yaml:6: roles.ps.hosts[1]: host 'bta' is not defined under hosts:; did you mean 'beta'?",
     ),
     (
+        "a proxy_jump hop that is neither a host of the spec nor user@host:port",
+        """\
+        hosts:
+          - {name: gw, address: 10.0.0.1}
+          - {name: a, address: 10.0.0.11, proxy_jump: "gw,bad hop"}
+        roles:
+          chief: {host: a, port: 7000}
+          ps: {host: a, port: 7010}
+          worker: {host: a, port: 7100}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:3: hosts[1].proxy_jump: 'bad hop' is not a host of the spec nor [user@]host[:port]; "
+        "write e.g. proxy_jump: bastion, or user@10.0.0.1:22 (hops separated by commas)",
+    ),
+    (
         "role names a host but the spec has no hosts",
         """\
         roles:
@@ -824,3 +839,19 @@ def test_any_text_fails_only_as_one_line_spec_error(text: str) -> None:
     except SpecError as e:
         assert e.format_message().startswith("c.yaml:")
         assert "\n" not in e.format_message()
+
+
+def test_a_proxy_jump_naming_a_host_of_the_spec_becomes_its_address(tmp_path: Path) -> None:
+    spec = load_spec(write(tmp_path, """\
+        hosts:
+          - {name: gw, address: 10.0.0.1, user: ops, port: 2222}
+          - {name: a, address: 10.0.0.11, proxy_jump: "gw, root@10.9.9.9"}
+          - {name: b, address: 10.0.0.12, proxy_jump: none}
+        roles:
+          chief: {host: a, port: 7000}
+          ps: {host: b, port: 7010}
+          worker: {host: a, port: 7100}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """))
+    assert spec.host("a").proxy_jump == "ops@10.0.0.1:2222,root@10.9.9.9"
+    assert spec.host("b").proxy_jump == "none" and spec.host("gw").proxy_jump is None

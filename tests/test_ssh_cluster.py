@@ -440,7 +440,13 @@ def test_a_cut_off_hosts_ps_and_worker_move_to_other_hosts_of_their_pools(remote
         out = remote.bed.exec("h3", "ps axeww -o pid=,args=").stdout
         return not any(f"PSCTL_CLUSTER_ID={before['cluster_id']}" in line.split() for line in out.splitlines())
 
-    wait_until(gone_from_h3, timeout=30, what="the old ps-1 and worker-2 to be stopped on h3")
+    wait_until(gone_from_h3, timeout=30, what="the old ps-1 and worker-2 to be stopped on h3",
+               detail=lambda: remote.bed.exec("h3", "ps axww -o pid,stat,args").stdout + remote.supervisor_log())
+    # Each attempt's log is read from the host that ran it: the first from h3, the latest from h2.
+    first = remote.psctl("logs", "worker-2", remote.name, "--attempt", "1").stdout
+    latest = remote.psctl("logs", "worker-2", remote.name).stdout
+    assert f"worker:2 serving on {remote.bed.hosts['h3'].address}:7122" in first, first
+    assert f"worker:2 serving on {remote.bed.hosts['h2'].address}:7122" in latest, latest
     events = [e for e in map(json.loads, events_file.read_text().splitlines()) if e["role"] == "host h3"]
     assert [e["to"] for e in events][:2] == ["unreachable", "reachable"], events
     # ...and had it pushed anything, every PS refuses its incarnation: it was replaced.

@@ -277,6 +277,62 @@ def test_resolve_uses_ssh_config_for_what_the_spec_leaves_open(tmp_path: Path) -
     assert (target.user, target.key_filenames, target.known_hosts) == ("root", ("/mine",), tmp_path / "kh")
 
 
+def test_resolve_follows_proxy_jump_chains_and_connect_timeout(tmp_path: Path) -> None:
+    config = tmp_path / "config"
+    config.write_text(
+        "Host inner\n  HostName 10.0.0.9\n  ProxyJump gw2\n  ConnectTimeout 7\n"
+        "Host gw2\n  HostName 10.0.0.2\n  User hop\n  ProxyJump admin@gw1:2222\n"
+        "Host gw1\n  HostName 10.0.0.1\n  IdentityFile /keys/gw1\n"
+        "Host loop\n  ProxyJump loop\n"
+        "Host viacmd\n  ProxyCommand nc %h %p\n"
+    )
+    target = hosts.resolve(HostSpec(name="h9", address="inner", identity_file="/keys/id"), ssh_config=config)
+    assert (target.hostname, target.connect_timeout) == ("10.0.0.9", 7.0)
+    gw2 = target.jump
+    assert gw2 is not None and (gw2.hostname, gw2.user, gw2.port, gw2.key_filenames) == (
+        "10.0.0.2", "hop", 22, ("/keys/id",))  # no key of its own: the host's
+    gw1 = gw2.jump
+    assert gw1 is not None and (gw1.hostname, gw1.user, gw1.port, gw1.key_filenames, gw1.jump) == (
+        "10.0.0.1", "admin", 2222, ("/keys/gw1",), None)
+    # The spec's proxy_jump wins over the config, and "none" turns the config's off.
+    spec = HostSpec(name="h9", address="inner", proxy_jump="u@[fd00::1]:2022,10.0.0.3")
+    target = hosts.resolve(spec, ssh_config=config)
+    assert target.jump is not None and target.jump.hostname == "10.0.0.3"
+    assert target.jump.jump is not None and (target.jump.jump.user, target.jump.jump.hostname,
+                                             target.jump.jump.port) == ("u", "fd00::1", 2022)
+    assert hosts.resolve(HostSpec(name="h9", address="inner", proxy_jump="none"), ssh_config=config).jump is None
+    with pytest.raises(hosts.ConfigError, match="more than 8 ProxyJump hops"):
+        hosts.resolve(HostSpec(name="h", address="loop"), ssh_config=config)
+    with pytest.raises(hosts.ConfigError, match="ProxyCommand is not supported"):
+        hosts.resolve(HostSpec(name="h", address="viacmd"), ssh_config=config)
+
+
+def test_a_host_reached_only_through_a_jump_host(sshbed: SSHBed) -> None:
+    """h2 accepts SSH only from the other hosts: reached through h1 (ProxyJump), commands and SFTP work."""
+    sshbed.ssh_only_from_hosts("h2")
+    try:
+        with SSHRunner(sshbed.spec("h2"), known_hosts=sshbed.known_hosts, ssh_config=None,
+                       connect_timeout=2) as direct, pytest.raises(HostUnreachable) as info:
+            direct.run("true")
+        assert "connection timed out after 2s" in info.value.format_message()
+        h1 = sshbed.hosts["h1"].address
+        with sshbed.runner("h2", proxy_jump=f"root@{h1}:22") as runner:
+            assert runner.run("hostname") == (0, "h2\n", "")
+            runner.put_bytes(b"through the jump\n", "/tmp/psctl-jump-test", mode=0o600)
+            assert runner.read_file("/tmp/psctl-jump-test") == b"through the jump\n"
+            runner.run("rm -f /tmp/psctl-jump-test")
+        # The jump host's key is verified like any host's.
+        with SSHRunner(sshbed.spec("h2", proxy_jump=h1), known_hosts=sshbed.known_hosts.with_name("none"),
+                       ssh_config=None) as runner, pytest.raises(LaunchError) as info:
+            runner.run("true")
+        assert info.value.format_message() == (
+            f"host h2: jump host {h1}:22: unknown host key; add it to known_hosts (ssh-keyscan) or set "
+            "host_key_policy: accept-new"
+        )
+    finally:
+        sshbed.heal("h2")
+
+
 # -- faults (these restart hosts: keep them last) ---------------------------------------------------------
 def test_partition_is_reported_within_seconds_and_heals(sshbed: SSHBed) -> None:
     with SSHRunner(sshbed.spec("h3"), known_hosts=sshbed.known_hosts, ssh_config=None,

@@ -56,6 +56,12 @@ class Runner(ABC):
         """The bytes of a file on this runner's host from ``offset`` on (a negative offset counts from the
         end); FileNotFoundError if it does not exist."""
 
+    def read_end(self, path: str, nbytes: int) -> tuple[bytes, int]:
+        """The last ``nbytes`` of a file and its size (where a reader following it goes on); backends
+        override it to read only that end. FileNotFoundError if it does not exist."""
+        data = self.read_file(path)
+        return data[max(0, len(data) - nbytes):], len(data)
+
     def close(self) -> None:  # noqa: B027 - optional hook: backends without connections need nothing
         """Release connections; safe to call twice."""
 

@@ -3,7 +3,10 @@
 :func:`resolve` turns a :class:`~psctl.spec.model.HostSpec` into the :class:`Target` that ``connect()`` needs.
 The spec wins; ``~/.ssh/config`` (OpenSSH's ``Host`` blocks, read with paramiko's ``SSHConfig``, which applies
 nothing by itself) fills what the spec leaves open: ``HostName``, ``User``, ``Port`` (only where the spec keeps
-the default 22), ``IdentityFile`` and ``UserKnownHostsFile``. ``ProxyCommand``/``ProxyJump`` are not supported.
+the default 22), ``IdentityFile``, ``UserKnownHostsFile``, ``ConnectTimeout`` and ``ProxyJump`` (hops
+``[user@]host[:port]``, comma-separated, each looked up in the ssh_config in turn; a hop without an identity of
+its own uses the host's). ``ProxyCommand`` is refused with a clear error: psctl runs no local commands to
+connect.
 
 Host keys are always verified. Keys are read from ``/etc/ssh/ssh_known_hosts`` and from the user's known_hosts
 file (``~/.ssh/known_hosts``, or the one given, which replaces it as OpenSSH's ``UserKnownHostsFile`` does).
@@ -19,7 +22,7 @@ import fcntl
 import getpass
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import paramiko
@@ -45,6 +48,10 @@ class Target:
     #: The user's known_hosts file: read, and written by ``accept-new``.
     known_hosts: Path
     host_key_policy: str
+    #: ssh_config's ConnectTimeout for this host (None: the runner's own).
+    connect_timeout: float | None = None
+    #: The last ProxyJump hop: this host is reached through a tunnel from there (it may have a jump of its own).
+    jump: Target | None = None
 
     @property
     def known_hosts_name(self) -> str:
@@ -56,14 +63,42 @@ def known_hosts_name(hostname: str, port: int) -> str:
     return hostname if port == 22 else f"[{hostname}]:{port}"
 
 
+#: At most this many ProxyJump hops (counting those an ssh_config adds): more is a loop in the config.
+MAX_JUMPS = 8
+
+
+class ConfigError(ValueError):
+    """An ssh_config or proxy_jump setting psctl cannot follow."""
+
+
+def parse_jump(hop: str) -> tuple[str | None, str, int]:
+    """``[user@]host[:port]`` (also ``[v6addr]:port``) as (user, host, port)."""
+    user, _, rest = hop.rpartition("@")
+    if rest.startswith("["):
+        host, _, port_text = rest[1:].partition("]")
+        port_text = port_text.removeprefix(":")
+    elif rest.count(":") == 1:
+        host, _, port_text = rest.partition(":")
+    else:
+        host, port_text = rest, ""
+    if not host or (port_text and not port_text.isdigit()):
+        raise ConfigError(f"proxy jump {hop!r} is not [user@]host[:port]")
+    return user or None, host, int(port_text) if port_text else 22
+
+
 def resolve(host: HostSpec, *, ssh_config: Path | None = DEFAULT_SSH_CONFIG,
-            known_hosts: Path | None = None) -> Target:
-    """The connection target for ``host``; reads ``ssh_config`` (None: none) if the file exists."""
+            known_hosts: Path | None = None, _depth: int = 0) -> Target:
+    """The connection target for ``host``; reads ``ssh_config`` (None: none) if the file exists.
+    ConfigError for a ProxyCommand, a malformed jump, or a jump chain that loops."""
+    if _depth > MAX_JUMPS:
+        raise ConfigError(f"more than {MAX_JUMPS} ProxyJump hops (a loop in the ssh config?)")
     options: dict[str, object] = {}
     if ssh_config is not None:
         path = ssh_config.expanduser()
         if path.is_file():
             options = dict(paramiko.SSHConfig.from_path(str(path)).lookup(host.address))
+    if options.get("proxycommand") and str(options["proxycommand"]).lower() != "none":
+        raise ConfigError(f"ProxyCommand is not supported (host {host.address}); use ProxyJump")
     hostname = str(options.get("hostname") or host.address)
     port = host.port
     if port == 22 and options.get("port"):
@@ -77,6 +112,18 @@ def resolve(host: HostSpec, *, ssh_config: Path | None = DEFAULT_SSH_CONFIG,
     if known_hosts is None:
         configured = str(options.get("userknownhostsfile") or "").split()
         known_hosts = Path(configured[0]) if configured else DEFAULT_KNOWN_HOSTS
+    timeout = options.get("connecttimeout")
+    jumps = host.proxy_jump if host.proxy_jump is not None else str(options.get("proxyjump") or "")
+    jump = None
+    if jumps and jumps.lower() != "none":
+        *before, last = [hop.strip() for hop in jumps.split(",")]
+        jump_user, jump_host, jump_port = parse_jump(last)
+        hop = HostSpec(name=f"{host.name} jump", address=jump_host, user=jump_user, port=jump_port,
+                       identity_file=None, host_key_policy=host.host_key_policy,
+                       proxy_jump=",".join(before) if before else None)
+        jump = resolve(hop, ssh_config=ssh_config, known_hosts=known_hosts, _depth=_depth + 1)
+        if not jump.key_filenames:  # no key of its own: the host's (one key for a cluster's machines)
+            jump = replace(jump, key_filenames=keys)
     return Target(
         name=host.name,
         hostname=hostname,
@@ -85,6 +132,8 @@ def resolve(host: HostSpec, *, ssh_config: Path | None = DEFAULT_SSH_CONFIG,
         key_filenames=keys,
         known_hosts=known_hosts.expanduser(),
         host_key_policy=host.host_key_policy,
+        connect_timeout=float(str(timeout)) if timeout and str(timeout).isdigit() else None,
+        jump=jump,
     )
 
 

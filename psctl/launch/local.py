@@ -91,6 +91,12 @@ class LocalRunner(Runner):
         return found
 
 
+    def read_end(self, path: str, nbytes: int) -> tuple[bytes, int]:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(max(0, size - nbytes))
+            return f.read(size - f.tell()), size
+
     def read_file(self, path: str, offset: int = 0) -> bytes:
         with open(path, "rb") as f:
             if offset < 0:

@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path, PurePath
 
 import paramiko
@@ -181,6 +181,7 @@ class SSHRunner(Runner):
         self._forwards: dict[int, int] = {}
         self._forwarded_on: paramiko.Transport | None = None
         self._watcher: threading.Thread | None = None
+        self._jump_clients: list[paramiko.SSHClient] = []  # ProxyJump hosts of the current connection
         self._closed = threading.Event()  # set by close(): stops the background watcher
         self.last_error = None
 
@@ -335,13 +336,16 @@ class SSHRunner(Runner):
 
     def _disconnect(self) -> None:
         with self._lock:
-            sftp, client = self._sftp, self._client
+            sftp, client, jumps = self._sftp, self._client, self._jump_clients
             self._sftp = self._client = None
+            self._jump_clients = []
             self._boot = None
         if sftp is not None:
             sftp.close()
         if client is not None:
             client.close()
+        for jump in jumps:
+            jump.close()
 
     # -- extras ---------------------------------------------------------------------------------------
     def run(self, cmd: str, timeout: float | None = None) -> tuple[int, str, str]:
@@ -355,10 +359,19 @@ class SSHRunner(Runner):
     def read_file(self, path: str, offset: int = 0) -> bytes:
         """The bytes of a remote file from ``offset`` on (SFTP; negative: from the end), e.g. the new part of
         a role's log. FileNotFoundError if it does not exist."""
+        return self._read(path, lambda size: max(0, size + offset) if offset < 0 else offset)[0]
+
+    def read_end(self, path: str, nbytes: int) -> tuple[bytes, int]:
+        return self._read(path, lambda size: max(0, size - nbytes))
+
+    def _read(self, path: str, start: Callable[[int], int]) -> tuple[bytes, int]:
+        """The file's bytes from ``start(size)`` to its end (read over SFTP), and its size."""
         try:
             with self._sftp_client().open(_sftp_path(path), "rb") as remote:
-                remote.seek(max(0, remote.stat().st_size + offset) if offset < 0 else offset)
-                return remote.read()
+                begin = start(remote.stat().st_size)
+                remote.seek(begin)
+                data = remote.read()
+                return data, begin + len(data)
         except FileNotFoundError:
             raise
         except OSError as exc:
@@ -470,6 +483,8 @@ class SSHRunner(Runner):
 
     # -- connection -----------------------------------------------------------------------------------
     def _unreachable(self, target: hosts.Target, what: str, fix: str) -> HostUnreachable:
+        if target.name != self.spec.name:
+            return HostUnreachable(f"{self._where(target)}: unreachable: {what}; {fix}")
         return HostUnreachable(f"host {self.host} ({target.hostname}:{target.port}): unreachable: {what}; {fix}")
 
     def _lost(self, what: str) -> HostUnreachable:
@@ -496,29 +511,51 @@ class SSHRunner(Runner):
     def _connect(self) -> paramiko.SSHClient:
         try:
             target = hosts.resolve(self.spec, ssh_config=self._ssh_config, known_hosts=self._known_hosts)
+        except hosts.ConfigError as exc:
+            raise LaunchError(f"host {self.host}: {exc}; fix hosts[].proxy_jump or {self._ssh_config}") from exc
         except (OSError, ImportError, paramiko.SSHException) as exc:
             raise LaunchError(f"host {self.host}: cannot use the ssh config {self._ssh_config}: {exc}") from exc
         self._target = target
         for key in target.key_filenames if self.spec.identity_file else ():
             if not Path(key).is_file():
                 raise LaunchError(f"host {self.host}: identity_file {key!r} not found; set hosts[].identity_file")
+        jumps: list[paramiko.SSHClient] = []
+        try:
+            client = self._handshake(target, self._open_socket(target, jumps))
+        except BaseException:
+            for jump in jumps:
+                jump.close()
+            raise
+        with self._lock:
+            self._jump_clients = jumps
+        return client
+
+    def _where(self, target: hosts.Target) -> str:
+        """How messages name the machine ``target`` is: the host itself, or one of its jump hosts."""
+        if target.name == self.spec.name:
+            return f"host {self.host}"
+        return f"host {self.host}: jump host {target.hostname}:{target.port}"
+
+    def _handshake(self, target: hosts.Target, sock: socket.socket | paramiko.Channel) -> paramiko.SSHClient:
+        """SSH over ``sock`` to ``target``: host key verified, authenticated; a clear error otherwise."""
+        timeout = target.connect_timeout or self.connect_timeout
+        where = self._where(target)
         client = paramiko.SSHClient()
         try:
             hosts.load_known_hosts(client, target)
         except OSError as exc:
             raise LaunchError(f"host {self.host}: cannot read known_hosts: {exc}; check its permissions") from exc
         client.set_missing_host_key_policy(hosts.host_key_policy(target))
-        sock = self._open_socket(target)
         try:
             client.connect(
                 target.hostname,
                 port=target.port,
                 username=target.user,
                 key_filename=list(target.key_filenames) or None,
-                timeout=self.connect_timeout,
-                banner_timeout=self.connect_timeout,
-                auth_timeout=self.connect_timeout,
-                channel_timeout=self.connect_timeout,
+                timeout=timeout,
+                banner_timeout=timeout,
+                auth_timeout=timeout,
+                channel_timeout=timeout,
                 allow_agent=self._allow_agent,
                 look_for_keys=not target.key_filenames,
                 sock=sock,
@@ -526,19 +563,19 @@ class SSHRunner(Runner):
         except paramiko.BadHostKeyException as exc:
             client.close()
             raise LaunchError(
-                f"host {self.host}: host key CHANGED (possible attack); remove the old key from "
+                f"{where}: host key CHANGED (possible attack); remove the old key from "
                 f"{target.known_hosts} if the change is expected"
             ) from exc
         except hosts.UnknownHostKey as exc:
             client.close()
             raise LaunchError(
-                f"host {self.host}: unknown host key; add it to known_hosts (ssh-keyscan) or set "
+                f"{where}: unknown host key; add it to known_hosts (ssh-keyscan) or set "
                 "host_key_policy: accept-new"
             ) from exc
         except paramiko.AuthenticationException as exc:
             client.close()
             raise LaunchError(
-                f"host {self.host}: authentication failed for user {target.user}; check identity_file or ssh-agent"
+                f"{where}: authentication failed for user {target.user}; check identity_file or ssh-agent"
             ) from exc
         except (paramiko.SSHException, EOFError, OSError) as exc:
             client.close()
@@ -548,14 +585,29 @@ class SSHRunner(Runner):
             ) from exc
         return client
 
-    def _open_socket(self, target: hosts.Target) -> socket.socket:
+    def _open_socket(self, target: hosts.Target, jumps: list[paramiko.SSHClient]) -> socket.socket | paramiko.Channel:
+        """A connection to ``target``'s sshd: a TCP socket, or a tunnel from its jump host (connected first,
+        recursively; each jump's client is appended to ``jumps``, to close with the connection)."""
+        timeout = target.connect_timeout or self.connect_timeout
+        if target.jump is not None:
+            jump = self._handshake(target.jump, self._open_socket(target.jump, jumps))
+            jumps.append(jump)
+            transport = jump.get_transport()
+            assert transport is not None
+            try:
+                return transport.open_channel("direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0),
+                                              timeout=timeout)
+            except (paramiko.SSHException, OSError) as exc:
+                raise self._unreachable(
+                    target, f"jump host {target.jump.hostname} cannot connect to it ({exc or type(exc).__name__})",
+                    "check the address, that sshd runs, and that the jump host allows TCP forwarding") from exc
         fix = "check the address and that sshd runs"
         try:
-            sock = socket.create_connection((target.hostname, target.port), timeout=self.connect_timeout)
+            sock = socket.create_connection((target.hostname, target.port), timeout=timeout)
         except socket.gaierror as exc:
             raise self._unreachable(target, "unknown address", "check hosts[].address") from exc
         except TimeoutError as exc:
-            raise self._unreachable(target, f"connection timed out after {self.connect_timeout:g}s", fix) from exc
+            raise self._unreachable(target, f"connection timed out after {timeout:g}s", fix) from exc
         except ConnectionRefusedError as exc:
             raise self._unreachable(target, "connection refused", "check the port and that sshd runs") from exc
         except OSError as exc:

@@ -31,6 +31,8 @@ class HostSpec:
     python: str = "python3"
     workdir: str = "~/.psctl-work"
     host_key_policy: HostKeyPolicy = "reject"
+    #: OpenSSH's ProxyJump: ``[user@]host[:port]``, hops separated by commas (the first is reached first).
+    proxy_jump: str | None = None
 
 
 @dataclass(frozen=True)

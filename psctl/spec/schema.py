@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,8 @@ from psctl.spec.plan import LOCAL_HOST, conflict_error, layout, port_conflict
 from psctl.spec.training import check_confined, normalise_training
 
 TOP_KEYS = ("name", "hosts", "roles", "training", "supervision", "security", "files", "setup")
-HOST_KEYS = ("name", "address", "user", "port", "identity_file", "python", "workdir", "host_key_policy")
+HOST_KEYS = ("name", "address", "user", "port", "identity_file", "python", "workdir", "host_key_policy",
+             "proxy_jump")
 ROLE_KEYS = ("replicas", "host", "hosts", "port", "ports", "restart", "env", "threads")
 RESTART_KEYS = ("policy", "max_restarts", "backoff_seconds", "max_backoff_seconds", "permanent_exit_codes")
 SUPERVISION_KEYS = ("heartbeat_interval", "heartbeat_timeout", "startup_grace", "stall_timeout",
@@ -43,6 +45,8 @@ _NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _ADDRESS = re.compile(r"[A-Za-z0-9:][A-Za-z0-9_.:%-]{0,252}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: One ProxyJump hop, as OpenSSH writes it: [user@]host[:port], an IPv6 address in brackets.
+_JUMP_HOP = re.compile(r"(?:[A-Za-z0-9_.-]+@)?(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(?::[0-9]{1,5})?")
 _PORT_FIX = "use a port number such as 7000"
 
 
@@ -181,9 +185,39 @@ def _hosts(c: Checker, value: object) -> tuple[HostSpec, ...]:
                     ("reject", "accept-new"),
                     noun="host key policy",
                 ),
+                proxy_jump=c.optional_string(
+                    (*p, "proxy_jump"), h.get("proxy_jump"), fix="write e.g. proxy_jump: bastion or user@10.0.0.1:22"
+                ),
             )
         )
-    return tuple(hosts)
+    return tuple(_with_jumps(c, hosts))
+
+
+def _with_jumps(c: Checker, hosts: list[HostSpec]) -> list[HostSpec]:
+    """Check every proxy_jump hop; a hop that names another host of the spec becomes its user@address:port."""
+    by_name = {h.name: h for h in hosts}
+    out = []
+    for i, host in enumerate(hosts):
+        if host.proxy_jump is None or host.proxy_jump.lower() == "none":
+            out.append(host)
+            continue
+        hops = []
+        for hop in (h.strip() for h in host.proxy_jump.split(",")):
+            other = by_name.get(hop)
+            if other is not None:
+                if other.name == host.name:
+                    c.fail(("hosts", i, "proxy_jump"), f"host {host.name!r} cannot be its own jump host",
+                           "name another host, or remove proxy_jump")
+                user = f"{other.user}@" if other.user else ""
+                address = f"[{other.address}]" if ":" in other.address else other.address
+                hops.append(f"{user}{address}:{other.port}")
+            elif _JUMP_HOP.fullmatch(hop):
+                hops.append(hop)
+            else:
+                c.fail(("hosts", i, "proxy_jump"), f"{hop!r} is not a host of the spec nor [user@]host[:port]",
+                       "write e.g. proxy_jump: bastion, or user@10.0.0.1:22 (hops separated by commas)")
+        out.append(replace(host, proxy_jump=",".join(hops)))
+    return out
 
 
 def _roles(c: Checker, value: object, hosts: tuple[HostSpec, ...]) -> dict[str, RoleSpec]:

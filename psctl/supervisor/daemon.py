@@ -53,6 +53,8 @@ SSH_STATUS_INTERVAL = 0.5
 #: A host whose last answered look is older than this is not given a moving role (its current look may be
 #: waiting on a cut-off connection, which takes seconds to time out).
 LOOK_OVERDUE = 2.5
+#: How often the stale processes of cut-off roles are tried again on hosts that answer.
+STALE_SWEEP_INTERVAL = 2.0
 #: How often a remote chief's new metrics lines are copied here.
 MIRROR_INTERVAL = 2.0
 
@@ -137,6 +139,7 @@ class Supervisor:
         sup = spec.supervision
         self.bench = HostBench(failures=sup.bench_after_failures, window=sup.bench_window, cooloff=sup.bench_cooloff)
         self._sweeping: set[str] = set()  # hosts whose stale processes a thread is stopping now
+        self._swept_at: dict[str, float] = {}  # when each host's stale processes were last tried
         self.time = get_time
         self.poll_interval = poll_interval
         self.python = python
@@ -254,6 +257,8 @@ class Supervisor:
         live.handle = None
         self.place_role(role)
         role.attempt += 1
+        if not role.hosts_by_attempt or role.hosts_by_attempt[-1][1] != role.host:
+            role.hosts_by_attempt.append([role.attempt, role.host])
         role.incarnation = max(role.incarnation + 1, int(time.time() * 1000))
         role.exit_code = None
         role.last_heartbeat = None
@@ -268,10 +273,14 @@ class Supervisor:
             self._launch(role, role.attempt, place, env, stale, locked=True)
 
     def usable(self, host: str) -> bool:
-        """Whether roles may start on ``host`` now: it answers (its last look neither failed nor is overdue: a
-        cut-off host's look takes seconds to time out) and is not benched."""
+        """Whether roles may start on ``host`` now: it answers and is not benched."""
+        return self.usable_now(host) and not self.bench.is_benched(host, self.time())
+
+    def usable_now(self, host: str) -> bool:
+        """Whether ``host`` answers: its last look neither failed nor is overdue (a cut-off host's look takes
+        seconds to time out)."""
         place = self.places.get(host)
-        if place is None or place.runner.last_error is not None or self.bench.is_benched(host, self.time()):
+        if place is None or place.runner.last_error is not None:
             return False
         answered = place.runner.answered_at
         return answered is None or time.monotonic() - answered <= LOOK_OVERDUE
@@ -291,14 +300,20 @@ class Supervisor:
         self.transition(role, role.state, f"moves from {old} to {target} ({why})")
         role.host, role.address = target, self.places[target].address
         self._dirty = True
-        self.sweep_stale(old)
 
-    def sweep_stale(self, host: str) -> None:
-        """Stop, in a thread, the stale processes of every role on ``host`` if it answers (else: later).
-        Called holding the lock."""
+    def sweep_stale(self) -> None:
+        """Stop, in a thread per host, the stale processes of every role on each host that answers, every
+        STALE_SWEEP_INTERVAL until they are gone. Called holding the lock. (Their heartbeats would fence them,
+        but a process cut off with its host may still hold a forward port that a reconnect replaced.)"""
+        now = self.time()
+        for host in {h.host for live in self.live.values() for h in live.stale}:
+            if (host not in self._sweeping and self.usable_now(host)
+                    and now - self._swept_at.get(host, float("-inf")) >= STALE_SWEEP_INTERVAL):
+                self._swept_at[host] = now
+                self._sweep(host)
+
+    def _sweep(self, host: str) -> None:
         handles = [h for live in self.live.values() for h in live.stale if h.host == host]
-        if not handles or host in self._sweeping or self.places[host].runner.last_error is not None:
-            return
         self._sweeping.add(host)
 
         def sweep() -> None:
@@ -445,8 +460,6 @@ class Supervisor:
                 continue
             log.warning("host %s: %s", name, error or "answers again")
             self.host_event(name, was, to, error or "")
-            if to == "reachable":
-                self.sweep_stale(name)
         for name in self.bench.released(self.time()):
             self.host_event(name, "benched", "available", "cooling-off ended")
 
@@ -460,6 +473,7 @@ class Supervisor:
         sup = self.spec.supervision
         now = self.time()
         self.watch_hosts()
+        self.sweep_stale()
         for role in self.record.roles:
             live = self.live[role.name]
             if role.state.terminal:

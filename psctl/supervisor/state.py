@@ -78,6 +78,17 @@ class RoleRecord:
     steps_per_sec: float | None = None
     rss_bytes: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    #: ``[first attempt, host]``: where the role started, then every host it moved to (each attempt's log stays
+    #: on the host that ran it).
+    hosts_by_attempt: list[list[Any]] = field(default_factory=list)
+
+    def host_of(self, attempt: int) -> str:
+        """The host where ``attempt`` of the role ran (or runs)."""
+        host = self.host
+        for first, where in self.hosts_by_attempt:
+            if int(first) <= attempt:
+                host = str(where)
+        return host
 
     @property
     def endpoint(self) -> str:
