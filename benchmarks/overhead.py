@@ -13,7 +13,10 @@ knows
 
 It prints the medians (and p90) of ``rtt - compute`` (the framework overhead the issue bounds at 1 ms),
 ``step - compute`` (the part spent inside the worker) and ``rtt - step`` (the chief->worker rpc and the
-coordinator's hand-off). For attribution it then times, from this process with the same payloads, one W1 pull
+coordinator's hand-off). Then, as training runs, ``--steps`` steps queued at once, timed as a whole: the
+per-step wall time minus the median compute, with one step in flight per worker (plain asynchronous training)
+and with two (``training.pipelined``: a worker computes its next step while its last one's push travels).
+For attribution it then times, from this process with the same payloads, one W1 pull
 and one W1 push against the PS, and an empty Ping to the worker and GetState to the PS (bare rpc latency).
 """
 
@@ -64,6 +67,23 @@ def timed(fn: Callable[[], object], repeats: int) -> list[float]:
         fn()
         times.append(time.perf_counter() - start)
     return times
+
+
+def queued_steps(coordinator: ClusterCoordinator, warmup: int, steps: int, compute: float) -> dict[str, Any]:
+    """``steps`` steps queued at once (after ``warmup``), timed as a whole: the steady per-step cost."""
+    for _ in range(warmup):
+        coordinator.schedule("train")
+    coordinator.join(timeout=600)
+    start = time.perf_counter()
+    for _ in range(steps):
+        coordinator.schedule("train")
+    coordinator.join(timeout=600)
+    per_step = (time.perf_counter() - start) / steps
+    return {
+        "steps_per_s": rounded(1.0 / per_step, 1),
+        "per_step_ms": rounded(per_step * 1e3),
+        "per_step_minus_compute_ms": rounded((per_step - compute) * 1e3),
+    }
 
 
 def attribution(model: ShardedModel, client: PsClient, worker: str, ps: str, repeats: int) -> dict[str, Any]:
@@ -141,6 +161,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     rtt.append(finished - start)
                     step.append(response.step_seconds)
                     compute.append(response.compute_seconds)
+            coordinator.shutdown()
+            coordinator = None
+            queued = {}
+            for in_flight in (1, 2):
+                coordinator = ClusterCoordinator(cluster.jobs["worker"], on_result=on_result,
+                                                 step_id_base=in_flight << 40, steps_in_flight=in_flight)
+                queued[in_flight] = queued_steps(coordinator, args.warmup, args.steps, np.median(compute))
+                coordinator.shutdown()
+                coordinator = None
             cluster.check_alive()
             parts = attribution(model, client, cluster.jobs["worker"][0], cluster.jobs["ps"][0], args.repeats)
         except BaseException:
@@ -172,6 +201,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "step_ms": ms_stats(step),
         "rtt_ms": ms_stats(rtt),
         "sequential_steps_per_s": rounded(1.0 / median(rtt), 1),
+        "queued_one_in_flight": queued[1],
+        "queued_pipelined_two_in_flight": queued[2],
+        "pipelined_overhead_ms": queued[2]["per_step_minus_compute_ms"],
+        "pipelined_meets_target": bool(queued[2]["per_step_minus_compute_ms"] <= 1.0),
         "from_this_process": parts,
         "peak_rss_mb": monitor.peak_rss_mb(),
         "machine": machine(),

@@ -104,9 +104,13 @@ def final_record(cluster: LocalCluster) -> dict[str, Any]:
 
 # -- (a) ------------------------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
-def test_mlp_on_digits_trains_to_accuracy_with_each_step_applied_once(make_cluster: MakeCluster) -> None:
+@pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
+def test_mlp_on_digits_trains_to_accuracy_with_each_step_applied_once(
+    make_cluster: MakeCluster, pipelined: bool
+) -> None:
+    """Also pipelined (two steps in flight per worker): the same steps, each applied once, each batch once."""
     steps = 600
-    cluster = make_cluster(mlp_training(steps))
+    cluster = make_cluster({**mlp_training(steps), "pipelined": pipelined})
     cluster.start_servers()
     cluster.wait_serving()
     cluster.start_chief()

@@ -298,6 +298,15 @@ MISTAKES = [
         "write e.g. proxy_jump: bastion, or user@10.0.0.1:22 (hops separated by commas)",
     ),
     (
+        "pipelined outside asynchronous training",
+        """\
+        roles: {chief: {}, ps: {}, worker: {replicas: 2}}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10, mode: sync, pipelined: true}
+        """,
+        "cluster.yaml:2: training.pipelined: only used with training.mode: async, but training.mode is sync; "
+        "remove pipelined or set training.mode: async",
+    ),
+    (
         "role names a host but the spec has no hosts",
         """\
         roles:
@@ -671,6 +680,7 @@ def test_valid_spec_is_normalised_with_defaults(tmp_path: Path) -> None:
         "replica_timeout": None,
         "min_replicas": None,
         "distinct_replicas": None,
+        "pipelined": False,
     }
     assert json.loads(json.dumps(spec.training, allow_nan=False)) == spec.training
 

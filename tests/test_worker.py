@@ -149,3 +149,40 @@ def test_a_ps_client_follows_a_ps_to_its_new_address(cluster) -> None:
     finally:
         client.close()
         server.stop(grace=None).wait()
+
+
+def test_two_steps_in_flight_per_worker_apply_each_step_and_batch_once(cluster) -> None:
+    """Pipelined: the worker runs two steps at once; still every step applied once, every batch used once."""
+    first, _model, ps, servicer = cluster
+    first.shutdown()
+    active, most = [0], [0]
+    lock = threading.Lock()
+    train = servicer._train
+
+    def counting(request: pb.StepRequest) -> pb.StepResponse:
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        try:
+            return train(request)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    servicer._train = counting  # type: ignore[method-assign]
+    coordinator = ClusterCoordinator([first.workers[0].address], probe_interval=0.05, steps_in_flight=2,
+                                     step_id_base=1000)
+    try:
+        assert coordinator.wait_for_workers(10) == 1
+        values = [coordinator.schedule("train") for _ in range(40)]
+        coordinator.join(timeout=60)
+    finally:
+        coordinator.shutdown()
+    assert most[0] == 2  # two steps really ran at once on the worker
+    assert all(r.applied for r in ClusterCoordinator.fetch(values))
+    state = ps.state(0, include_step_ids=True)
+    assert state.global_step == 40 and state.duplicate_updates == 0
+    assert sorted(state.applied_step_ids) == list(range(1001, 1041))
+    assert list(state.shard_positions) == [39]  # batches 0..39 of shard 0
+    with pytest.raises(ValueError, match="asynchronous training only"):
+        ClusterCoordinator(["127.0.0.1:1"], steps_in_flight=2, staleness=2)

@@ -94,6 +94,7 @@ class Chief:
             on_worker_event=lambda message: log.warning("%s", message),
             staleness=cfg.staleness if cfg.mode == "bounded" else None,
             one_per_round=cfg.mode == "sync" and bool(cfg.distinct_replicas),
+            steps_in_flight=2 if cfg.mode == "async" and cfg.pipelined else 1,
         )
         unsubscribe = ADDRESSES.subscribe(lambda addresses: _follow_moves(coordinator, self.ps, addresses))
         _follow_moves(coordinator, self.ps, ADDRESSES.known())  # a move the heartbeats told of before now

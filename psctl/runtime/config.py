@@ -29,6 +29,8 @@ class TrainingConfig:
     replica_timeout: float | None = None
     min_replicas: int | None = None
     distinct_replicas: bool | None = None
+    #: Asynchronous mode: two steps in flight per worker, its communication overlapping its computation.
+    pipelined: bool = False
     steps: int = 1000
     seed: int = 0
     partitioner: dict[str, Any] | None = None

@@ -131,7 +131,10 @@ class ClusterCoordinator:
         on_worker_event: Callable[[str], None] | None = None,
         staleness: int | None = None,
         one_per_round: bool = False,
+        steps_in_flight: int = 1,
     ) -> None:
+        """``steps_in_flight``: steps each worker is given at once (pipelined asynchronous training: 2, so that
+        a worker computes its next step while its last one's push travels; 1 in every other mode)."""
         # Every worker is probed before its first step: its incarnation is known from the start (so a restart
         # is recognised), and one still starting is waited for rather than counted as lost.
         self.workers = [WorkerState(i, a, alive=False) for i, a in enumerate(workers)]
@@ -165,9 +168,12 @@ class ClusterCoordinator:
         self._stopping = threading.Event()
         self.ps_failed = threading.Event()
         self._ps_failure = ""
+        if steps_in_flight < 1 or (steps_in_flight > 1 and (one_per_round or staleness is not None)):
+            raise ValueError("more than one step in flight per worker is for asynchronous training only")
         self._threads = [
-            threading.Thread(target=self._run_worker, args=(w,), name=f"coord-worker-{w.index}", daemon=True)
+            threading.Thread(target=self._run_worker, args=(w,), name=f"coord-worker-{w.index}-{k}", daemon=True)
             for w in self.workers
+            for k in range(steps_in_flight)
         ]
         for thread in self._threads:
             thread.start()

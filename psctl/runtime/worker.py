@@ -5,10 +5,13 @@ compute any shard's batch: a step re-run elsewhere after its worker died consume
 worker would have, and nothing is repeated or skipped.
 
 Asynchronous steps of a model without embeddings cost one round trip per PS: each push brings back the variables
-as they are right after it (PsClient.push_pull), and the worker's next step starts from those instead of pulling
-again, provided nothing could have replaced them meanwhile (same params epoch from the chief, no PS failure). They
-miss only the pushes of other workers that land between this worker's steps, the staleness asynchronous training
-has anyway.
+as they are right after it (PsClient.push_pull), and the worker's next step starts from the newest such variables
+instead of pulling again, provided nothing could have replaced them meanwhile (same params epoch from the chief,
+no PS failure since). They miss only the pushes of other workers that land between this worker's steps, the
+staleness asynchronous training has anyway. With pipelined training (``training.pipelined``) the chief keeps two
+steps in flight on a worker: the second computes on the newest variables while the first's push is still on its
+way, so it misses the worker's own previous update too (one step more of staleness, for communication that
+overlaps computation).
 
 Status codes the coordinator relies on:
 - FAILED_PRECONDITION "ps unavailable: ..." — a PS is down; the step can be retried once it is back.
@@ -90,7 +93,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             )
         try:
             if request.function == "train":
-                return self._train(request)
+                try:
+                    return self._train(request)
+                except Exception:
+                    with self._lock:  # the variables a push brought back may no longer be the PS's
+                        self._prefetched = None
+                    raise
             if request.function == "evaluate":
                 return self._evaluate(request)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown step function {request.function!r}")
@@ -157,7 +165,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         """The step's variables and each PS's global step: what the previous push brought back if they may be
         reused (and are of this epoch), else pulled."""
         with self._lock:
-            prefetched, self._prefetched = self._prefetched, None  # used once at most, also if this step fails
+            prefetched = self._prefetched  # the newest; a concurrent (pipelined) step may use it too
         if reuse and prefetched is not None and prefetched.epoch == request.params_epoch:
             return prefetched.pulled, prefetched.steps
         return self.ps.pull_with_steps(plan, expected)
@@ -176,7 +184,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         responses, after = self.ps.push_pull(header, gradients, names)
         steps = {ps: r.global_step for ps, r in responses.items()}
         with self._lock:
-            self._prefetched = Prefetched(request.params_epoch, after, steps)
+            newest = self._prefetched
+            # pipelined pushes may come back out of order: keep the variables of the later update
+            if newest is None or newest.epoch != request.params_epoch or sum(steps.values()) >= sum(
+                    newest.steps.values()):
+                self._prefetched = Prefetched(request.params_epoch, after, steps)
         return responses
 
     def _evaluate(self, request: pb.StepRequest) -> pb.StepResponse:

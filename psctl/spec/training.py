@@ -24,7 +24,7 @@ TRAINING_KEYS = (
     "program", "args", "data", "batch_size", "optimizer", "mode", "replicas_to_aggregate",
     "total_replicas", "staleness", "steps", "seed", "partitioner", "checkpoint",
     "log_every_seconds", "eval_every_steps", "max_evaluations", "replica_timeout", "min_replicas",
-    "distinct_replicas",
+    "distinct_replicas", "pipelined",
 )  # fmt: skip
 MODES = ("async", "sync", "bounded")
 #: Each optimizer's parameters besides learning_rate (the runtime's make_optimizer accepts exactly these).
@@ -68,7 +68,8 @@ def normalise_training(
     mode = c.choice((*T, "mode"), t.get("mode", "async"), MODES, noun="mode")
     out["mode"] = mode
     mode_keys = (("replicas_to_aggregate", "sync"), ("total_replicas", "sync"), ("staleness", "bounded"),
-                 ("replica_timeout", "sync"), ("min_replicas", "sync"), ("distinct_replicas", "sync"))
+                 ("replica_timeout", "sync"), ("min_replicas", "sync"), ("distinct_replicas", "sync"),
+                 ("pipelined", "async"))
     for key, wanted in mode_keys:
         if key in t and mode != wanted:
             c.fail(
@@ -101,6 +102,7 @@ def normalise_training(
             "add staleness: (how many steps a worker may run ahead of the slowest), e.g. staleness: 2",
         )
     out["staleness"] = _int(c, t, "staleness", 0, minimum=0, example="2") if mode == "bounded" else None
+    out["pipelined"] = c.boolean((*T, "pipelined"), t.get("pipelined", False), fix="write true or false")
     out["steps"] = _int(c, t, "steps", None, minimum=1, example="1000")
     out["seed"] = _int(c, t, "seed", 0, minimum=0, example="0")
     out["partitioner"] = _partitioner(c, t.get("partitioner"))
