@@ -7,6 +7,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import click
@@ -16,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from psctl import __version__, operations
+from psctl.checkpoints import find_snapshot
 from psctl.errors import PsctlError, TrainingFailed
 from psctl.home import ClusterDir, list_clusters
 from psctl.render import host_table, plan_table, progress_line, status_dict, status_view
@@ -248,16 +250,20 @@ def events(name: str | None, tail: int) -> None:
 
 @cli.command()
 @click.argument("name", required=False)
-@click.option("--checkpoint", "checkpoint", type=click.Path(file_okay=False), default=None,
-              help="A checkpoint folder or a folder of checkpoints (default: the cluster's).")
+@click.option("--checkpoint", "checkpoint", default=None,
+              help="A checkpoint folder or a folder of checkpoints, HOST:PATH on one of the cluster's hosts "
+                   "(default: the cluster's, wherever its chief wrote them).")
 @click.option("--out", "-o", type=click.Path(dir_okay=False), required=True, help="The .npz file to write.")
 def export(name: str | None, checkpoint: str | None, out: str) -> None:
     """Write the trained variables of the latest valid checkpoint as plain arrays (.npz), for serving."""
-    path, snapshot = operations.find_snapshot(name, checkpoint)
+    cdir = record = None
+    if checkpoint is None or (":" in checkpoint and not Path(checkpoint).exists()):
+        cdir = operations.resolve_cluster(name)
+        record = load_state(cdir.state_file)
+    where, snapshot = find_snapshot(cdir, record, checkpoint)
     written = export_arrays(snapshot, out)
     shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in snapshot.variables.items())
-    console.print(f"exported {path.name} (global step {snapshot.global_step}) to {written}: {shapes}", markup=False,
-                  highlight=False)
+    click.echo(f"exported {where} (global step {snapshot.global_step}) to {written}: {shapes}")
 
 
 def main() -> None:

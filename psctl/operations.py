@@ -35,7 +35,6 @@ from psctl.launch.remote import (
 )
 from psctl.launch.ssh import SSHRunner
 from psctl.pki import create_cluster_pki
-from psctl.runtime.checkpoint import CheckpointError, Snapshot, latest_checkpoint, load_checkpoint
 from psctl.spec import ClusterSpec, Plan, load_spec, make_plan
 from psctl.spec.plan import LOCAL_HOST, RoleInstance
 from psctl.supervisor.hosts import hosts_for
@@ -335,24 +334,6 @@ def _tear_down(
         if not any(cdir.root.iterdir()):
             cdir.root.rmdir()
     return TeardownReport(stopped=len(live), survivors=survivors, was_running=was_running)
-
-
-def find_snapshot(name: str | None, checkpoint: str | None) -> tuple[Path, Snapshot]:
-    """The checkpoint to export: a given folder (one checkpoint, or the newest valid one inside), or the
-    newest valid checkpoint of the cluster."""
-    if checkpoint is None:
-        cdir = resolve_cluster(name)
-        checkpoint = str(cdir.root / "checkpoints")
-    path = Path(checkpoint).expanduser()
-    try:
-        if (path / "manifest.json").is_file():
-            return path, load_checkpoint(path)
-    except CheckpointError as exc:
-        raise UsageError(str(exc)) from None
-    found = latest_checkpoint(path)
-    if found is None:
-        raise ClusterNotFound(f"no valid checkpoint in {path}")
-    return found
 
 
 # -- logs ---------------------------------------------------------------------------------------------

@@ -146,6 +146,24 @@ def test_up_attached_trains_to_the_end(psctl_env) -> None:
     assert "accuracy" in last, done.stdout
 
 
+def test_export_writes_the_newest_checkpoints_variables(psctl_env) -> None:
+    import numpy as np
+
+    spec = psctl_env.write_spec("exp", steps=200, workers=1)
+    spec.write_text(spec.read_text().replace("  mode: async\n", "  mode: async\n  checkpoint: {every_steps: 50}\n"))
+    check(psctl_env.run("up", str(spec), timeout=180))
+    psctl_env.state("exp")
+    out = psctl_env.tmp_path / "model.npz"
+    done = check(psctl_env.run("export", "exp", "-o", str(out)))
+    newest = psctl_env.home / "exp" / "checkpoints" / "ckpt-000000000200"
+    assert done.stdout.startswith(f"exported {newest} (global step 200) to {out}: "), done.stdout
+    with np.load(out) as arrays:
+        shapes = {k: arrays[k].shape for k in arrays.files}
+    assert shapes == {"hid/kernel": (64, 32), "hid/bias": (32,), "sm/kernel": (32, 10), "sm/bias": (10,)}
+    missing = check(psctl_env.run("export", "exp", "--checkpoint", str(psctl_env.tmp_path), "-o", str(out)), 4)
+    assert f"no valid checkpoint in {psctl_env.tmp_path}" in flat(missing.stderr)
+
+
 # -- (b) ----------------------------------------------------------------------------------------------------
 def test_detached_cluster_outlives_its_supervisor_and_down_stops_everything(psctl_env) -> None:
     roles = ("chief-0", "ps-0", "worker-0", "worker-1")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 from cluster_helpers import wait_until
 from sshbed import SUBNET, SSHBed, sshbed_fixture  # noqa: F401
@@ -32,6 +33,7 @@ from psctl import __version__
 from psctl.pki import member_files
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
+from psctl.runtime.checkpoint import load_checkpoint
 from psctl.runtime.rpc import make_channel
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
@@ -125,7 +127,6 @@ def write_spec(bed: SSHBed, folder: Path, name: str, *, steps: int, roles: str |
 def remote(sshbed: SSHBed, tmp_path: Path) -> Iterator[Remote]:
     """A spec folder with a program file and a data file, and an environment whose HOME knows the hosts'
     keys; afterwards `psctl down` and a check that no process of the test's clusters is left on any host."""
-    import numpy as np
     from sklearn.datasets import load_digits
 
     folder = tmp_path / "project"
@@ -192,6 +193,15 @@ def test_a_cluster_over_three_hosts_trains_to_completion_and_leaves_nothing(remo
     log = remote.psctl("logs", "worker-1", remote.name).stdout
     assert "worker:1 starting" in log and "worker:0" not in log
     assert remote.psctl("logs", "worker-1", remote.name, "--tail", "1").stdout.count("\n") == 1
+
+    # export copies the newest checkpoint from the chief's host (h1) over SFTP, verified, then writes it here.
+    out = remote.folder / "model.npz"
+    newest = f"{remote.workdirs['h1']}/{remote.name}/checkpoints/ckpt-000000000300"
+    exported = remote.psctl("export", remote.name, "-o", str(out)).stdout
+    assert exported.startswith(f"exported h1:{newest} (global step 300) to {out}: "), exported
+    want = load_checkpoint(newest).variables  # the hosts share this machine's file system: read it directly
+    with np.load(out) as arrays:
+        assert sorted(arrays.files) == sorted(want) and all(np.array_equal(arrays[k], want[k]) for k in want)
 
     remote.psctl("down", remote.name, "--purge")
     for host, workdir in remote.workdirs.items():

@@ -4,6 +4,7 @@ hosts, crashes, partitions and frozen hosts, and every connection error with its
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal
 import stat
 import subprocess
@@ -13,16 +14,19 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pytest
 from cluster_helpers import wait_until
 from sshbed import SSHBed, sshbed_fixture  # noqa: F401 - provides the session fixture `sshbed`
 
-from psctl.errors import LaunchError
+from psctl.checkpoints import fetch_newest
+from psctl.errors import ClusterNotFound, LaunchError
 from psctl.launch import hosts
 from psctl.launch.base import ProcessHandle, stop_processes
 from psctl.launch.fanout import HostsError, check_results, run_on_all
 from psctl.launch.local import UNKNOWN_EXIT
 from psctl.launch.ssh import HostUnreachable, SSHRunner
+from psctl.runtime.checkpoint import Snapshot, write_checkpoint
 from psctl.spec.model import HostSpec
 
 pytestmark = pytest.mark.ssh
@@ -331,6 +335,27 @@ def test_a_host_reached_only_through_a_jump_host(sshbed: SSHBed) -> None:
         )
     finally:
         sshbed.heal("h2")
+
+
+def test_fetch_newest_skips_a_corrupt_checkpoint_and_refuses_paths_outside_it(sshbed: SSHBed, tmp_path: Path) -> None:
+    """export's copy over SFTP: the newest checkpoint that verifies; a manifest cannot name files elsewhere."""
+    folder = tmp_path / "ckpts"  # the test hosts share this machine's file system
+    for step in (100, 200, 300):
+        write_checkpoint(folder, Snapshot(step, [step], {"w": np.full((3, 2), step, np.float32)}, {}))
+    (folder / "ckpt-000000000300" / "arrays.npz").write_bytes(b"truncated")  # the newest is corrupt
+    evil = folder / "ckpt-000000000200" / "manifest.json"
+    manifest = json.loads(evil.read_text())
+    manifest["files"]["../../escaped"] = {"bytes": 1, "sha256": "0"}
+    evil.write_text(json.dumps(manifest))
+    into = tmp_path / "fetched"
+    into.mkdir()
+    with sshbed.runner("h1") as runner:
+        where, snapshot = fetch_newest(runner, str(folder), into)
+        assert where == f"h1:{folder}/ckpt-000000000100"
+        assert snapshot.global_step == 100 and snapshot.variables["w"].tolist() == [[100.0, 100.0]] * 3
+        assert not (tmp_path / "escaped").exists()
+        with pytest.raises(ClusterNotFound, match=f"no checkpoint folder {tmp_path}/none on h1"):
+            fetch_newest(runner, str(tmp_path / "none"), into)
 
 
 # -- faults (these restart hosts: keep them last) ---------------------------------------------------------

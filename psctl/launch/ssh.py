@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path, PurePath
+from typing import Any
 
 import paramiko
 
@@ -366,20 +367,15 @@ class SSHRunner(Runner):
 
     def _read(self, path: str, start: Callable[[int], int]) -> tuple[bytes, int]:
         """The file's bytes from ``start(size)`` to its end (read over SFTP), and its size."""
-        try:
-            with self._sftp_client().open(_sftp_path(path), "rb") as remote:
+
+        def read(sftp: paramiko.SFTPClient) -> tuple[bytes, int]:
+            with sftp.open(_sftp_path(path), "rb") as remote:
                 begin = start(remote.stat().st_size)
                 remote.seek(begin)
                 data = remote.read()
                 return data, begin + len(data)
-        except FileNotFoundError:
-            raise
-        except OSError as exc:
-            if isinstance(exc, TimeoutError):
-                raise self._lost(f"no reply within {self.command_timeout:g}s") from exc
-            raise LaunchError(f"host {self.host}: cannot read {path!r}: {exc.strerror or exc}") from exc
-        except (paramiko.SSHException, EOFError) as exc:
-            raise self._lost("connection lost") from exc
+
+        return self._sftp_call(path, read)  # type: ignore[no-any-return]
 
     def put_file(self, local: str | Path, remote: str, mode: int = 0o600) -> None:
         """Copy a local file to the host (SFTP); its mode is set before any content is written, and it
@@ -407,6 +403,26 @@ class SSHRunner(Runner):
             with contextlib.suppress(OSError, paramiko.SSHException):
                 sftp.remove(partial)
             raise LaunchError(f"host {self.host}: cannot write {remote!r}: {exc.strerror or exc}") from exc
+        except (paramiko.SSHException, EOFError) as exc:
+            raise self._lost("connection lost") from exc
+
+    def get_file(self, remote: str, local: str | Path) -> None:
+        """Copy a file of the host here (SFTP, streamed); FileNotFoundError if it does not exist."""
+        self._sftp_call(remote, lambda sftp: sftp.get(_sftp_path(remote), str(local)))
+
+    def listdir(self, remote: str) -> list[str]:
+        """The names in a folder of the host; FileNotFoundError if it does not exist."""
+        return self._sftp_call(remote, lambda sftp: sftp.listdir(_sftp_path(remote)))  # type: ignore[no-any-return]
+
+    def _sftp_call(self, path: str, call: Callable[[paramiko.SFTPClient], Any]) -> Any:
+        try:
+            return call(self._sftp_client())
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            if isinstance(exc, TimeoutError):
+                raise self._lost(f"no reply within {self.command_timeout:g}s") from exc
+            raise LaunchError(f"host {self.host}: cannot read {path!r}: {exc.strerror or exc}") from exc
         except (paramiko.SSHException, EOFError) as exc:
             raise self._lost("connection lost") from exc
 

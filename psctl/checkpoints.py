@@ -1,0 +1,114 @@
+"""Finding a cluster's newest valid checkpoint for ``psctl export``: here, or on the SSH host of its chief.
+
+A checkpoint on a host is copied here over SFTP (its manifest first, then each file the manifest names) into a
+temporary folder and verified like a local one; the newest that verifies wins, a corrupt newer one is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path, PurePosixPath
+
+from psctl.errors import ClusterNotFound, UsageError
+from psctl.home import ClusterDir
+from psctl.launch.hostset import RemoteHost
+from psctl.launch.ssh import SSHRunner
+from psctl.runtime.checkpoint import PREFIX, CheckpointError, Snapshot, latest_checkpoint, load_checkpoint
+from psctl.spec.plan import LOCAL_HOST
+from psctl.supervisor.state import ClusterRecord
+
+log = logging.getLogger("psctl.checkpoints")
+
+
+def split_location(text: str, hosts: Mapping[str, object]) -> tuple[str, str]:
+    """``host:path`` (host one of ``hosts``) as (host, path); anything else is a path here."""
+    host, sep, path = text.partition(":")
+    return (host, path) if sep and host in hosts else (LOCAL_HOST, text)
+
+
+def checkpoint_folder(cdir: ClusterDir, record: ClusterRecord) -> tuple[str, str]:
+    """Where the cluster's chief writes checkpoints, as (host, folder): the folder of the checkpoint its result
+    names once it finished, else the default folder on the chief's host."""
+    written = (record.result or {}).get("checkpoint")
+    if written:
+        host, path = split_location(str(written), record.hosts)
+        return host, str(PurePosixPath(path).parent)
+    chief = next((r for r in record.roles if r.role == "chief"), None)
+    if chief is not None and chief.host in record.hosts:
+        return chief.host, str(RemoteHost.from_dict(record.hosts[chief.host]).dirs.checkpoints)
+    return LOCAL_HOST, str(cdir.root / "checkpoints")
+
+
+def find_snapshot(cdir: ClusterDir | None, record: ClusterRecord | None, location: str | None) -> tuple[str, Snapshot]:
+    """The checkpoint to export and where it is (``host:path`` on a host): ``location`` (one checkpoint, or a
+    folder of them: the newest valid one; ``host:path`` on one of the cluster's hosts), else the cluster's."""
+    if location is None:
+        assert cdir is not None and record is not None
+        host, folder = checkpoint_folder(cdir, record)
+    elif record is not None:
+        host, folder = split_location(location, record.hosts)
+    else:
+        host, folder = LOCAL_HOST, location
+    if host == LOCAL_HOST:
+        return _local(Path(folder).expanduser())
+    assert record is not None
+    with SSHRunner(RemoteHost.from_dict(record.hosts[host]).spec) as runner, tempfile.TemporaryDirectory() as tmp:
+        return fetch_newest(runner, folder, Path(tmp))
+
+
+def _local(path: Path) -> tuple[str, Snapshot]:
+    try:
+        if (path / "manifest.json").is_file():
+            return str(path), load_checkpoint(path)
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    found = latest_checkpoint(path)
+    if found is None:
+        raise ClusterNotFound(f"no valid checkpoint in {path}")
+    return str(found[0]), found[1]
+
+
+def fetch_newest(runner: SSHRunner, folder: str, into: Path) -> tuple[str, Snapshot]:
+    """Copy the newest checkpoint under ``folder`` on the runner's host that verifies into ``into`` and load it
+    (``folder`` may be one checkpoint)."""
+    remote = PurePosixPath(folder)
+    if _is_checkpoint_name(remote.name):
+        candidates = [remote]
+    else:
+        try:
+            names = runner.listdir(folder)
+        except FileNotFoundError:
+            raise ClusterNotFound(f"no checkpoint folder {folder} on {runner.host}") from None
+        steps = sorted((int(n[len(PREFIX):]), n) for n in names if _is_checkpoint_name(n))
+        candidates = [remote / n for _, n in reversed(steps)]
+    for path in candidates:
+        where = f"{runner.host}:{path}"
+        try:
+            return where, load_checkpoint(_copy(runner, path, into / path.name))
+        except (CheckpointError, FileNotFoundError) as exc:
+            log.warning("skipping checkpoint %s: %s", where, exc)
+    raise ClusterNotFound(f"no valid checkpoint in {folder} on {runner.host}")
+
+
+def _is_checkpoint_name(name: str) -> bool:
+    return name.startswith(PREFIX) and name[len(PREFIX):].isdigit()
+
+
+def _copy(runner: SSHRunner, remote: PurePosixPath, local: Path) -> Path:
+    """The checkpoint's manifest and the files it lists, copied into ``local`` (names checked: a manifest from a
+    host cannot make this write outside ``local``)."""
+    local.mkdir(mode=0o700)
+    manifest = runner.read_file(str(remote / "manifest.json"))
+    try:
+        names = list(json.loads(manifest)["files"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{remote}: no readable manifest ({exc})") from None
+    for name in names:
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+            raise CheckpointError(f"{remote}: the manifest names {name!r}, not a file of the checkpoint")
+        runner.get_file(str(remote / name), local / name)
+    (local / "manifest.json").write_bytes(manifest)
+    return local
