@@ -14,21 +14,17 @@ test passes or fails.
 
 from __future__ import annotations
 
-import json
 import random
-import signal
 import textwrap
 import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import pytest
 from cluster_helpers import wait_until
 from conftest import PsctlEnv
-
-from psctl.runtime.metrics import read_metrics
+from supervised_cluster import SupervisedCluster, sigkill
 
 pytestmark = pytest.mark.slow
 
@@ -75,89 +71,14 @@ def spec_text(name: str) -> str:
     )
 
 
-class Run:
-    """One cluster of the test's PSCTL_HOME, read through its files as an operator would."""
+class Run(SupervisedCluster):
+    """One cluster of the test's PSCTL_HOME (this file's spec), read through its files as an operator would."""
 
     def __init__(self, penv: PsctlEnv, name: str) -> None:
-        self.penv = penv
-        self.name = name
-        self.root = penv.home / name
-        self.spec = penv.tmp_path / f"{name}.yaml"
-        self.spec.write_text(spec_text(name), encoding="utf-8")
+        super().__init__(penv, name, spec_text(name))
 
-    def up(self) -> None:
-        done = self.penv.run("up", "--detach", str(self.spec), timeout=60)
-        assert done.returncode == 0, f"psctl up failed ({done.returncode}): {done.stdout}\n{done.stderr}"
-        self.penv.state(self.name)  # registers the cluster id for the fixture's teardown
-
-    def state(self) -> dict[str, Any]:
-        return self.penv.state(self.name)
-
-    def role(self, role: str) -> dict[str, Any]:
-        return self.penv.role(self.name, role)
-
-    def progress(self) -> int:
-        """The chief's latest reported global step (from ``run/metrics.jsonl``, every 0.2 s)."""
-        records = [r for r in read_metrics(self.root / "run" / "metrics.jsonl") if r.get("event") == "progress"]
-        return int(records[-1]["global_step"]) if records else 0
-
-    def events(self, role: str) -> list[dict[str, Any]]:
-        try:
-            lines = (self.root / "events.jsonl").read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            return []
-        return [e for e in map(json.loads, filter(str.strip, lines)) if e["role"] == role]
-
-    def finished(self) -> bool:
-        return str(self.state()["state"]) in ("succeeded", "failed", "stopped")
-
-    def result(self) -> dict[str, Any]:
-        return json.loads((self.root / "run" / "result.json").read_text())  # type: ignore[no-any-return]
-
-    def describe(self) -> str:
-        """What went on, for assertion messages: roles, the last events, the chief's log."""
-        try:
-            state = self.state()
-            roles = ", ".join(f"{r['name']} {r['state']} attempt {r['attempt']}" for r in state["roles"])
-            head = f"cluster {state['state']} ({state.get('reason', '')}); {roles}"
-        except (OSError, ValueError, KeyError) as exc:
-            head = f"no state: {exc}"
-        try:
-            events = (self.root / "events.jsonl").read_text(encoding="utf-8").splitlines()[-25:]
-        except FileNotFoundError:
-            events = []
-        logs = sorted(self.root.glob("logs/chief-0.*.log"))
-        chief = "\n".join(p.read_text(encoding="utf-8", errors="replace")[-2500:] for p in logs)
-        return f"{head}\nevents:\n" + "\n".join(events) + f"\nchief log:\n{chief}"
-
-    def wait_finished(self) -> dict[str, Any]:
-        wait_until(self.finished, timeout=RUN_TIMEOUT, interval=0.2, what=f"cluster {self.name} to finish",
-                   detail=self.describe)
-        state = self.state()
-        assert state["state"] == "succeeded", self.describe()
-        return state
-
-    def process(self, role: str) -> psutil.Process:
-        """``role``'s live process: the pid in state.json, checked by creation time and environment."""
-        record = self.role(role)
-        proc = psutil.Process(record["pid"])
-        assert abs(proc.create_time() - record["create_time"]) < 0.05, f"pid {record['pid']} was reused"
-        env = proc.environ()
-        assert env.get("PSCTL_ROLE") == role and env.get("PSCTL_CLUSTER_ID") == self.state()["cluster_id"], env
-        return proc
-
-
-def sigkill(proc: psutil.Process) -> None:
-    """SIGKILL ``proc`` and wait until it is dead (a zombie awaiting its supervisor's reaping counts)."""
-    proc.send_signal(signal.SIGKILL)
-
-    def gone() -> bool:
-        try:
-            return proc.status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
-
-    wait_until(gone, timeout=10, what=f"pid {proc.pid} to die")
+    def wait_finished(self, timeout: float = RUN_TIMEOUT) -> dict[str, Any]:
+        return super().wait_finished(timeout)
 
 
 @dataclass(frozen=True)

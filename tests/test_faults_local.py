@@ -14,7 +14,6 @@ and killed by the test itself.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import signal
 import textwrap
@@ -27,9 +26,9 @@ import psutil
 import pytest
 from cluster_helpers import wait_until
 from conftest import PsctlEnv
+from supervised_cluster import SupervisedCluster, gone, sigkill
 
 from psctl.runtime.checkpoint import latest_checkpoint, list_checkpoints
-from psctl.runtime.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -66,88 +65,20 @@ def spec_text(name: str, steps: int) -> str:
     )
 
 
-class Cluster:
-    """One named cluster of the test's PSCTL_HOME, driven and read through psctl and its files."""
+class Cluster(SupervisedCluster):
+    """One named cluster of the test's PSCTL_HOME, with the checkpoints and progress the fault tests wait for."""
 
     def __init__(self, penv: PsctlEnv, name: str, steps: int) -> None:
-        self.penv = penv
-        self.name = name
+        super().__init__(penv, name, spec_text(name, steps))
         self.steps = steps
-        self.spec = penv.tmp_path / f"{name}.yaml"
-        self.spec.write_text(spec_text(name, steps), encoding="utf-8")
-        self.root = penv.home / name
 
-    # -- commands -------------------------------------------------------------------------------------
-    def up(self) -> str:
-        done = self.penv.run("up", "--detach", str(self.spec), timeout=90)
-        assert done.returncode == 0, f"psctl up failed ({done.returncode}): {done.stdout}\n{done.stderr}"
-        return str(self.penv.state(self.name)["cluster_id"])  # also registers the id for the teardown
-
-    def status(self) -> dict[str, Any]:
-        done = self.penv.run("status", self.name, "--json")
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)  # type: ignore[no-any-return]
-
-    # -- files ----------------------------------------------------------------------------------------
     @property
     def checkpoint_dir(self) -> Path:
         return self.root / "checkpoints"
 
-    def state(self) -> dict[str, Any]:
-        return self.penv.state(self.name)
-
-    def role(self, role: str) -> dict[str, Any]:
-        return self.penv.role(self.name, role)
-
-    def progress_records(self) -> list[dict[str, Any]]:
-        return [r for r in read_metrics(self.root / "run" / "metrics.jsonl") if r.get("event") == "progress"]
-
-    def progress(self) -> int:
-        """The chief's latest reported global step (what ``psctl status`` shows)."""
-        records = self.progress_records()
-        return int(records[-1]["global_step"]) if records else 0
-
     def checkpoint_steps(self) -> list[int]:
         return [int(p.name.rsplit("-", 1)[1]) for p in list_checkpoints(self.checkpoint_dir)]
 
-    def events(self, role: str | None = None) -> list[dict[str, Any]]:
-        try:
-            lines = (self.root / "events.jsonl").read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            return []
-        events = [json.loads(line) for line in lines if line.strip()]
-        return [e for e in events if role is None or e["role"] == role]
-
-    def log(self, role: str) -> str:
-        """Every attempt's log of ``role``, in order."""
-        logs = sorted((self.root / "logs").glob(f"{role}.*.log"), key=lambda p: int(p.name.split(".")[-2]))
-        return "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in logs)
-
-    def result(self) -> dict[str, Any]:
-        return json.loads((self.root / "run" / "result.json").read_text())  # type: ignore[no-any-return]
-
-    def describe(self) -> str:
-        """What went on, for assertion messages."""
-        try:
-            state = self.state()
-            roles = ", ".join(f"{r['name']} {r['state']} attempt {r['attempt']}" for r in state["roles"])
-            head = f"cluster {state['state']} ({state.get('reason', '')}); {roles}"
-        except (OSError, ValueError, KeyError) as exc:
-            head = f"no state: {exc}"
-        events = "\n".join(json.dumps(e) for e in self.events()[-25:])
-        return f"{head}\nevents:\n{events}\nchief log:\n{self.log('chief-0')[-3000:]}"
-
-    # -- processes ------------------------------------------------------------------------------------
-    def process(self, role: str) -> psutil.Process:
-        """The live process of ``role`` (checked by pid, creation time and its environment)."""
-        record = self.role(role)
-        proc = psutil.Process(record["pid"])
-        assert abs(proc.create_time() - record["create_time"]) < 0.05, f"pid {record['pid']} was reused"
-        env = proc.environ()
-        assert env.get("PSCTL_ROLE") == role and env.get("PSCTL_CLUSTER_ID") == self.state()["cluster_id"]
-        return proc
-
-    # -- waiting --------------------------------------------------------------------------------------
     def wait_progress(self, at_least: int, *, checkpoints: int = 0, timeout: float = 120.0) -> int:
         def reached() -> int | None:
             step = self.progress()
@@ -160,29 +91,7 @@ class Cluster:
         return step
 
     def wait_finished(self, timeout: float = RUN_TIMEOUT) -> dict[str, Any]:
-        def finished() -> dict[str, Any] | None:
-            state = self.state()
-            return state if state["state"] in ("succeeded", "failed", "stopped") else None
-
-        state = wait_until(finished, timeout=timeout, interval=0.2, what=f"cluster {self.name} to finish",
-                           detail=self.describe)
-        assert state["state"] == "succeeded", self.describe()
-        return state
-
-
-def gone(proc: psutil.Process) -> bool:
-    try:
-        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def sigkill(proc: psutil.Process) -> float:
-    """SIGKILL ``proc``, wait until it is dead; returns when the signal was sent (time.time())."""
-    sent = time.time()
-    proc.send_signal(signal.SIGKILL)
-    wait_until(lambda: gone(proc), timeout=10, what=f"pid {proc.pid} to die")
-    return sent
+        return super().wait_finished(timeout)
 
 
 def assert_finished_with_exactly(cluster: Cluster, steps: int) -> dict[str, Any]:

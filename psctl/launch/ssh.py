@@ -139,8 +139,8 @@ def _last_line(text: str) -> str:
 
 class SSHRunner(Runner):
     """Starts and controls processes on one host over SSH. Besides the :class:`Runner` methods it offers
-    :meth:`run`, :meth:`put_file`, :meth:`put_bytes`, :meth:`check_python`, :meth:`python_error`,
-    :meth:`forward_remote_port`, :meth:`remote_port` and :meth:`watch_in_background`.
+    :meth:`run`, :meth:`put_file`, :meth:`put_bytes`, :meth:`get_file`, :meth:`listdir`, :meth:`check_python`,
+    :meth:`python_error`, :meth:`forward_remote_port`, :meth:`remote_port` and :meth:`watch_in_background`.
 
     ``known_hosts``: the user's known_hosts file (read, and written by ``accept-new``); default
     ``~/.ssh/known_hosts`` or the ssh_config's ``UserKnownHostsFile``. ``ssh_config``: an OpenSSH client
