@@ -298,6 +298,19 @@ MISTAKES = [
         "write e.g. proxy_jump: bastion, or user@10.0.0.1:22 (hops separated by commas)",
     ),
     (
+        "a pool for the chief, which never moves",
+        """\
+        hosts: [{name: a, address: 10.0.0.11}, {name: b, address: 10.0.0.12}]
+        roles:
+          chief: {hosts: [a, b], port: 7000}
+          ps: {host: a, port: 7010}
+          worker: {host: b, port: 7100}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:3: roles.chief.hosts: the chief always restarts on its own host (its checkpoints are "
+        "there), so a pool of several hosts would go unused; give it one host, e.g. host: a",
+    ),
+    (
         "pipelined outside asynchronous training",
         """\
         roles: {chief: {}, ps: {}, worker: {replicas: 2}}

@@ -254,6 +254,9 @@ def _role(c: Checker, role: str, value: object, hosts: tuple[HostSpec, ...]) -> 
                 "use fewer replicas",
             )
     pool = _pool(c, p, d, hosts)
+    if role in SINGLE_ROLES and len(set(pool)) > 1:
+        c.fail((*p, "hosts"), f"the {role} always restarts on its own host (its checkpoints are there), so a "
+               "pool of several hosts would go unused", f"give it one host, e.g. host: {pool[0]}")
     port, ports = _ports(c, p, d, replicas)
     if pool and port is None and ports is None:
         c.fail(
