@@ -380,7 +380,7 @@ def test_heartbeats_arrive_when_hosts_cannot_connect_back(remote: Remote) -> Non
 CUT_ROLES = """\
 chief: {host: h1, port: 7100}
 ps: {replicas: 2, hosts: [h1, h3], port: 7110, restart: {backoff_seconds: 0.5, max_backoff_seconds: 2}}
-worker: {replicas: 3, hosts: [h1, h2, h3], port: 7120, restart: {backoff_seconds: 0.5, max_backoff_seconds: 2}}
+worker: {replicas: 2, hosts: [h1, h3, h2], port: 7120, restart: {backoff_seconds: 0.5, max_backoff_seconds: 2}}
 """
 
 
@@ -390,7 +390,7 @@ def test_a_cut_off_hosts_ps_and_worker_move_to_other_hosts_of_their_pools(remote
     remote.psctl("up", str(spec), "--detach")
     events_file = Path(remote.env["PSCTL_HOME"]) / remote.name / "events.jsonl"
 
-    def worker(status: dict[str, Any], name: str = "worker-2") -> dict[str, Any]:
+    def worker(status: dict[str, Any], name: str = "worker-1") -> dict[str, Any]:
         return next(r for r in status["roles"] if r["name"] == name)
 
     def training_everywhere() -> dict[str, Any] | None:
@@ -407,17 +407,17 @@ def test_a_cut_off_hosts_ps_and_worker_move_to_other_hosts_of_their_pools(remote
     try:
         def lost() -> dict[str, Any] | None:
             for event in map(json.loads, events_file.read_text().splitlines()):
-                if event["role"] == "worker-2" and event["to"] == "lost" and event["time"] > cut_at:
+                if event["role"] == "worker-1" and event["to"] == "lost" and event["time"] > cut_at:
                     return dict(event)
             return None
 
-        event = wait_until(lost, timeout=20, what="worker-2 to be declared lost")
+        event = wait_until(lost, timeout=20, what="worker-1 to be declared lost")
         assert "no heartbeat" in event["reason"]
         assert event["time"] - cut_at <= 3.0 + 1.5  # heartbeat_timeout, plus one look and one heartbeat
 
         # While h3 is still cut off, ps-1 restarts on h1 (the other host of its pool) and is restored from the
-        # latest checkpoint, and worker-2 on h2 (h1 holds more roles); the chief and the other workers, told of
-        # their new addresses, train with them.
+        # latest checkpoint, and worker-1 on h2, a host of its pool that had no role yet (its keys and a
+        # heartbeat forward were ready there); the chief and worker-0, told of their new addresses, train on.
         def moved() -> dict[str, Any] | None:
             status = remote.status()
             w, ps = worker(status), worker(status, "ps-1")
@@ -431,18 +431,18 @@ def test_a_cut_off_hosts_ps_and_worker_move_to_other_hosts_of_their_pools(remote
             tails = {p.name: p.read_text(errors="replace")[-2500:] for p in sorted(logs.glob("chief-0.*.log"))}
             return f"roles: {roles}\nevents:\n{events_file.read_text()[-6000:]}\nchief logs: {tails}"
 
-        after = wait_until(moved, timeout=120, what="ps-1 on h1 and worker-2 on h2 to train", detail=explain)
+        after = wait_until(moved, timeout=120, what="ps-1 on h1 and worker-1 on h2 to train", detail=explain)
         recovered_at = time.time()
         new = worker(after)
         assert new["address"] == remote.bed.hosts["h2"].address and new["incarnation"] > old["incarnation"]
         assert worker(after, "ps-1")["address"] == remote.bed.hosts["h1"].address
         reasons = {name: [e["reason"] for e in map(json.loads, events_file.read_text().splitlines())
-                          if e["role"] == name] for name in ("worker-2", "ps-1")}
-        assert any(r.startswith("moves from h3 to h2 (") for r in reasons["worker-2"]), reasons
+                          if e["role"] == name] for name in ("worker-1", "ps-1")}
+        assert any(r.startswith("moves from h3 to h2 (") for r in reasons["worker-1"]), reasons
         assert any(r.startswith("moves from h3 to h1 (") for r in reasons["ps-1"]), reasons
     finally:
         remote.bed.heal("h3")
-    print(f"worker-2: lost {event['time'] - cut_at:.1f}s after the cut; ps-1 and worker-2 training on h1 and h2 "
+    print(f"worker-1: lost {event['time'] - cut_at:.1f}s after the cut; ps-1 and worker-1 training on h1 and h2 "
           f"{recovered_at - cut_at:.1f}s after it")
 
     # Once h3 answers again, the cut-off incarnation is stopped there...
@@ -450,23 +450,23 @@ def test_a_cut_off_hosts_ps_and_worker_move_to_other_hosts_of_their_pools(remote
         out = remote.bed.exec("h3", "ps axeww -o pid=,args=").stdout
         return not any(f"PSCTL_CLUSTER_ID={before['cluster_id']}" in line.split() for line in out.splitlines())
 
-    wait_until(gone_from_h3, timeout=30, what="the old ps-1 and worker-2 to be stopped on h3",
+    wait_until(gone_from_h3, timeout=30, what="the old ps-1 and worker-1 to be stopped on h3",
                detail=lambda: remote.bed.exec("h3", "ps axww -o pid,stat,args").stdout + remote.supervisor_log())
     # Each attempt's log is read from the host that ran it: the first from h3, the latest from h2.
-    first = remote.psctl("logs", "worker-2", remote.name, "--attempt", "1").stdout
-    latest = remote.psctl("logs", "worker-2", remote.name).stdout
-    assert f"worker:2 serving on {remote.bed.hosts['h3'].address}:7122" in first, first
-    assert f"worker:2 serving on {remote.bed.hosts['h2'].address}:7122" in latest, latest
+    first = remote.psctl("logs", "worker-1", remote.name, "--attempt", "1").stdout
+    latest = remote.psctl("logs", "worker-1", remote.name).stdout
+    assert f"worker:1 serving on {remote.bed.hosts['h3'].address}:7121" in first, first
+    assert f"worker:1 serving on {remote.bed.hosts['h2'].address}:7121" in latest, latest
     events = [e for e in map(json.loads, events_file.read_text().splitlines()) if e["role"] == "host h3"]
     assert [e["to"] for e in events][:2] == ["unreachable", "reachable"], events
     # ...and had it pushed anything, every PS refuses its incarnation: it was replaced.
-    tls = member_files(Path(remote.env["PSCTL_HOME"]) / remote.name / "tls", "worker-2")
+    tls = member_files(Path(remote.env["PSCTL_HOME"]) / remote.name / "tls", "worker-1")
     for ps in (r for r in remote.status()["roles"] if r["role"] == "ps"):
         channel = make_channel(f"{ps['address']}:{ps['port']}", tls)
         try:
             with pytest.raises(grpc.RpcError) as refused:
                 pb_grpc.ParameterServerStub(channel).Push(
-                    pb.PushRequest(step_id=2**62, task="worker:2", incarnation=old["incarnation"]), timeout=10)
+                    pb.PushRequest(step_id=2**62, task="worker:1", incarnation=old["incarnation"]), timeout=10)
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value
         finally:
             channel.close()
