@@ -129,6 +129,9 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
             header.append(f"  checkpoint {record.result['checkpoint']}")
     if record.reason and record.state.terminal:
         header.append(f"\nreason: {record.reason}")
+    if not record.state.terminal:
+        for host, problem in sorted(record.host_problems.items()):
+            header.append(f"\nhost {host}: {problem}", style="yellow")
     table = Table(box=None, pad_edge=False)
     for col in ("role", "host", "pid", "state", "attempt/restarts", "uptime", "heartbeat", "step"):
         table.add_column(col)

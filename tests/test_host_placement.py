@@ -12,11 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from supervisor_fakes import Clock, FakeRunner
 
 from psctl.home import ClusterDir
 from psctl.launch.hostset import Placement
 from psctl.proto import psctl_pb2 as pb
+from psctl.render import status_view
 from psctl.spec import load_spec_text, make_plan
 from psctl.supervisor.daemon import HeartbeatServicer, Supervisor
 from psctl.supervisor.hosts import HostBench, Occupant, hosts_for, restart_host
@@ -94,6 +96,13 @@ def step(sup: Supervisor, seconds: float, *, silent: tuple[str, ...] = ()) -> No
     settle()
 
 
+def shown(sup: Supervisor) -> str:
+    """What ``psctl status`` prints for the cluster."""
+    console = Console(width=200, record=True)
+    console.print(status_view(sup.cdir, sup.record, stale=False))
+    return console.export_text()
+
+
 def events(sup: Supervisor) -> list[dict[str, str]]:
     return [json.loads(line) for line in sup.cdir.events_file.read_text().splitlines()]
 
@@ -123,12 +132,16 @@ def test_a_worker_on_a_cut_off_host_restarts_on_the_least_loaded_host_of_its_poo
                for e in events(sup))
     assert chief_is_told(sup) == {"ps:0": "10.9.0.3:7010", "worker:0": "10.9.0.1:7020",
                                   "worker:1": "10.9.0.2:7021", "worker:2": "10.9.0.2:7022"}
+    # status shows what is wrong with the host while it lasts (two of its roles failed: benched too)
+    assert sup.record.host_problems["h3"].startswith("unreachable: host h3: timed out; benched until ")
+    assert "host h3: unreachable: host h3: timed out; benched until " in shown(sup)
     # The old process could not be stopped on the cut-off host; once h3 answers again it is.
     assert old is not None and old in sup.live["worker-2"].stale
     host(sup, "h3").last_error = None
     step(sup, 0.5)
     assert sup.live["worker-2"].stale == []
     assert host(sup, "h3").exit_codes[old.pid] is not None
+    assert sup.record.host_problems["h3"].startswith("benched until ")  # answers again, still cooling off
 
 
 def test_a_host_where_roles_keep_failing_is_benched_then_released(sup: Supervisor) -> None:
@@ -142,12 +155,14 @@ def test_a_host_where_roles_keep_failing_is_benched_then_released(sup: Superviso
     benched = [e for e in events(sup) if e["role"] == "host h2"]
     assert [(e["from"], e["to"]) for e in benched] == [("available", "benched")]
     assert "2 role failures within 60s" in benched[0]["reason"]
+    assert sup.record.host_problems["h2"].startswith("benched until ")
     worker = sup.record.role("worker-1")
     assert (worker.host, worker.attempt) == ("h1", 3)  # h1 and h3 hold two roles each: pool order decides
     # After the cooling-off, h2 takes roles again.
     step(sup, 100)
     assert [(e["from"], e["to"]) for e in events(sup) if e["role"] == "host h2"][-1] == ("benched", "available")
     assert sup.usable("h2")
+    assert "h2" not in sup.record.host_problems
 
 
 def test_a_ps_with_a_pool_moves_and_the_chief_and_workers_are_told(tmp_path: Path) -> None:

@@ -464,9 +464,22 @@ class Supervisor:
             self.host_event(name, "benched", "available", "cooling-off ended")
 
     def host_event(self, host: str, was: str, to: str, reason: str) -> None:
+        """Log a host's change in the events, and what is wrong with it now in the record (for status)."""
         event = {"time": time.time(), "role": f"host {host}", "from": was, "to": to, "reason": reason}
         with open(self.cdir.events_file, "a", encoding="utf-8") as f:
             f.write(json.dumps(event) + "\n")
+        problems = []
+        if self._host_errors.get(host):
+            problems.append(f"unreachable: {self._host_errors[host]}")
+        until = self.bench.benched_until(host)
+        if until is not None and self.bench.is_benched(host, self.time()):
+            clock = time.strftime("%H:%M:%S", time.localtime(time.time() + until - self.time()))
+            problems.append(f"benched until {clock} (roles that can move start elsewhere)")
+        if problems:
+            self.record.host_problems[host] = "; ".join(problems)
+        else:
+            self.record.host_problems.pop(host, None)
+        self._dirty = True
 
     def step(self) -> None:
         """One pass: look at every role, decide, act."""

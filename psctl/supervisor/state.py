@@ -124,6 +124,8 @@ class ClusterRecord:
     #: The SSH hosts the cluster uses, as ``up`` prepared them: name -> RemoteHost fields (see
     #: psctl.launch.hostset), so that status, logs and down reach them without the spec.
     hosts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: What is wrong with an SSH host now (unreachable, benched), for ``psctl status``; absent when nothing.
+    host_problems: dict[str, str] = field(default_factory=dict)
 
     def role(self, name: str) -> RoleRecord:
         for record in self.roles:
