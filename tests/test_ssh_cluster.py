@@ -440,6 +440,8 @@ def test_a_cut_off_hosts_ps_and_worker_move_to_other_hosts_of_their_pools(remote
                           if e["role"] == name] for name in ("worker-1", "ps-1")}
         assert any(r.startswith("moves from h3 to h2 (") for r in reasons["worker-1"]), reasons
         assert any(r.startswith("moves from h3 to h1 (") for r in reasons["ps-1"]), reasons
+        table = " ".join(remote.psctl("status", remote.name).stdout.split())
+        assert "host h3: unreachable: host h3 (" in table, table
     finally:
         remote.bed.heal("h3")
     print(f"worker-1: lost {event['time'] - cut_at:.1f}s after the cut; ps-1 and worker-1 training on h1 and h2 "
