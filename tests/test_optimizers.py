@@ -190,6 +190,26 @@ def test_sparse_is_the_dense_rule_on_those_rows_only(name: str, params: dict[str
                 assert_bitwise_equal(slots[k][untouched], before_slots[k][untouched])
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("name", "params"), CASES, ids=IDS)
+def test_the_in_place_dense_update_is_the_rule_bit_for_bit(name: str, params: dict[str, float], dtype: Any) -> None:
+    """apply_dense computes in place: over several steps it must give exactly what the rule's _update gives."""
+    rng = np.random.default_rng(7)
+    opt = make_optimizer(name, LR, params)
+    var = rng.normal(size=(5, 7)).astype(dtype)
+    slots = opt.create_slots(var)
+    ref_var, ref_slots = var.copy(), {k: v.copy() for k, v in slots.items()}
+    for _ in range(4):
+        g = rng.normal(size=var.shape).astype(dtype)
+        g.flags.writeable = False  # decoded gradients are read-only views of the message
+        opt.apply_dense(var, g, slots)
+        new_var, new_slots = opt._update(ref_var, g, ref_slots)
+        ref_var, ref_slots = new_var, {k: np.asarray(v) for k, v in new_slots.items()}
+        assert_bitwise_equal(var, ref_var)
+        for k in opt.slot_names:
+            assert_bitwise_equal(slots[k], np.asarray(ref_slots[k], dtype=slots[k].dtype))
+
+
 @pytest.mark.parametrize(("name", "params"), CASES, ids=IDS)
 def test_sparse_equals_dense_on_the_gathered_rows_bitwise(name: str, params: dict[str, float]) -> None:
     """Same arithmetic either way: a sparse update is exactly the dense update of the gathered rows."""

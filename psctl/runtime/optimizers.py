@@ -5,9 +5,11 @@ rules here are the whole optimizer: they follow the TensorFlow/Keras conventions
 ``ApplyAdagrad``, ``ApplyAdam`` and their lazy ``Sparse`` forms) so that a model trained under psctl
 behaves like the same model trained with TF's parameter-server strategy.
 
-Every update is computed into temporaries first and only then written back, and every argument is
-checked before that: a bad push raises ``ValueError`` and leaves the variable and its slots exactly as
-they were, so one malformed request cannot corrupt a shard. Arithmetic is done in the variable's dtype
+Every argument is checked before anything is written: a bad push raises ``ValueError`` and leaves the
+variable and its slots exactly as they were, so one malformed request cannot corrupt a shard. A dense update
+then runs in place (``_apply_in_place``: the same operations in the same order as the rule's ``_update``, so
+bit for bit the same result, without its temporaries; nothing in it can fail half-way); a sparse one is
+computed on the gathered rows and scattered back. Arithmetic is done in the variable's dtype
 (hyperparameters are cast to it), so a float32 shard stays float32 and costs float32 bandwidth.
 
 Per-variable scalar state (Adam's step count ``t``) lives in the slots dict as a 0-d array, so that
@@ -75,7 +77,11 @@ class Optimizer(ABC):
         _check_grad_dtype(grad)
         if grad.shape != var.shape:
             raise ValueError(f"gradient shape {grad.shape} does not match variable shape {var.shape}")
-        new_var, new_slots = self._update(var, grad.astype(var.dtype, copy=False), slots)
+        self._apply_in_place(var, grad.astype(var.dtype, copy=False), slots)
+
+    def _apply_in_place(self, var: np.ndarray, grad: np.ndarray, slots: Slots) -> None:
+        """``_update``'s result written into ``var`` and ``slots``; rules override it to compute in place."""
+        new_var, new_slots = self._update(var, grad, slots)
         np.copyto(var, new_var)
         for key in self.slot_names:
             np.copyto(slots[key], new_slots[key])
@@ -190,6 +196,10 @@ class SGD(Optimizer):
     ) -> tuple[np.ndarray, Slots]:
         return var - var.dtype.type(self.learning_rate) * grad, {}
 
+    def _apply_in_place(self, var: np.ndarray, grad: np.ndarray, slots: Slots) -> None:
+        step = np.multiply(var.dtype.type(self.learning_rate), grad)
+        np.subtract(var, step, out=var)
+
 
 class Momentum(Optimizer):
     """Heavy-ball momentum as TF's ApplyMomentum: the accumulator is not scaled by (1 - momentum)."""
@@ -212,6 +222,20 @@ class Momentum(Optimizer):
         accum = mu * slots["accum"] + grad
         step = grad + mu * accum if self.nesterov else accum
         return var - lr * step, {"accum": accum}
+
+    def _apply_in_place(self, var: np.ndarray, grad: np.ndarray, slots: Slots) -> None:
+        c = var.dtype.type
+        lr, mu = c(self.learning_rate), c(self.momentum)
+        accum = slots["accum"]
+        np.multiply(mu, accum, out=accum)
+        np.add(accum, grad, out=accum)
+        if self.nesterov:
+            step = np.multiply(mu, accum)
+            np.add(grad, step, out=step)
+            np.multiply(lr, step, out=step)
+        else:
+            step = np.multiply(lr, accum)
+        np.subtract(var, step, out=var)
 
 
 class Adagrad(Optimizer):
@@ -237,6 +261,17 @@ class Adagrad(Optimizer):
         c = var.dtype.type
         accum = slots["accum"] + grad * grad
         return var - c(self.learning_rate) * grad / (np.sqrt(accum) + c(self.epsilon)), {"accum": accum}
+
+    def _apply_in_place(self, var: np.ndarray, grad: np.ndarray, slots: Slots) -> None:
+        c = var.dtype.type
+        accum = slots["accum"]
+        scratch = np.multiply(grad, grad)
+        np.add(accum, scratch, out=accum)
+        np.sqrt(accum, out=scratch)
+        np.add(scratch, c(self.epsilon), out=scratch)
+        step = np.multiply(c(self.learning_rate), grad)
+        np.divide(step, scratch, out=step)
+        np.subtract(var, step, out=var)
 
 
 class Adam(Optimizer):
@@ -267,6 +302,26 @@ class Adam(Optimizer):
         v = c(b2) * slots["v"] + c(1.0 - b2) * (grad * grad)
         new_var = var - c(lr_t) * m / (np.sqrt(v) + c(self.epsilon))
         return new_var, {"m": m, "v": v, "t": np.asarray(t, dtype=np.int64)}
+
+    def _apply_in_place(self, var: np.ndarray, grad: np.ndarray, slots: Slots) -> None:
+        c = var.dtype.type
+        b1, b2 = self.beta1, self.beta2
+        t = int(slots["t"]) + 1
+        lr_t = self.learning_rate * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
+        m, v = slots["m"], slots["v"]
+        scratch = np.multiply(c(1.0 - b1), grad)
+        np.multiply(c(b1), m, out=m)
+        np.add(m, scratch, out=m)
+        np.multiply(grad, grad, out=scratch)
+        np.multiply(c(1.0 - b2), scratch, out=scratch)
+        np.multiply(c(b2), v, out=v)
+        np.add(v, scratch, out=v)
+        np.sqrt(v, out=scratch)
+        np.add(scratch, c(self.epsilon), out=scratch)
+        step = np.multiply(c(lr_t), m)
+        np.divide(step, scratch, out=step)
+        np.subtract(var, step, out=var)
+        slots["t"][...] = t
 
 
 _CLASSES: dict[str, type[Optimizer]] = {cls.name: cls for cls in (SGD, Momentum, Adagrad, Adam)}
