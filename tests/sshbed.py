@@ -246,13 +246,7 @@ class SSHBed:
         """Cut the host off: ``nft`` drops everything in and out of its eth0; ``link`` downs its veth."""
         host = self.hosts[name]
         if how == "nft":
-            rules = (
-                f"table inet {NFT_TABLE} {{\n"
-                f"  chain input {{ type filter hook input priority -300; iifname \"eth0\" drop; }}\n"
-                f"  chain output {{ type filter hook output priority -300; oifname \"eth0\" drop; }}\n"
-                "}\n"
-            )
-            _run("ip", "netns", "exec", host.netns, "nft", "-f", "-", input=rules)
+            self._drop(host, input_rule='iifname "eth0" drop', output_rule='oifname "eth0" drop')
         elif how == "link":
             _run("ip", "link", "set", host.veth, "down")
         else:
@@ -261,13 +255,15 @@ class SSHBed:
     def ssh_only_from_hosts(self, name: str) -> None:
         """Let the host accept SSH only from the other test hosts, not from this machine (a bastion setup);
         :meth:`heal` undoes it."""
-        host = self.hosts[name]
-        rules = (
-            f"table inet {NFT_TABLE} {{\n"
-            f"  chain input {{ type filter hook input priority -300; "
-            f"iifname \"eth0\" ip saddr {SUBNET}.1 tcp dport 22 drop; }}\n"
-            "}\n"
-        )
+        self._drop(self.hosts[name], input_rule=f'iifname "eth0" ip saddr {SUBNET}.1 tcp dport 22 drop')
+
+    @staticmethod
+    def _drop(host: BedHost, *, input_rule: str, output_rule: str | None = None) -> None:
+        """Install drop rules in the host's namespace, in the table :meth:`heal` deletes."""
+        chains = [f"  chain input {{ type filter hook input priority -300; {input_rule}; }}"]
+        if output_rule is not None:
+            chains.append(f"  chain output {{ type filter hook output priority -300; {output_rule}; }}")
+        rules = f"table inet {NFT_TABLE} {{\n" + "\n".join(chains) + "\n}\n"
         _run("ip", "netns", "exec", host.netns, "nft", "-f", "-", input=rules)
 
     def heal(self, name: str) -> None:

@@ -469,15 +469,19 @@ def ps() -> Iterator[Ps]:
 
 
 # -- random bytes --------------------------------------------------------------------------------------------------
+def _valid_push() -> pb.PushRequest:
+    """A push the PS would accept, but for its step id 0."""
+    return pb.PushRequest(step_id=0, task="worker:0", incarnation=5, entries=[good_entry("w"), good_entry("b")])
+
+
 def _valid_push_bytes() -> bytes:
-    request = pb.PushRequest(step_id=0, task="worker:0", incarnation=5, entries=[good_entry("w"), good_entry("b")])
-    return request.SerializeToString()
+    return _valid_push().SerializeToString()  # type: ignore[no-any-return]
 
 
 @st.composite
-def mangled_push_bytes(draw: st.DrawFn) -> bytes:
-    """A valid serialized push, then bytes flipped, cut, inserted or repeated."""
-    data = bytearray(_valid_push_bytes())
+def mangled(draw: st.DrawFn, valid: bytes) -> bytes:
+    """``valid`` (a serialized message or frame), then bytes flipped, cut, inserted or repeated."""
+    data = bytearray(valid)
     for _ in range(draw(st.integers(1, 4))):
         pos = draw(st.integers(0, len(data)))
         action = draw(st.sampled_from(("flip", "cut", "insert", "repeat")))
@@ -493,7 +497,7 @@ def mangled_push_bytes(draw: st.DrawFn) -> bytes:
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(payload=st.binary(max_size=300) | mangled_push_bytes())
+@given(payload=st.binary(max_size=300) | mangled(_valid_push_bytes()))
 def test_random_bytes_as_a_push_are_refused(ps: Ps, payload: bytes) -> None:
     # Protobuf reads many byte strings as *some* message. Ending with step_id = 0 (the last value of a field
     # wins) makes any push they happen to spell invalid, so every request here must be refused.
@@ -796,26 +800,7 @@ def as_frame(request: Any, frame_type: Any = pb.PushRequestFrame) -> bytes:
 
 
 def _valid_push_frame() -> bytes:
-    request = pb.PushRequest(step_id=0, task="worker:0", incarnation=5, entries=[good_entry("w"), good_entry("b")])
-    return as_frame(request)
-
-
-@st.composite
-def mangled_frames(draw: st.DrawFn) -> bytes:
-    """A framed push (step id 0), then bytes flipped, cut, inserted or repeated."""
-    data = bytearray(_valid_push_frame())
-    for _ in range(draw(st.integers(1, 4))):
-        pos = draw(st.integers(0, len(data)))
-        action = draw(st.sampled_from(("flip", "cut", "insert", "repeat")))
-        if action == "flip" and pos < len(data):
-            data[pos] ^= draw(st.integers(1, 255))
-        elif action == "cut":
-            del data[pos:]
-        elif action == "insert":
-            data[pos:pos] = draw(st.binary(min_size=1, max_size=8))
-        elif action == "repeat":
-            data += data[pos:]
-    return bytes(data)
+    return as_frame(_valid_push())
 
 
 def _could_apply(frame: bytes) -> bool:
@@ -828,7 +813,7 @@ def _could_apply(frame: bytes) -> bool:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(payload=st.binary(max_size=300) | mangled_frames())
+@given(payload=st.binary(max_size=300) | mangled(_valid_push_frame()))
 def test_random_bytes_as_a_framed_push_are_refused(fps: Ps, payload: bytes) -> None:
     assume(not _could_apply(payload))
     fps.refused(lambda: fps.raw("PushFramed")(payload, timeout=30), grpc.StatusCode.INVALID_ARGUMENT)
@@ -837,7 +822,7 @@ def test_random_bytes_as_a_framed_push_are_refused(fps: Ps, payload: bytes) -> N
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(frames=st.lists(st.binary(max_size=200) | mangled_frames(), min_size=1, max_size=3))
+@given(frames=st.lists(st.binary(max_size=200) | mangled(_valid_push_frame()), min_size=1, max_size=3))
 def test_random_bytes_to_the_other_framed_rpcs_never_crash_the_ps(fps: Ps, frames: list[bytes]) -> None:
     before = fps.snapshot()
     path = f"/{wire.PS_SERVICE}/"
