@@ -50,6 +50,11 @@ def find_snapshot(cdir: ClusterDir | None, record: ClusterRecord | None, locatio
         host, folder = checkpoint_folder(cdir, record)
     elif record is not None:
         host, folder = split_location(location, record.hosts)
+        if host == LOCAL_HOST and not Path(location).expanduser().exists():
+            named = location.partition(":")[0]
+            hosts = ", ".join(sorted(record.hosts)) or "none: it runs on this machine"
+            raise UsageError(f"--checkpoint {location}: {named!r} is not a host of cluster {record.name!r} "
+                             f"(its hosts: {hosts}); give HOST:PATH with one of them, or a local folder")
     else:
         host, folder = LOCAL_HOST, location
     if host == LOCAL_HOST:

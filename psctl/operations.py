@@ -173,6 +173,7 @@ def bring_up(
 ) -> ClusterDir:
     """Check the hosts, persist the plan, prepare the hosts and start the cluster's supervisor; returns once
     the supervisor is running. ``warn`` gets the preflight's warnings (clock skew)."""
+    refuse_if_up(spec)  # before the preflight: the cluster's own roles would read as ports taken
     runners = ssh_runners(spec, plan)
     try:
         reports = check_hosts(spec, plan, runners)
@@ -186,18 +187,25 @@ def bring_up(
             runner.close()
 
 
+def refuse_if_up(spec: ClusterSpec) -> None:
+    """A UsageError if a cluster of this name still runs (its supervisor, or any process of it here)."""
+    cdir = ClusterDir.named(spec.name)
+    if not cdir.state_file.is_file():
+        return
+    old = load_state(cdir.state_file)
+    if not old.state.terminal and (supervisor_alive(old) or LocalRunner().cluster_processes(old.cluster_id)):
+        raise UsageError(
+            f"cluster {spec.name!r} is already up ({old.state.value})",
+            hint=f"see `psctl status {spec.name}`, or stop it with `psctl down {spec.name}`",
+        )
+
+
 def _start(
     spec: ClusterSpec, plan: Plan, runners: Mapping[str, SSHRunner], reports: Mapping[str, HostReport], *,
     wait_started: float,
 ) -> ClusterDir:
     cdir = ClusterDir.named(spec.name)
     if cdir.state_file.is_file():
-        old = load_state(cdir.state_file)
-        if not old.state.terminal and (supervisor_alive(old) or LocalRunner().cluster_processes(old.cluster_id)):
-            raise UsageError(
-                f"cluster {spec.name!r} is already up ({old.state.value})",
-                hint=f"see `psctl status {spec.name}`, or stop it with `psctl down {spec.name}`",
-            )
         for stale in (cdir.logs, cdir.run_dir):
             shutil.rmtree(stale, ignore_errors=True)
         cdir.events_file.unlink(missing_ok=True)

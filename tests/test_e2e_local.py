@@ -162,6 +162,9 @@ def test_export_writes_the_newest_checkpoints_variables(psctl_env) -> None:
     assert shapes == {"hid/kernel": (64, 32), "hid/bias": (32,), "sm/kernel": (32, 10), "sm/bias": (10,)}
     missing = check(psctl_env.run("export", "exp", "--checkpoint", str(psctl_env.tmp_path), "-o", str(out)), 4)
     assert f"no valid checkpoint in {psctl_env.tmp_path}" in flat(missing.stderr)
+    typo = check(psctl_env.run("export", "exp", "--checkpoint", "h9:/ckpts", "-o", str(out)), 2)
+    assert ("--checkpoint h9:/ckpts: 'h9' is not a host of cluster 'exp' (its hosts: none: it runs on this "
+            "machine); give HOST:PATH with one of them, or a local folder") in flat(typo.stderr), typo.stderr
 
 
 # -- (b) ----------------------------------------------------------------------------------------------------

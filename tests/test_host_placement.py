@@ -132,16 +132,23 @@ def test_a_worker_on_a_cut_off_host_restarts_on_the_least_loaded_host_of_its_poo
                for e in events(sup))
     assert chief_is_told(sup) == {"ps:0": "10.9.0.3:7010", "worker:0": "10.9.0.1:7020",
                                   "worker:1": "10.9.0.2:7021", "worker:2": "10.9.0.2:7022"}
-    # status shows what is wrong with the host while it lasts (two of its roles failed: benched too)
-    assert sup.record.host_problems["h3"].startswith("unreachable: host h3: timed out; benched until ")
-    assert "host h3: unreachable: host h3: timed out; benched until " in shown(sup)
+    # status shows what is wrong with the host while it lasts; roles lost with it do not bench it
+    assert sup.record.host_problems == {"h3": "unreachable: host h3: timed out"}
+    assert "host h3: unreachable: host h3: timed out" in shown(sup)
+    # the ps, which cannot move, waits for its host: the outage uses up none of its restarts
+    for _ in range(5):
+        step(sup, 1.5, silent=("ps-0",))
+    ps = sup.record.role("ps-0")
+    assert (ps.state, ps.attempt, ps.reason) == (RoleState.RESTARTING, 1, "waiting for h3 to answer")
     # The old process could not be stopped on the cut-off host; once h3 answers again it is.
     assert old is not None and old in sup.live["worker-2"].stale
     host(sup, "h3").last_error = None
     step(sup, 0.5)
     assert sup.live["worker-2"].stale == []
     assert host(sup, "h3").exit_codes[old.pid] is not None
-    assert sup.record.host_problems["h3"].startswith("benched until ")  # answers again, still cooling off
+    assert sup.record.host_problems == {} and "host h3" not in shown(sup)
+    step(sup, 1.5, silent=("ps-0",))  # and the ps starts there again
+    assert (sup.record.role("ps-0").state, sup.record.role("ps-0").attempt) == (RoleState.STARTING, 2)
 
 
 def test_a_host_where_roles_keep_failing_is_benched_then_released(sup: Supervisor) -> None:

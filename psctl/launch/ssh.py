@@ -263,11 +263,17 @@ class SSHRunner(Runner):
     def _watch(self) -> None:
         while not self._closed.wait(self.status_ttl):
             try:
-                self._refresh_status()
+                if self._watched:
+                    self._refresh_status()
+                else:  # nothing of ours runs there (a spare host of a pool): still find out whether it answers
+                    self._exec("exit 0")
                 self.last_error = None
                 self.answered_at = time.monotonic()
             except PsctlError as exc:  # the host is unreachable: heartbeats decide; keep looking
                 self.last_error = exc.format_message()
+            except Exception as exc:  # a bug must not end the watch: poll() would answer "running" forever
+                log.exception("host %s: the background look failed", self.host)
+                self.last_error = f"host {self.host}: look failed: {type(exc).__name__}: {exc}"
 
     def _refresh_status(self) -> None:
         """Read /proc/PID/stat and the exit file of every watched process, in one command."""

@@ -42,7 +42,6 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
         program = load_program(ProgramRef(cfg.program, cfg.args, cfg.data, cfg.seed))
         model = ShardedModel(program, len(info.ps), cfg.partitioner)
         ps = PsClient(info.ps, tls=info.tls)
-        ps.follow(ADDRESSES.known())
         ADDRESSES.subscribe(ps.follow)  # a ps restarted on another host of its pool: push and pull there
         servicer = WorkerServicer(
             model,
@@ -143,6 +142,10 @@ def record_exit(code: int) -> None:
 
 
 if __name__ == "__main__":
-    exit_code = main()
+    try:
+        exit_code = main()
+    except BaseException:  # a crash: say so, rather than leave a launcher to read "killed" from no file
+        record_exit(EXIT_FAILURE)
+        raise
     record_exit(exit_code)
     sys.exit(exit_code)

@@ -54,7 +54,6 @@ class Chief:
         self.program = load_program(ProgramRef(cfg.program, cfg.args, cfg.data, cfg.seed))
         self.model = ShardedModel(self.program, len(info.ps), cfg.partitioner)
         self.ps = PsClient(info.ps, tls=info.tls)
-        self.ps.follow(ADDRESSES.known())
         self._unfollow_ps = ADDRESSES.subscribe(self.ps.follow)  # a ps restarted on another host: go there
         self.meter = TrainingMeter()
         run_dir = Path(info.run_dir)
@@ -96,8 +95,7 @@ class Chief:
             one_per_round=cfg.mode == "sync" and bool(cfg.distinct_replicas),
             steps_in_flight=2 if cfg.mode == "async" and cfg.pipelined else 1,
         )
-        unsubscribe = ADDRESSES.subscribe(lambda addresses: _follow_moves(coordinator, self.ps, addresses))
-        _follow_moves(coordinator, self.ps, ADDRESSES.known())  # a move the heartbeats told of before now
+        unsubscribe = ADDRESSES.subscribe(lambda addresses: _follow_moves(coordinator, addresses))
         coordinator.wait_for_workers(self.ready_timeout)
         reporter = threading.Thread(target=self._report_loop, name="metrics", daemon=True)
         reporter.start()
@@ -339,9 +337,8 @@ class Chief:
         self.metrics.close()
 
 
-def _follow_moves(coordinator: ClusterCoordinator, ps: PsClient, addresses: dict[str, str]) -> None:
-    """Point the coordinator at each worker, and the PS client at each ps, where the supervisor says they are."""
+def _follow_moves(coordinator: ClusterCoordinator, addresses: dict[str, str]) -> None:
+    """Point the coordinator at each worker where the supervisor says it is."""
     for index, address in tasks_of("worker", addresses).items():
         if index < len(coordinator.workers):
             coordinator.set_worker_address(index, address)
-    ps.follow(addresses)

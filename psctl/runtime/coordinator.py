@@ -272,12 +272,13 @@ class ClusterCoordinator:
             if worker.address == address:
                 return
             old = self._channels[index]
-            self.on_worker_event(f"worker:{index} moved from {worker.address} to {address}")
+            moved = f"worker:{index} moved from {worker.address} to {address}"
             worker.address = address
             self._channels[index] = make_channel(address, self._tls)
             self._stubs[index] = pb_grpc.WorkerStub(self._channels[index])
             worker.alive = False
         close_later(old)
+        self.on_worker_event(moved)
 
     def recover(self, cursors: dict[int, int]) -> int:
         """After the chief restored the PS: drop every queued closure (their data positions are from before

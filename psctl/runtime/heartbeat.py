@@ -43,15 +43,18 @@ class ClusterAddresses:
     on another host of its pool has a new address. The coordinator and the PS clients subscribe to follow."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Held while callbacks run, so that a subscriber's replay and the updates reach it in order.
+        self._lock = threading.RLock()
         self._known: dict[str, str] = {}
         self._subscribers: list[Callable[[dict[str, str]], None]] = []
 
     def subscribe(self, callback: Callable[[dict[str, str]], None]) -> Callable[[], None]:
-        """Call ``callback({"ps:0": "host:port", "worker:0": ..., ...})`` with every address whenever one
-        differs from the last reply (and on the first); returns the function that unsubscribes."""
+        """Call ``callback({"ps:0": "host:port", "worker:0": ..., ...})`` with every address now (if any are
+        known) and whenever one differs from the last reply; returns the function that unsubscribes."""
         with self._lock:
             self._subscribers.append(callback)
+            if self._known:
+                _deliver(callback, self._known)
 
         def unsubscribe() -> None:
             with self._lock:
@@ -61,17 +64,25 @@ class ClusterAddresses:
         return unsubscribe
 
     def update(self, addresses: dict[str, str]) -> None:
+        """A heartbeat reply's map; a callback that fails is logged and given the map again with the next."""
         with self._lock:
             if addresses == self._known:
                 return
-            self._known = dict(addresses)
-            subscribers = list(self._subscribers)
-        for callback in subscribers:
-            callback(dict(addresses))
+            if all([_deliver(callback, addresses) for callback in self._subscribers]):
+                self._known = dict(addresses)
 
     def known(self) -> dict[str, str]:
         with self._lock:
             return dict(self._known)
+
+
+def _deliver(callback: Callable[[dict[str, str]], None], addresses: dict[str, str]) -> bool:
+    try:
+        callback(dict(addresses))
+        return True
+    except Exception:  # the heartbeat thread must go on (a role that stops heartbeating is declared lost)
+        log.exception("following the cluster's new addresses failed; trying again with the next heartbeat")
+        return False
 
 
 def tasks_of(job: str, addresses: dict[str, str]) -> dict[int, str]:

@@ -291,10 +291,11 @@ class PsClient:
         deadline = time.monotonic() + timeout
         for ps in range(len(self._channels)):
             while True:
-                channel = self._channels[ps]
+                ready = grpc.channel_ready_future(self._channels[ps])
                 try:
-                    grpc.channel_ready_future(channel).result(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                    ready.result(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
                     break
                 except grpc.FutureTimeoutError:
+                    ready.cancel()  # else it stays subscribed to the channel's state for good
                     if time.monotonic() >= deadline:
                         raise PsUnavailable(ps, self.addresses[ps], f"not reachable within {timeout:.0f}s") from None

@@ -70,7 +70,7 @@ class RoleSpec:
 class SupervisionSpec:
     """Heartbeat and progress deadlines, in seconds (a role is dead only once past ``startup_grace``), and the
     benching of SSH hosts: ``bench_after_failures`` role failures on one host within ``bench_window`` keep
-    roles that can go elsewhere (workers with a pool) off it for ``bench_cooloff`` (0 failures: never)."""
+    roles that can go elsewhere (workers and ps with a pool) off it for ``bench_cooloff`` (0 failures: never)."""
 
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0

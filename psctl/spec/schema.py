@@ -84,7 +84,7 @@ def build_spec(data: Any, source: SourceMap, *, path: Path | None, base_dir: Pat
         for i, item in enumerate(c.items(("setup",), top.get("setup") or [], fix="list shell commands"))
     )
     if hosts:
-        _check_evaluator_host(c, roles, training)
+        _check_evaluator_host(c, roles, training, top["roles"].get("evaluator") or {})
     return ClusterSpec(name, path, hosts, roles, training, supervision, security, source, files=files, setup=setup)
 
 
@@ -102,13 +102,16 @@ def _files(c: Checker, value: object, base_dir: Path, allowed: tuple[Path, ...])
     return tuple(files)
 
 
-def _check_evaluator_host(c: Checker, roles: dict[str, RoleSpec], training: dict[str, Any]) -> None:
-    """The evaluator reads the checkpoints the chief writes: on hosts, it must run where they are."""
+def _check_evaluator_host(
+    c: Checker, roles: dict[str, RoleSpec], training: dict[str, Any], written: dict[str, Any]
+) -> None:
+    """The evaluator reads the checkpoints the chief writes: on hosts, it must run where they are. ``written``:
+    the evaluator's mapping as the spec has it (the error names the key the user wrote)."""
     evaluator, chief = roles.get("evaluator"), roles["chief"]
     checkpoint = training.get("checkpoint") or {}
     if evaluator is None or checkpoint.get("dir") or set(evaluator.hosts) <= set(chief.hosts[:1]):
         return
-    key = "host" if len(evaluator.hosts) == 1 else "hosts"
+    key = "hosts" if "hosts" in written else "host"
     c.fail(("roles", "evaluator", key),
            f"the evaluator must run on the chief's host ({chief.hosts[0]}): it reads the checkpoints the chief "
            "writes there", f"write host: {chief.hosts[0]}, or put training.checkpoint.dir on storage both hosts "

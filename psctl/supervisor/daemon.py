@@ -36,7 +36,7 @@ from psctl.runtime.cluster import tf_config
 from psctl.runtime.rpc import make_server
 from psctl.spec import ClusterSpec
 from psctl.spec.plan import LOCAL_HOST
-from psctl.supervisor.hosts import HostBench, Occupant, restart_host
+from psctl.supervisor.hosts import MOVABLE_ROLES, HostBench, Occupant, restart_host
 from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, save_state
 
 log = logging.getLogger("psctl.supervisor")
@@ -53,6 +53,8 @@ SSH_STATUS_INTERVAL = 0.5
 #: A host whose last answered look is older than this is not given a moving role (its current look may be
 #: waiting on a cut-off connection, which takes seconds to time out).
 LOOK_OVERDUE = 2.5
+#: How often a role waiting for its host to answer looks again.
+HOST_WAIT = 1.0
 #: How often the stale processes of cut-off roles are tried again on hosts that answer.
 STALE_SWEEP_INTERVAL = 2.0
 #: How often a remote chief's new metrics lines are copied here.
@@ -140,6 +142,7 @@ class Supervisor:
         self.bench = HostBench(failures=sup.bench_after_failures, window=sup.bench_window, cooloff=sup.bench_cooloff)
         self._sweeping: set[str] = set()  # hosts whose stale processes a thread is stopping now
         self._swept_at: dict[str, float] = {}  # when each host's stale processes were last tried
+        self._addresses = self._address_map()
         self.time = get_time
         self.poll_interval = poll_interval
         self.python = python
@@ -185,8 +188,8 @@ class Supervisor:
                 role = self.record.role(name)
             except KeyError:
                 return True
-            if hb.incarnation != role.incarnation:
-                return True
+            if hb.incarnation != role.incarnation or role.state == RoleState.FAILED:
+                return True  # replaced, or given up on: a process that still runs must exit
             self.live[name].last_heartbeat = self.time()
             role.last_heartbeat = time.time()
             role.global_step = hb.global_step
@@ -199,9 +202,14 @@ class Supervisor:
 
     def addresses(self) -> dict[str, str]:
         """Every ps's and worker's address (``"worker:2" -> "host:port"``): what the heartbeat replies of the
-        chief and the workers bring back, so that they follow a role that moved."""
-        with self.lock:
-            return {f"{r.role}:{r.index}": r.endpoint for r in self.record.roles if r.role in ("ps", "worker")}
+        chief and the workers bring back, so that they follow a role that moved. Empty where none can move."""
+        return self._addresses
+
+    def _address_map(self) -> dict[str, str]:
+        """Rebuilt when a role moves (heartbeats read it without the lock: it is replaced, never changed)."""
+        if not any(len(set(self.spec.roles[r.role].hosts)) > 1 and r.role in MOVABLE_ROLES for r in self.record.roles):
+            return {}
+        return {f"{r.role}:{r.index}": r.endpoint for r in self.record.roles if r.role in MOVABLE_ROLES}
 
     # -- starting roles -------------------------------------------------------------------------------
     def role_env(self, role: RoleRecord) -> dict[str, str]:
@@ -285,6 +293,18 @@ class Supervisor:
         answered = place.runner.answered_at
         return answered is None or time.monotonic() - answered <= LOOK_OVERDUE
 
+    def waits_for_host(self, role: RoleRecord, now: float) -> bool:
+        """A role due to restart whose host does not answer (and which has no usable host to move to) waits for
+        it, looking again every HOST_WAIT: an outage must not use up its restarts."""
+        self.place_role(role)
+        if not self.places[role.host].remote or self.usable_now(role.host):
+            return False
+        self.live[role.name].restart_at = now + HOST_WAIT
+        waiting = f"waiting for {role.host} to answer"
+        if not role.reason.startswith(waiting):
+            self.transition(role, role.state, waiting)
+        return True
+
     def place_role(self, role: RoleRecord) -> None:
         """Move a worker or ps whose host is cut off or benched to another host of its pool (if one is usable)."""
         if role.attempt == 0:
@@ -299,6 +319,7 @@ class Supervisor:
             "benched" if self.bench.is_benched(old, self.time()) else "not usable")
         self.transition(role, role.state, f"moves from {old} to {target} ({why})")
         role.host, role.address = target, self.places[target].address
+        self._addresses = self._address_map()
         self._dirty = True
 
     def sweep_stale(self) -> None:
@@ -492,7 +513,7 @@ class Supervisor:
             if role.state.terminal:
                 continue
             if role.state == RoleState.RESTARTING:
-                if live.restart_at is not None and now >= live.restart_at:
+                if live.restart_at is not None and now >= live.restart_at and not self.waits_for_host(role, now):
                     self.start_role(role)
                 continue
             if live.handle is None:  # its start failed; a restart is scheduled or it has failed
@@ -599,7 +620,10 @@ class Supervisor:
     def maybe_restart(self, role: RoleRecord, code: int | None) -> None:
         policy = self.spec.roles[role.role].restart
         live = self.live[role.name]
-        if self.places[role.host].remote and self.bench.record_failure(role.host, self.time()):
+        # A host that does not answer is not benched for it (its roles wait for it, or move); a host that
+        # answers while roles keep failing there is.
+        if (self.places[role.host].remote and self.usable_now(role.host)
+                and self.bench.record_failure(role.host, self.time())):
             sup = self.spec.supervision
             self.host_event(role.host, "available", "benched",
                             f"{sup.bench_after_failures} role failures within {sup.bench_window:.0f}s; "
@@ -613,6 +637,9 @@ class Supervisor:
             why_not = f"restarted {live.failures_in_a_row} times in a row, the limit (max_restarts)"
         if why_not is not None:
             self.transition(role, RoleState.FAILED, f"{role.reason}; not restarted: {why_not}")
+            if live.handle is not None and self.places[role.host].remote:  # its stop may not have reached it
+                live.stale.append(live.handle)
+                live.handle = None
             if role.role in ("chief", "ps") or all(
                 r.state == RoleState.FAILED for r in self.record.roles if r.role == "worker"
             ):
