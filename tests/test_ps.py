@@ -8,6 +8,7 @@ raw stubs the plain protobuf rpcs, and malformed frames go in as raw bytes.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from psctl.runtime.optimizers import make_optimizer
 from psctl.runtime.ps import ParameterServerServicer, VariableStore, add_to_server
 from psctl.runtime.ps_client import PsClient, PsUnavailable, PushHeader
 from psctl.runtime.rpc import make_server
-from psctl.runtime.wire import DENSE, IDS, ROWS, Entry
+from psctl.runtime.wire import DENSE, IDS, ROWS, Entry, WireError
 
 CLUSTER = "test-cluster"
 W = pb.VariableSpec(name="w", dtype="float32", shape=[4, 3], full_shape=[4, 3], initializer="glorot_uniform", seed=11)
@@ -787,10 +788,23 @@ def test_a_plain_grpc_server_serves_the_framed_rpcs_too(servers: Servers) -> Non
 
 
 # -- dense updates in blocks --------------------------------------------------------------------------------
+def _split(g: np.ndarray, cuts: list[int]) -> wire.SplitArray:
+    """``g`` as it would arrive in pieces ending at element ``cuts`` (read-only views, no copy)."""
+    flat = g.reshape(-1)
+    flat.flags.writeable = False
+    bounds = [0, *[c for c in cuts if 0 < c < flat.size], flat.size]
+    return wire.SplitArray(g.dtype, g.shape, tuple(flat[a:b] for a, b in itertools.pairwise(bounds)))
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adagrad", "adam"])
 @pytest.mark.parametrize("size", [ps_module.UPDATE_BLOCK - 1, 3 * ps_module.UPDATE_BLOCK + 17,
                                   ps_module.PARALLEL_MIN + ps_module.UPDATE_BLOCK // 2])  # fmt: skip
-def test_large_dense_updates_in_blocks_equal_one_whole_update_bit_for_bit(optimizer: str, size: int) -> None:
+@pytest.mark.parametrize("arrival", ["whole", "in pieces"])
+def test_large_dense_updates_in_blocks_equal_one_whole_update_bit_for_bit(
+    optimizer: str, size: int, arrival: str
+) -> None:
+    """Blocks (and threads), and a streamed gradient applied piece by piece where it arrived, change nothing:
+    the result is bit for bit the rule's own update of the whole array, Adam's step count included."""
     spec = pb.VariableSpec(name="v", dtype="float32", shape=[size], initializer="normal", seed=3)
     store = VariableStore(cluster_id=CLUSTER)
     store.init([spec], pb.OptimizerConfig(name=optimizer, learning_rate=0.01))
@@ -802,7 +816,36 @@ def test_large_dense_updates_in_blocks_equal_one_whole_update_bit_for_bit(optimi
         g = rng.standard_normal(size, dtype=np.float32)
         reference.apply_dense(value, g, slots)
         header = pb.PushRequest(step_id=step, task="worker:0", incarnation=1, increment_global_step=True)
-        assert store.push(header, [Entry("v", DENSE, g)]).applied
+        if arrival == "whole":
+            assert store.push(header, [Entry("v", DENSE, g)]).applied
+        else:  # pieces of uneven sizes, cut inside blocks and across them
+            cuts = [7, ps_module.UPDATE_BLOCK + 3, ps_module.UPDATE_BLOCK + 4, 2 * ps_module.UPDATE_BLOCK - 1]
+            assert store.push(header, [], {"v": _split(g, cuts)}).applied
     shard = store._shards["v"]
     assert shard.value.tobytes() == value.tobytes()
     assert {k: v.tobytes() for k, v in shard.slots.items()} == {k: v.tobytes() for k, v in slots.items()}
+
+
+def test_a_gradient_in_pieces_with_a_nan_in_its_last_piece_changes_nothing() -> None:
+    spec = pb.VariableSpec(name="v", dtype="float32", shape=[4 * ps_module.UPDATE_BLOCK], initializer="normal")
+    store = VariableStore(cluster_id=CLUSTER)
+    store.init([spec], pb.OptimizerConfig(name="adam", learning_rate=0.01))
+    shard = store._shards["v"]
+    before = shard.value.tobytes(), {k: v.tobytes() for k, v in shard.slots.items()}
+    g = np.ones(spec.shape, np.float32)
+    g[-1] = np.nan
+    header = pb.PushRequest(step_id=1, task="worker:0", incarnation=1, increment_global_step=True)
+    with pytest.raises(WireError, match="NaN or infinity"):
+        store.push(header, [], {"v": _split(g, [ps_module.UPDATE_BLOCK, 3 * ps_module.UPDATE_BLOCK])})
+    assert (shard.value.tobytes(), {k: v.tobytes() for k, v in shard.slots.items()}) == before
+    assert (store.global_step, store.applied_updates, list(store._applied_log)) == (0, 0, [])
+
+
+def test_a_gradient_given_whole_and_in_pieces_is_refused() -> None:
+    store = VariableStore(cluster_id=CLUSTER)
+    store.init([pb.VariableSpec(name="v", dtype="float32", shape=[8])], pb.OptimizerConfig(name="sgd", learning_rate=1))
+    g = np.ones(8, np.float32)
+    header = pb.PushRequest(step_id=1, task="worker:0", incarnation=1)
+    with pytest.raises(WireError, match="given twice"):
+        store.push(header, [Entry("v", DENSE, g)], {"v": _split(g, [4])})
+    assert store.applied_updates == 0

@@ -540,3 +540,52 @@ def test_random_bytes_are_a_frame_or_a_wire_error(data: bytes) -> None:
     except WireError:
         return
     assert all(isinstance(e.array, np.ndarray) for e in entries)
+
+
+# -- dense arrays kept in the pieces they arrived in (the PS's streamed pushes) ----------------------------------
+def _assembled_from_frames(entries: list[Entry], chunk_bytes: int) -> Assembler:
+    assembler = Assembler(keep_dense_pieces=True)
+    for frame in wire.frames(entries, pb.PushRequest(step_id=1), chunk_bytes):
+        assembler.add_pieces(wire.decode_frame(frame, pb.PushRequest)[1])
+    return assembler
+
+
+def test_a_dense_array_in_aligned_pieces_stays_in_them_without_a_copy() -> None:
+    kernel = np.arange(40, dtype=np.float32).reshape(8, 5)
+    small = np.arange(3, dtype=np.float64)
+    ids, rows = np.array([2, 0, 1], np.int64), np.ones((3, 2), np.float32)
+    entries = [Entry("kernel", DENSE, kernel), Entry("small", DENSE, small),
+               Entry("emb", IDS, ids), Entry("emb", ROWS, rows)]  # fmt: skip
+    whole, split = _assembled_from_frames(entries, chunk_bytes=48).split_entries()
+    # kernel: 160 bytes in frames of 48 -> 4 runs of whole float32s; small arrived in one piece; sparse never splits
+    assert set(split) == {"kernel"}
+    runs = list(split["kernel"].runs())
+    assert [start for start, _ in runs] == [0, 12, 24, 36]
+    assert all(not run.flags.owndata and not run.flags.writeable for _, run in runs)  # views of the frames
+    assert split["kernel"].join().tobytes() == kernel.tobytes() and split["kernel"].join().shape == (8, 5)
+    assert split["kernel"].nbytes == kernel.nbytes
+    assert [(e.name, e.kind) for e in whole] == [("small", DENSE), ("emb", IDS), ("emb", ROWS)]
+    for got, want in zip(whole, entries[1:], strict=True):
+        _assert_same(got.array, want.array)
+
+
+def test_pieces_cut_inside_an_element_are_joined_instead() -> None:
+    kernel = np.arange(10, dtype=np.float32)  # frames of 7 bytes cut inside elements
+    whole, split = _assembled_from_frames([Entry("kernel", DENSE, kernel)], chunk_bytes=7).split_entries()
+    assert split == {}
+    _assert_same(whole[0].array, kernel)
+
+
+def test_kept_pieces_are_joined_when_whole_entries_are_asked_for() -> None:
+    kernel = np.arange(40, dtype=np.float32)
+    (entry,) = _assembled_from_frames([Entry("kernel", DENSE, kernel)], chunk_bytes=16).entries()
+    _assert_same(entry.array, kernel)
+
+
+def test_a_truncated_array_in_kept_pieces_is_refused() -> None:
+    assembler = Assembler(keep_dense_pieces=True)
+    frames = list(wire.frames([Entry("kernel", DENSE, np.arange(40, dtype=np.float32))], pb.PushRequest(), 16))
+    for frame in frames[:-1]:
+        assembler.add_pieces(wire.decode_frame(frame, pb.PushRequest)[1])
+    with pytest.raises(WireError, match="got 144 of 160 bytes"):
+        assembler.split_entries()

@@ -13,9 +13,10 @@ without protobuf (de)serializers, so the servicer reads and writes their bytes i
 from __future__ import annotations
 
 import collections
+import math
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -29,7 +30,7 @@ from psctl.runtime import wire
 from psctl.runtime.accumulator import StepAccumulator
 from psctl.runtime.initializers import initialize
 from psctl.runtime.optimizers import Optimizer, make_optimizer
-from psctl.runtime.wire import DENSE, IDS, ROWS, SLOT, Entry, WireError
+from psctl.runtime.wire import DENSE, IDS, ROWS, SLOT, Entry, SplitArray, WireError
 
 #: Step ids this far below the newest one seen count as applied; older retries are refused as duplicates.
 #: Bounds the memory of the at-most-once check; retries are never anywhere near this old.
@@ -44,6 +45,11 @@ UPDATE_THREADS = min(4, os.cpu_count() or 1)
 PARALLEL_MIN = 1 << 20
 _EMPTY = np.zeros(0, dtype=np.float32)
 T = TypeVar("T")
+X = TypeVar("X")
+#: A dense gradient as it arrived: whole, or (streamed) in the pieces of its frames.
+Gradient = np.ndarray | SplitArray
+#: One validated update: the shard, the local rows of a sparse update (None: dense), the gradient.
+Update = tuple["Shard", np.ndarray | None, Gradient]
 
 
 class FencedError(Exception):
@@ -177,10 +183,13 @@ class VariableStore:
         return out
 
     # -- updates --------------------------------------------------------------------------------------
-    def push(self, request: pb.PushRequest, entries: Sequence[Entry]) -> PushOutcome:
+    def push(
+        self, request: pb.PushRequest, entries: Sequence[Entry], split: Mapping[str, SplitArray] | None = None
+    ) -> PushOutcome:
+        """Apply one step's gradients (``split``: dense ones still in the pieces they arrived in) at most once."""
         if self._optimizer is None:
             raise NotInitializedError("this PS has no variables yet (the chief has not initialised it)")
-        updates = self._validate_update(entries)
+        updates = self._validate_update(entries, split or {})
         self._check_pull_dense(request.pull_dense)
         with self._lock:
             if request.step_id == 0:
@@ -217,7 +226,7 @@ class VariableStore:
         if size > wire.UNARY_MAX_BYTES:
             raise WireError(f"pull_dense asks for {size} bytes; one answer holds at most {wire.UNARY_MAX_BYTES}")
 
-    def _push_sync(self, request: pb.PushRequest, step_id: int, updates: list) -> PushOutcome:  # type: ignore[type-arg]
+    def _push_sync(self, request: pb.PushRequest, step_id: int, updates: list[Update]) -> PushOutcome:
         """Accumulate a fresh gradient; apply the average once enough arrived (caller holds the lock)."""
         acc = self._sync
         assert acc is not None and self._optimizer is not None
@@ -227,7 +236,7 @@ class VariableStore:
         if request.local_step > acc.step:
             raise WireError(f"gradient for step {request.local_step}, but this PS is at step {acc.step}")
         self._record_applied(step_id)
-        acc.add(request.task, updates)
+        acc.add(request.task, [(s, r, g.join() if isinstance(g, SplitArray) else g) for s, r, g in updates])
         if request.position >= 0 and request.shard >= 0:
             self.shard_positions[request.shard] = max(self.shard_positions.get(request.shard, -1),
                                                       int(request.position))
@@ -245,7 +254,7 @@ class VariableStore:
         self.global_step += 1
         acc.reset(self.global_step)
 
-    def _apply(self, updates: Sequence[tuple[Shard, np.ndarray | None, np.ndarray]]) -> None:
+    def _apply(self, updates: Sequence[Update]) -> None:
         """Apply validated updates, each under its shard's lock."""
         optimizer = self._optimizer
         assert optimizer is not None
@@ -254,6 +263,7 @@ class VariableStore:
                 if rows is None:
                     _apply_dense(optimizer, shard, grad)
                 else:
+                    assert isinstance(grad, np.ndarray)  # only dense gradients arrive split
                     optimizer.apply_sparse(shard.value, rows, grad, shard.slots)
 
     def sync_flush(self, step: int, min_replicas: int) -> tuple[bool, int]:
@@ -282,9 +292,7 @@ class VariableStore:
                 floor = step - DEDUPE_WINDOW
                 self._applied = {s for s in self._applied if s > floor}
 
-    def _validate_update(
-        self, entries: Sequence[Entry]
-    ) -> list[tuple[Shard, np.ndarray | None, np.ndarray]]:
+    def _validate_update(self, entries: Sequence[Entry], split: Mapping[str, SplitArray]) -> list[Update]:
         dense: dict[str, Entry] = {}
         ids: dict[str, Entry] = {}
         rows: dict[str, Entry] = {}
@@ -296,17 +304,20 @@ class VariableStore:
             if entry.name in target:
                 raise WireError(f"gradient for {entry.name!r} given twice")
             target[entry.name] = entry
+        if set(dense) & set(split):
+            raise WireError(f"gradient for {sorted(set(dense) & set(split))[0]!r} given twice")
         if set(ids) != set(rows):
             raise WireError(f"sparse gradients need IDS and ROWS for each variable: {sorted(set(ids) ^ set(rows))}")
-        updates: list[tuple[Shard, np.ndarray | None, np.ndarray]] = []
-        for name, entry in dense.items():
+        updates: list[Update] = []
+        whole: dict[str, Gradient] = {name: entry.array for name, entry in dense.items()}
+        for name, grad in (whole | dict(split)).items():
             shard = self._shard(name)
-            _check_values(entry, shard, shard.value.shape)
-            updates.append((shard, None, entry.array))
+            _check_values(name, grad, shard, shard.value.shape)
+            updates.append((shard, None, grad))
         for name, id_entry in ids.items():
             shard = self._shard(name)
             local = _check_ids(id_entry, shard)
-            _check_values(rows[name], shard, (len(local), *shard.value.shape[1:]))
+            _check_values(name, rows[name].array, shard, (len(local), *shard.value.shape[1:]))
             updates.append((shard, local, rows[name].array))
         return updates
 
@@ -317,7 +328,7 @@ class VariableStore:
         for entry in entries:
             if entry.kind == DENSE:
                 shard = self._shard(entry.name)
-                _check_values(entry, shard, shard.value.shape, what="value")
+                _check_values(entry.name, entry.array, shard, shard.value.shape, what="value")
                 values[entry.name] = entry.array
             elif entry.kind == SLOT:
                 name, _, slot = entry.name.partition("#")
@@ -387,27 +398,43 @@ def _check_ids(entry: Entry, shard: Shard) -> np.ndarray:
     return ids.astype(np.int64, copy=False)
 
 
-def _check_values(entry: Entry, shard: Shard, shape: tuple[int, ...], *, what: str = "gradient") -> None:
-    array = entry.array
+def _check_values(
+    name: str, array: Gradient, shard: Shard, shape: tuple[int, ...], *, what: str = "gradient"
+) -> None:
     if array.dtype != shard.value.dtype:
-        raise WireError(f"{what} for {entry.name!r} is {array.dtype}, the variable is {shard.value.dtype}")
+        raise WireError(f"{what} for {name!r} is {array.dtype}, the variable is {shard.value.dtype}")
     if array.shape != shape:
-        raise WireError(f"{what} for {entry.name!r} has shape {array.shape}, expected {shape}")
+        raise WireError(f"{what} for {name!r} has shape {array.shape}, expected {shape}")
     if not _all_finite(array):
-        raise WireError(f"{what} for {entry.name!r} contains NaN or infinity; refused (the variable is unchanged)")
+        raise WireError(f"{what} for {name!r} contains NaN or infinity; refused (the variable is unchanged)")
 
 
-def _all_finite(array: np.ndarray) -> bool:
+def _runs(array: Gradient) -> list[tuple[int, np.ndarray]]:
+    """A gradient as consecutive 1-d runs of its elements: (index of the first one, the run)."""
+    if isinstance(array, SplitArray):
+        return list(array.runs())
+    return [(0, np.ascontiguousarray(array).reshape(-1))]
+
+
+def _blocks(runs: Sequence[tuple[int, np.ndarray]]) -> list[tuple[int, np.ndarray]]:
+    """The runs cut into blocks of at most UPDATE_BLOCK elements (views), in order."""
+    return [(start + at, run[at : at + UPDATE_BLOCK]) for start, run in runs for at in range(0, run.size, UPDATE_BLOCK)]
+
+
+def _all_finite(array: Gradient) -> bool:
     """No NaN nor infinity. float32/64 first by sums of squares (BLAS, in parallel for large arrays): a NaN or an
     infinity makes them non-finite (so does overflow, for huge finite values: the exact check then decides), and
     they allocate nothing, where ``np.isfinite(array).all()`` allocates a boolean array as large as the gradient."""
-    if array.dtype.kind != "f" or array.size == 0:
+    if array.dtype.kind != "f" or math.prod(array.shape) == 0:
         return True
-    if array.dtype.itemsize >= 4 and array.flags.c_contiguous:
-        flat = array.reshape(-1)
-        if all(np.isfinite(s) for s in _in_parallel(flat.size, lambda part: _sum_of_squares(flat[part]))):
+    runs = _runs(array)
+    if array.dtype.itemsize >= 4:
+        def finite(blocks: Sequence[tuple[int, np.ndarray]]) -> bool:
+            return all(np.isfinite(_sum_of_squares(block)) for _, block in blocks)
+
+        if all(_in_parallel(_blocks(runs), finite, math.prod(array.shape))):
             return True
-    return bool(np.isfinite(array).all())
+    return all(bool(np.isfinite(run).all()) for _, run in runs)
 
 
 def _sum_of_squares(flat: np.ndarray) -> np.floating:
@@ -415,30 +442,31 @@ def _sum_of_squares(flat: np.ndarray) -> np.floating:
         return np.dot(flat, flat)  # type: ignore[no-any-return]
 
 
-def _apply_dense(optimizer: Optimizer, shard: Shard, grad: np.ndarray) -> None:
-    """``optimizer.apply_dense`` on the whole shard, in blocks of UPDATE_BLOCK elements when it is larger (and
-    over UPDATE_THREADS threads when it is large).
+def _apply_dense(optimizer: Optimizer, shard: Shard, grad: Gradient) -> None:
+    """``optimizer.apply_dense`` on the whole shard, in blocks of UPDATE_BLOCK elements when it is larger or its
+    gradient arrived in pieces (and over UPDATE_THREADS threads when it is large).
 
     Every block starts from the scalar slots (Adam's step count) as they were before this update, and the last
     block's scalars are kept: for the elementwise rules that is exactly one update of the whole shard.
     """
     var = shard.value
-    if var.size <= UPDATE_BLOCK or not all(a.flags.c_contiguous for a in (var, *shard.slots.values())):
-        optimizer.apply_dense(var, grad, shard.slots)
+    whole = not isinstance(grad, SplitArray)
+    if (whole and var.size <= UPDATE_BLOCK) or not all(a.flags.c_contiguous for a in (var, *shard.slots.values())):
+        optimizer.apply_dense(var, grad if isinstance(grad, np.ndarray) else grad.join(), shard.slots)
         return
     scalars = {k: shard.slots[k] for k in optimizer.scalar_slot_names}
     rows = {k: v.reshape(-1) for k, v in shard.slots.items() if k not in scalars}
-    flat_var, flat_grad = var.reshape(-1), np.ascontiguousarray(grad).reshape(-1)
+    flat_var = var.reshape(-1)
 
-    def blocks(part: slice) -> dict[str, np.ndarray]:
+    def apply(blocks: Sequence[tuple[int, np.ndarray]]) -> dict[str, np.ndarray]:
         slots: dict[str, np.ndarray] = {}
-        for start in range(part.start, part.stop, UPDATE_BLOCK):
-            block = slice(start, min(start + UPDATE_BLOCK, part.stop))
+        for start, block_grad in blocks:
+            block = slice(start, start + block_grad.size)
             slots = {k: v[block] for k, v in rows.items()} | {k: v.copy() for k, v in scalars.items()}
-            optimizer.apply_dense(flat_var[block], flat_grad[block], slots)
+            optimizer.apply_dense(flat_var[block], block_grad, slots)
         return slots
 
-    last = _in_parallel(var.size, blocks)[-1]
+    last = _in_parallel(_blocks(_runs(grad)), apply, var.size)[-1]
     for k, v in scalars.items():
         np.copyto(v, last[k])
 
@@ -447,18 +475,18 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-def _in_parallel(size: int, work: Callable[[slice], T]) -> list[T]:
-    """``work`` over consecutive ranges covering ``0 .. size``, in order: one range per update thread (whole
-    blocks each) when ``size`` reaches PARALLEL_MIN, else one range in this thread. numpy releases the GIL, and
-    while the PS applies a large push its worker waits idle, so the threads have cores to run on."""
-    if size < PARALLEL_MIN or UPDATE_THREADS == 1:
-        return [work(slice(0, size))]
+def _in_parallel(items: Sequence[X], work: Callable[[Sequence[X]], T], elements: int) -> list[T]:
+    """``work`` over consecutive groups of ``items`` covering them all, in order: one group per update thread
+    when the items hold at least PARALLEL_MIN ``elements``, else one group in this thread. numpy releases the
+    GIL, and while the PS applies a large push its worker waits idle, so the threads have cores to run on."""
+    if elements < PARALLEL_MIN or UPDATE_THREADS == 1 or len(items) < 2:
+        return [work(items)]
     global _pool
     with _pool_lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=UPDATE_THREADS, thread_name_prefix="ps-update")
-    step = -(-size // UPDATE_THREADS // UPDATE_BLOCK) * UPDATE_BLOCK
-    return list(_pool.map(work, [slice(i, min(i + step, size)) for i in range(0, size, step)]))
+    step = -(-len(items) // UPDATE_THREADS)
+    return list(_pool.map(work, [items[i : i + step] for i in range(0, len(items), step)]))
 
 
 #: The framed rpcs and the servicer methods that implement them on bytes: (gRPC handler kind, method).
@@ -543,11 +571,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             raise
 
     def _push(
-        self, request: pb.PushRequest, entries: list[Entry], context: grpc.ServicerContext
+        self,
+        request: pb.PushRequest,
+        entries: list[Entry],
+        context: grpc.ServicerContext,
+        split: Mapping[str, SplitArray] | None = None,
     ) -> tuple[pb.PushResponse, list[Entry]]:
         """Apply a push; the response, and the shards its pull_dense names as they are after it."""
         try:
-            outcome = self.store.push(request, entries)
+            outcome = self.store.push(request, entries, split)
             pulled = self.store.pull([Entry(name, DENSE, _EMPTY) for name in request.pull_dense])
         except (ValueError, FencedError, NotInitializedError) as exc:
             self._abort(context, exc)
@@ -556,12 +588,18 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return response, pulled
 
     def _read_stream(
-        self, parts: Iterator[tuple[Any, Any]], header_of: Callable[[Any], Any], context: grpc.ServicerContext
-    ) -> tuple[Any, list[Entry]]:
+        self,
+        parts: Iterator[tuple[Any, Any]],
+        header_of: Callable[[Any], Any],
+        context: grpc.ServicerContext,
+        *,
+        split_dense: bool = False,
+    ) -> tuple[Any, list[Entry], dict[str, SplitArray]]:
         """A streamed request: the header from the first chunk (its scalars only, not its data), and every
-        chunk's pieces reassembled and validated; a malformed stream is refused with INVALID_ARGUMENT."""
+        chunk's pieces reassembled and validated (``split_dense``: dense arrays left in the pieces they came
+        in where those are element-aligned); a malformed stream is refused with INVALID_ARGUMENT."""
         header = None
-        assembler = wire.Assembler()
+        assembler = wire.Assembler(keep_dense_pieces=split_dense)
         try:
             for part, pieces in parts:
                 if header is None:
@@ -569,7 +607,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 assembler.add_pieces(pieces)
             if header is None:
                 raise WireError("empty stream")
-            return header, assembler.entries()
+            entries, split = assembler.split_entries(split=split_dense)
+            return header, entries, split
         except WireError as exc:
             self._abort(context, exc)
             raise
@@ -606,11 +645,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return wire.encode_frame(*self._push(header, entries, context))
 
     def push_framed_stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-        header, entries = self._read_stream(_framed_parts(requests, pb.PushRequest), _push_header, context)
-        return wire.encode_frame(*self._push(self._streamed_push(header, context), entries, context))
+        header, entries, split = self._read_stream(
+            _framed_parts(requests, pb.PushRequest), _push_header, context, split_dense=True
+        )
+        return wire.encode_frame(*self._push(self._streamed_push(header, context), entries, context, split))
 
     def assign_framed_stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-        header, entries = self._read_stream(_framed_parts(requests, pb.AssignRequest), _assign_header, context)
+        header, entries, _ = self._read_stream(_framed_parts(requests, pb.AssignRequest), _assign_header, context)
         return self._assign(header, entries, context).SerializeToString()  # type: ignore[no-any-return]
 
     def framed_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
@@ -668,8 +709,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return response
 
     def PushStream(self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext) -> pb.PushResponse:
-        request, entries = self._read_stream(_plain_parts(request_iterator), _push_header, context)
-        response, _ = self._push(self._streamed_push(request, context), entries, context)
+        request, entries, split = self._read_stream(
+            _plain_parts(request_iterator), _push_header, context, split_dense=True
+        )
+        response, _ = self._push(self._streamed_push(request, context), entries, context, split)
         return response
 
     def Assign(self, request: pb.AssignRequest, context: grpc.ServicerContext) -> pb.AssignResponse:
@@ -679,7 +722,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def AssignStream(
         self, request_iterator: Iterator[pb.AssignChunk], context: grpc.ServicerContext
     ) -> pb.AssignResponse:
-        request, entries = self._read_stream(_plain_parts(request_iterator), _assign_header, context)
+        request, entries, _ = self._read_stream(_plain_parts(request_iterator), _assign_header, context)
         return self._assign(request, entries, context)
 
     def SyncFlush(self, request: pb.SyncFlushRequest, context: grpc.ServicerContext) -> pb.SyncFlushResponse:

@@ -341,6 +341,35 @@ def read_frame(buffer: bytes, header_type: Any) -> tuple[Any, list[Entry]]:
 
 
 # -- reassembly --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SplitArray:
+    """A dense array left in the pieces it arrived in: consecutive 1-d runs of its elements, each a read-only
+    view of a received frame. The PS validates and applies a streamed gradient run by run instead of first
+    joining it, which would cost a copy of the whole gradient (64 MiB: ~11 ms of a ~50 ms push)."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    parts: tuple[np.ndarray, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    def runs(self) -> Iterator[tuple[int, np.ndarray]]:
+        """(index of its first element in the flat array, the run) for each run, in order."""
+        start = 0
+        for part in self.parts:
+            yield start, part
+            start += part.size
+
+    def join(self) -> np.ndarray:
+        """The whole array (one copy)."""
+        out = np.concatenate(self.parts) if self.parts else np.empty(0, self.dtype)
+        out = out.reshape(self.shape)
+        out.flags.writeable = False
+        return out
+
+
 @dataclass(slots=True)
 class _Partial:
     """One array being reassembled: its declared layout, and its bytes so far."""
@@ -350,12 +379,17 @@ class _Partial:
     nbytes: int
     data: np.ndarray | None = None  # uint8: the one piece that was the whole array, or a buffer being filled
     received: int = 0
+    pieces: list[np.ndarray] | None = None  # uint8: the pieces as they arrived, when kept (see SplitArray)
 
-    def append(self, name: str, data: np.ndarray) -> None:
+    def append(self, name: str, data: np.ndarray, *, keep: bool) -> None:
         if self.received + len(data) > self.nbytes:
             raise WireError(f"entry {name!r}: more bytes than shape {self.shape} holds")
-        if self.received == 0 and len(data) == self.nbytes:
+        if self.pieces is not None:
+            self.pieces.append(data)
+        elif self.received == 0 and len(data) == self.nbytes:
             self.data = data  # arrived whole: decoded in place
+        elif keep and self.received == 0:
+            self.pieces = [data]
         elif len(data):
             if self.data is None:
                 try:
@@ -365,7 +399,16 @@ class _Partial:
             self.data[self.received : self.received + len(data)] = data
         self.received += len(data)
 
+    def split(self) -> SplitArray | None:
+        """The kept pieces as a SplitArray, if every one of them holds whole, aligned elements."""
+        size = self.dtype.itemsize
+        if self.pieces is None or any(len(p) % size or p.ctypes.data % size for p in self.pieces):
+            return None
+        return SplitArray(self.dtype, self.shape, tuple(p.view(self.dtype) for p in self.pieces if len(p)))
+
     def array(self) -> np.ndarray:
+        if self.pieces is not None:
+            self.data = np.concatenate(self.pieces)
         data = self.data if self.data is not None else np.empty(0, np.uint8)
         out = data.view(self.dtype).reshape(self.shape)
         out.flags.writeable = False  # like every decoded array: a view of what arrived
@@ -375,8 +418,10 @@ class _Partial:
 class Assembler:
     """Reassembles entries from whole tensors or in-order pieces, validating as it goes."""
 
-    def __init__(self, *, max_total_bytes: int = MAX_ARRAY_BYTES) -> None:
+    def __init__(self, *, max_total_bytes: int = MAX_ARRAY_BYTES, keep_dense_pieces: bool = False) -> None:
+        """``keep_dense_pieces``: leave DENSE arrays that arrive in several pieces in them, for split_entries."""
         self._max_total = max_total_bytes
+        self._keep_dense = keep_dense_pieces
         self._total = 0
         self._parts: dict[tuple[str, int], _Partial] = {}  # in arrival order
 
@@ -412,15 +457,25 @@ class Assembler:
                 raise WireError(f"entry {name!r}: pieces disagree on dtype or shape")
             if offset != part.received:
                 raise WireError(f"entry {name!r}: piece at offset {offset}, expected {part.received}")
-        part.append(name, data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8))
+        data = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+        part.append(name, data, keep=self._keep_dense and kind == DENSE)
 
     def entries(self) -> list[Entry]:
-        out = []
+        return self.split_entries(split=False)[0]
+
+    def split_entries(self, *, split: bool = True) -> tuple[list[Entry], dict[str, SplitArray]]:
+        """Every entry, whole; or (``split``) the DENSE ones kept in aligned pieces as SplitArrays, by name."""
+        out: list[Entry] = []
+        split_arrays: dict[str, SplitArray] = {}
         for (name, kind), part in self._parts.items():
             if part.received != part.nbytes:
                 raise WireError(f"entry {name!r}: got {part.received} of {part.nbytes} bytes")
-            out.append(Entry(name, kind, part.array()))
-        return out
+            pieces = part.split() if split else None
+            if pieces is not None:
+                split_arrays[name] = pieces
+            else:
+                out.append(Entry(name, kind, part.array()))
+        return out, split_arrays
 
 
 def decode_entries(items: Iterable[pb.NamedTensor]) -> list[Entry]:
