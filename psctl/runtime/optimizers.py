@@ -6,10 +6,10 @@ rules here are the whole optimizer: they follow the TensorFlow/Keras conventions
 behaves like the same model trained with TF's parameter-server strategy.
 
 Every argument is checked before anything is written: a bad push raises ``ValueError`` and leaves the
-variable and its slots exactly as they were, so one malformed request cannot corrupt a shard. A dense update
-then runs in place (``_apply_in_place``: the same operations in the same order as the rule's ``_update``, so
-bit for bit the same result, without its temporaries; nothing in it can fail half-way); a sparse one is
-computed on the gathered rows and scattered back. Arithmetic is done in the variable's dtype
+variable and its slots exactly as they were, so one malformed request cannot corrupt a shard. Each rule is
+written once, in place (``_apply_in_place``: no temporaries as large as the variable beyond one scratch array;
+nothing in it can fail half-way): a dense update runs it on the variable itself, a sparse one on the gathered
+rows, scattered back. Arithmetic is done in the variable's dtype
 (hyperparameters are cast to it), so a float32 shard stays float32 and costs float32 bandwidth.
 
 Per-variable scalar state (Adam's step count ``t``) lives in the slots dict as a 0-d array, so that
@@ -79,13 +79,6 @@ class Optimizer(ABC):
             raise ValueError(f"gradient shape {grad.shape} does not match variable shape {var.shape}")
         self._apply_in_place(var, grad.astype(var.dtype, copy=False), slots)
 
-    def _apply_in_place(self, var: np.ndarray, grad: np.ndarray, slots: Slots) -> None:
-        """``_update``'s result written into ``var`` and ``slots``; rules override it to compute in place."""
-        new_var, new_slots = self._update(var, grad, slots)
-        np.copyto(var, new_var)
-        for key in self.slot_names:
-            np.copyto(slots[key], new_slots[key])
-
     def apply_sparse(self, var: np.ndarray, rows: np.ndarray, grad_rows: np.ndarray, slots: Slots) -> None:
         """Apply a row-sparse gradient: only ``var[rows]`` and the slots' same rows change.
 
@@ -120,17 +113,15 @@ class Optimizer(ABC):
         else:
             np.add.at(summed, inverse.reshape(-1), grad_rows)
 
-        sub_slots = {
-            key: (slots[key] if key in self.scalar_slot_names else slots[key][unique])
-            for key in self.slot_names
-        }
-        new_var, new_slots = self._update(var[unique], summed, sub_slots)
-        var[unique] = new_var
+        # the rule on gathered copies of the rows (scalar slots as they are), then the rows scattered back
+        rows_var = var[unique]
+        row_slots = {key: slots[key] if key in self.scalar_slot_names else slots[key][unique]
+                     for key in self.slot_names}  # fmt: skip
+        self._apply_in_place(rows_var, summed, row_slots)
+        var[unique] = rows_var
         for key in self.slot_names:
-            if key in self.scalar_slot_names:
-                np.copyto(slots[key], new_slots[key])
-            else:
-                slots[key][unique] = new_slots[key]
+            if key not in self.scalar_slot_names:
+                slots[key][unique] = row_slots[key]
 
     def config(self) -> dict[str, float]:
         """The hyperparameters in effect (defaults included), for logs."""
@@ -146,13 +137,11 @@ class Optimizer(ABC):
     # -- for subclasses -----------------------------------------------------------------------------
 
     @abstractmethod
-    def _update(
-        self, var: np.ndarray, grad: np.ndarray, slots: Mapping[str, np.ndarray]
-    ) -> tuple[np.ndarray, Slots]:
-        """The rule, side-effect free: new values of ``var`` and of every slot, given same-shape inputs.
+    def _apply_in_place(self, var: np.ndarray, grad: np.ndarray, slots: Slots) -> None:
+        """The rule: update ``var`` and every slot in place, given a gradient of ``var``'s shape and dtype.
 
-        ``var``, ``grad`` and the row slots are the whole variable (dense) or its gathered rows (sparse),
-        all in the variable's dtype; scalar slots are passed as is. Must not modify its arguments.
+        ``var``, ``grad`` and the row slots are the whole variable (dense), a block of it, or gathered copies
+        of its rows (sparse); scalar slots are the variable's own. ``grad`` may be read-only.
         """
 
     def _slot_initial_value(self, key: str) -> float:
@@ -191,11 +180,6 @@ class SGD(Optimizer):
 
     name = "sgd"
 
-    def _update(
-        self, var: np.ndarray, grad: np.ndarray, slots: Mapping[str, np.ndarray]
-    ) -> tuple[np.ndarray, Slots]:
-        return var - var.dtype.type(self.learning_rate) * grad, {}
-
     def _apply_in_place(self, var: np.ndarray, grad: np.ndarray, slots: Slots) -> None:
         step = np.multiply(var.dtype.type(self.learning_rate), grad)
         np.subtract(var, step, out=var)
@@ -213,15 +197,6 @@ class Momentum(Optimizer):
         self.momentum = _check_range("momentum", momentum, "a finite number >= 0", lambda x: x >= 0)
         flag = _check_range("nesterov", nesterov, "0 or 1", lambda x: x in (0.0, 1.0))
         self.nesterov = flag == 1.0
-
-    def _update(
-        self, var: np.ndarray, grad: np.ndarray, slots: Mapping[str, np.ndarray]
-    ) -> tuple[np.ndarray, Slots]:
-        c = var.dtype.type
-        lr, mu = c(self.learning_rate), c(self.momentum)
-        accum = mu * slots["accum"] + grad
-        step = grad + mu * accum if self.nesterov else accum
-        return var - lr * step, {"accum": accum}
 
     def _apply_in_place(self, var: np.ndarray, grad: np.ndarray, slots: Slots) -> None:
         c = var.dtype.type
@@ -255,13 +230,6 @@ class Adagrad(Optimizer):
     def _slot_initial_value(self, key: str) -> float:
         return self.initial_accumulator
 
-    def _update(
-        self, var: np.ndarray, grad: np.ndarray, slots: Mapping[str, np.ndarray]
-    ) -> tuple[np.ndarray, Slots]:
-        c = var.dtype.type
-        accum = slots["accum"] + grad * grad
-        return var - c(self.learning_rate) * grad / (np.sqrt(accum) + c(self.epsilon)), {"accum": accum}
-
     def _apply_in_place(self, var: np.ndarray, grad: np.ndarray, slots: Slots) -> None:
         c = var.dtype.type
         accum = slots["accum"]
@@ -290,23 +258,11 @@ class Adam(Optimizer):
         self.beta2 = _check_range("beta2", beta2, "in [0, 1)", lambda x: 0 <= x < 1)
         self.epsilon = _check_range("epsilon", epsilon, "a finite number > 0", lambda x: x > 0)
 
-    def _update(
-        self, var: np.ndarray, grad: np.ndarray, slots: Mapping[str, np.ndarray]
-    ) -> tuple[np.ndarray, Slots]:
-        c = var.dtype.type
-        b1, b2 = self.beta1, self.beta2
-        t = int(slots["t"]) + 1
-        # Bias correction in float64 (b ** t underflows gracefully to 0), then cast to the var's dtype.
-        lr_t = self.learning_rate * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
-        m = c(b1) * slots["m"] + c(1.0 - b1) * grad
-        v = c(b2) * slots["v"] + c(1.0 - b2) * (grad * grad)
-        new_var = var - c(lr_t) * m / (np.sqrt(v) + c(self.epsilon))
-        return new_var, {"m": m, "v": v, "t": np.asarray(t, dtype=np.int64)}
-
     def _apply_in_place(self, var: np.ndarray, grad: np.ndarray, slots: Slots) -> None:
         c = var.dtype.type
         b1, b2 = self.beta1, self.beta2
         t = int(slots["t"]) + 1
+        # Bias correction in float64 (b ** t underflows gracefully to 0), then cast to the var's dtype.
         lr_t = self.learning_rate * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
         m, v = slots["m"], slots["v"]
         scratch = np.multiply(c(1.0 - b1), grad)
