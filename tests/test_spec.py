@@ -864,7 +864,7 @@ def test_any_text_fails_only_as_one_line_spec_error(text: str) -> None:
         assert "\n" not in e.format_message()
 
 
-def test_a_proxy_jump_naming_a_host_of_the_spec_becomes_its_address(tmp_path: Path) -> None:
+def test_a_proxy_jump_naming_a_host_of_the_spec_carries_that_host(tmp_path: Path) -> None:
     spec = load_spec(write(tmp_path, """\
         hosts:
           - {name: gw, address: 10.0.0.1, user: ops, port: 2222}
@@ -876,5 +876,38 @@ def test_a_proxy_jump_naming_a_host_of_the_spec_becomes_its_address(tmp_path: Pa
           worker: {host: a, port: 7100}
         training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
         """))
-    assert spec.host("a").proxy_jump == "ops@10.0.0.1:2222,root@10.9.9.9"
+    assert spec.host("a").proxy_jump == "gw,root@10.9.9.9"
+    assert spec.host("a").jump_hosts == (spec.host("gw"),)  # its user, port, key and jumps go with it
     assert spec.host("b").proxy_jump == "none" and spec.host("gw").proxy_jump is None
+    assert spec.host("b").jump_hosts == spec.host("gw").jump_hosts == ()
+
+
+def test_jump_hosts_that_lead_back_to_themselves_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(SpecError) as err:
+        load_spec(write(tmp_path, """\
+            hosts:
+              - {name: gw1, address: 10.0.0.1, proxy_jump: gw2}
+              - {name: gw2, address: 10.0.0.2, proxy_jump: gw1}
+            roles:
+              chief: {host: gw1, port: 7000}
+              ps: {host: gw1, port: 7010}
+              worker: {host: gw1, port: 7100}
+            training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+            """))
+    assert err.value.format_message().endswith(
+        "cluster.yaml:3: hosts[1].proxy_jump: jump hosts lead back to where they started: gw1 -> gw2 -> gw1; "
+        "remove proxy_jump from one of these hosts"
+    )
+
+
+def test_a_proxy_jump_port_out_of_range_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match=r"hosts\[0\]\.proxy_jump: 'ops@10\.0\.0\.1:70000' is not a host"):
+        load_spec(write(tmp_path, """\
+            hosts:
+              - {name: a, address: 10.0.0.11, proxy_jump: "ops@10.0.0.1:70000"}
+            roles:
+              chief: {host: a, port: 7000}
+              ps: {host: a, port: 7010}
+              worker: {host: a, port: 7100}
+            training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+            """))

@@ -24,6 +24,7 @@ from psctl.errors import ClusterNotFound, LaunchError
 from psctl.launch import hosts
 from psctl.launch.base import ProcessHandle, stop_processes
 from psctl.launch.fanout import HostsError, check_results, run_on_all
+from psctl.launch.hostset import RemoteHost
 from psctl.launch.local import UNKNOWN_EXIT
 from psctl.launch.ssh import HostUnreachable, SSHRunner
 from psctl.runtime.checkpoint import Snapshot, write_checkpoint
@@ -309,6 +310,28 @@ def test_resolve_follows_proxy_jump_chains_and_connect_timeout(tmp_path: Path) -
         hosts.resolve(HostSpec(name="h", address="loop"), ssh_config=config)
     with pytest.raises(hosts.ConfigError, match="ProxyCommand is not supported"):
         hosts.resolve(HostSpec(name="h", address="viacmd"), ssh_config=config)
+
+
+def test_a_jump_through_a_host_of_the_spec_uses_that_hosts_settings_and_jumps() -> None:
+    gw1 = HostSpec(name="gw1", address="10.0.0.1", user="ops", port=2222, identity_file="/keys/gw1",
+                   host_key_policy="accept-new")
+    gw2 = HostSpec(name="gw2", address="10.0.0.2", identity_file="/keys/gw2", proxy_jump="gw1", jump_hosts=(gw1,))
+    host = HostSpec(name="h", address="10.0.0.9", identity_file="/keys/h", proxy_jump="gw2", jump_hosts=(gw2,))
+    target = hosts.resolve(host, ssh_config=None)
+    hop2 = target.jump
+    assert hop2 is not None and (hop2.hostname, hop2.key_filenames) == ("10.0.0.2", ("/keys/gw2",))
+    hop1 = hop2.jump  # gw2's own jump host, with gw1's settings
+    assert hop1 is not None and (hop1.hostname, hop1.user, hop1.port, hop1.key_filenames, hop1.host_key_policy,
+                                 hop1.jump) == ("10.0.0.1", "ops", 2222, ("/keys/gw1",), "accept-new", None)
+    # hops written before a host of the spec replace that host's own jumps (OpenSSH's -J a,b)
+    via = hosts.resolve(dataclasses.replace(host, proxy_jump="root@10.0.0.7,gw2"), ssh_config=None)
+    assert via.jump is not None and via.jump.jump is not None
+    assert (via.jump.hostname, via.jump.jump.hostname, via.jump.jump.user) == ("10.0.0.2", "10.0.0.7", "root")
+    with pytest.raises(hosts.ConfigError, match="port 1-65535"):
+        hosts.resolve(dataclasses.replace(host, proxy_jump="root@10.0.0.7:99999"), ssh_config=None)
+    # the supervisor reads the hosts back from the cluster's state file: the jump hosts survive the round trip
+    stored = json.loads(json.dumps(RemoteHost(host, "/w").to_dict()))
+    assert RemoteHost.from_dict(stored).spec == host
 
 
 def test_a_host_reached_only_through_a_jump_host(sshbed: SSHBed) -> None:

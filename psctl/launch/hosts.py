@@ -4,8 +4,9 @@
 The spec wins; ``~/.ssh/config`` (OpenSSH's ``Host`` blocks, read with paramiko's ``SSHConfig``, which applies
 nothing by itself) fills what the spec leaves open: ``HostName``, ``User``, ``Port`` (only where the spec keeps
 the default 22), ``IdentityFile``, ``UserKnownHostsFile``, ``ConnectTimeout`` and ``ProxyJump`` (hops
-``[user@]host[:port]``, comma-separated, each looked up in the ssh_config in turn; a hop without an identity of
-its own uses the host's). ``ProxyCommand`` is refused with a clear error: psctl runs no local commands to
+``[user@]host[:port]`` or a host of the spec, comma-separated, each looked up in the ssh_config in turn; a hop
+that names a host of the spec uses that host's settings, and a hop without an identity of its own uses the
+host's). ``ProxyCommand`` is refused with a clear error: psctl runs no local commands to
 connect.
 
 Host keys are always verified. Keys are read from ``/etc/ssh/ssh_known_hosts`` and from the user's known_hosts
@@ -81,8 +82,8 @@ def parse_jump(hop: str) -> tuple[str | None, str, int]:
         host, _, port_text = rest.partition(":")
     else:
         host, port_text = rest, ""
-    if not host or (port_text and not port_text.isdigit()):
-        raise ConfigError(f"proxy jump {hop!r} is not [user@]host[:port]")
+    if not host or (port_text and not (port_text.isdigit() and 1 <= int(port_text) <= 65535)):
+        raise ConfigError(f"proxy jump {hop!r} is not [user@]host[:port] (port 1-65535)")
     return user or None, host, int(port_text) if port_text else 22
 
 
@@ -117,10 +118,16 @@ def resolve(host: HostSpec, *, ssh_config: Path | None = DEFAULT_SSH_CONFIG,
     jump = None
     if jumps and jumps.lower() != "none":
         *before, last = [hop.strip() for hop in jumps.split(",")]
-        jump_user, jump_host, jump_port = parse_jump(last)
-        hop = HostSpec(name=f"{host.name} jump", address=jump_host, user=jump_user, port=jump_port,
-                       identity_file=None, host_key_policy=host.host_key_policy,
-                       proxy_jump=",".join(before) if before else None)
+        spec_hosts = {h.name: h for h in host.jump_hosts}
+        if last in spec_hosts:  # a host of the spec: its own settings, and its own jumps unless hops precede it
+            named = spec_hosts[last]
+            hop = replace(named, proxy_jump=",".join(before) if before else named.proxy_jump,
+                          jump_hosts=(*named.jump_hosts, *host.jump_hosts))  # fmt: skip
+        else:
+            jump_user, jump_host, jump_port = parse_jump(last)
+            hop = HostSpec(name=f"{host.name} jump", address=jump_host, user=jump_user, port=jump_port,
+                           identity_file=None, host_key_policy=host.host_key_policy,
+                           proxy_jump=",".join(before) if before else None, jump_hosts=host.jump_hosts)
         jump = resolve(hop, ssh_config=ssh_config, known_hosts=known_hosts, _depth=_depth + 1)
         if not jump.key_filenames:  # no key of its own: the host's (one key for a cluster's machines)
             jump = replace(jump, key_filenames=keys)

@@ -38,14 +38,21 @@ class RemoteHost:
     def dirs(self) -> HostDir:
         return HostDir(PurePosixPath(self.root))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:  # (asdict turns the nested jump hosts into dicts too)
         return asdict(self)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> RemoteHost:
-        known = {f.name for f in fields(HostSpec)}
-        spec = HostSpec(**{k: v for k, v in dict(raw["spec"]).items() if k in known})
-        return cls(spec=spec, root=str(raw["root"]), pythonpath=raw.get("pythonpath"), cpus=int(raw.get("cpus", 1)))
+        return cls(spec=_host_spec(raw["spec"]), root=str(raw["root"]), pythonpath=raw.get("pythonpath"),
+                   cpus=int(raw.get("cpus", 1)))
+
+
+def _host_spec(raw: Mapping[str, Any]) -> HostSpec:
+    """A HostSpec from its asdict() form (fields added since it was written keep their defaults)."""
+    known = {f.name for f in fields(HostSpec)}
+    values = {k: v for k, v in dict(raw).items() if k in known}
+    values["jump_hosts"] = tuple(_host_spec(h) for h in values.get("jump_hosts", ()))
+    return HostSpec(**values)
 
 
 class RoleDirs(Protocol):

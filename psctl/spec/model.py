@@ -31,8 +31,12 @@ class HostSpec:
     python: str = "python3"
     workdir: str = "~/.psctl-work"
     host_key_policy: HostKeyPolicy = "reject"
-    #: OpenSSH's ProxyJump: ``[user@]host[:port]``, hops separated by commas (the first is reached first).
+    #: OpenSSH's ProxyJump: ``[user@]host[:port]`` or the name of another host of the spec, hops separated by
+    #: commas (the first is reached first).
     proxy_jump: str | None = None
+    #: The hosts of the spec that ``proxy_jump`` names (with their own jump hosts): a hop through one of them
+    #: uses its user, port, identity_file, host_key_policy and proxy_jump, as OpenSSH does with a Host alias.
+    jump_hosts: tuple[HostSpec, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _ADDRESS = re.compile(r"[A-Za-z0-9:][A-Za-z0-9_.:%-]{0,252}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: One ProxyJump hop, as OpenSSH writes it: [user@]host[:port], an IPv6 address in brackets.
-_JUMP_HOP = re.compile(r"(?:[A-Za-z0-9_.-]+@)?(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(?::[0-9]{1,5})?")
+_JUMP_HOP = re.compile(r"(?:[A-Za-z0-9_.-]+@)?(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(?::(?P<port>[0-9]{1,5}))?")
 _PORT_FIX = "use a port number such as 7000"
 
 
@@ -197,30 +197,43 @@ def _hosts(c: Checker, value: object) -> tuple[HostSpec, ...]:
 
 
 def _with_jumps(c: Checker, hosts: list[HostSpec]) -> list[HostSpec]:
-    """Check every proxy_jump hop; a hop that names another host of the spec becomes its user@address:port."""
+    """Check every proxy_jump hop, and give each host the hosts of the spec its hops name (``jump_hosts``,
+    each with its own, recursively); a chain of hosts that leads back to itself is an error."""
     by_name = {h.name: h for h in hosts}
-    out = []
-    for i, host in enumerate(hosts):
+    index = {h.name: i for i, h in enumerate(hosts)}
+    done: dict[str, HostSpec] = {}
+
+    def hops_of(host: HostSpec) -> list[str]:
         if host.proxy_jump is None or host.proxy_jump.lower() == "none":
-            out.append(host)
-            continue
-        hops = []
-        for hop in (h.strip() for h in host.proxy_jump.split(",")):
-            other = by_name.get(hop)
-            if other is not None:
-                if other.name == host.name:
-                    c.fail(("hosts", i, "proxy_jump"), f"host {host.name!r} cannot be its own jump host",
+            return []
+        return [h.strip() for h in host.proxy_jump.split(",")]
+
+    def with_jumps(host: HostSpec, path: tuple[str, ...]) -> HostSpec:
+        if host.name in done:
+            return done[host.name]
+        where = ("hosts", index[host.name], "proxy_jump")
+        named: list[HostSpec] = []
+        for hop in hops_of(host):
+            if hop in by_name:
+                if hop == host.name:
+                    c.fail(where, f"host {host.name!r} cannot be its own jump host",
                            "name another host, or remove proxy_jump")
-                user = f"{other.user}@" if other.user else ""
-                address = f"[{other.address}]" if ":" in other.address else other.address
-                hops.append(f"{user}{address}:{other.port}")
-            elif _JUMP_HOP.fullmatch(hop):
-                hops.append(hop)
-            else:
-                c.fail(("hosts", i, "proxy_jump"), f"{hop!r} is not a host of the spec nor [user@]host[:port]",
+                if hop in path:
+                    loop = " -> ".join((*path[path.index(hop):], host.name, hop))
+                    c.fail(where, f"jump hosts lead back to where they started: {loop}",
+                           "remove proxy_jump from one of these hosts")  # fmt: skip
+                named.append(with_jumps(by_name[hop], (*path, host.name)))
+                continue
+            match = _JUMP_HOP.fullmatch(hop)
+            if match is None or not 1 <= int(match["port"] or 22) <= 65535:
+                c.fail(where, f"{hop!r} is not a host of the spec nor [user@]host[:port]",
                        "write e.g. proxy_jump: bastion, or user@10.0.0.1:22 (hops separated by commas)")
-        out.append(replace(host, proxy_jump=",".join(hops)))
-    return out
+        hops = hops_of(host)
+        done[host.name] = replace(host, proxy_jump=",".join(hops) if hops else host.proxy_jump,
+                                  jump_hosts=tuple(named))  # fmt: skip
+        return done[host.name]
+
+    return [with_jumps(host, ()) for host in hosts]
 
 
 def _roles(c: Checker, value: object, hosts: tuple[HostSpec, ...]) -> dict[str, RoleSpec]:
