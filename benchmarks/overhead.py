@@ -15,7 +15,8 @@ It prints the medians (and p90) of ``rtt - compute`` (the framework overhead the
 ``step - compute`` (the part spent inside the worker) and ``rtt - step`` (the chief->worker rpc and the
 coordinator's hand-off). Then, as training runs, ``--steps`` steps queued at once, timed as a whole: the
 per-step wall time minus the median compute, with one step in flight per worker (plain asynchronous training)
-and with two (``training.pipelined``: a worker computes its next step while its last one's push travels).
+and with two (``training.pipelined``: a worker computes its next step while its last one's push travels), each
+with one step per call from the chief and with ``--steps-per-execution`` (``training.steps_per_execution``).
 For attribution it then times, from this process with the same payloads, one W1 pull
 and one W1 push against the PS, and an empty Ping to the worker and GetState to the PS (bare rpc latency).
 """
@@ -69,14 +70,20 @@ def timed(fn: Callable[[], object], repeats: int) -> list[float]:
     return times
 
 
-def queued_steps(coordinator: ClusterCoordinator, warmup: int, steps: int, compute: float) -> dict[str, Any]:
-    """``steps`` steps queued at once (after ``warmup``), timed as a whole: the steady per-step cost."""
-    for _ in range(warmup):
-        coordinator.schedule("train")
+def queued_steps(
+    coordinator: ClusterCoordinator, warmup: int, steps: int, compute: float, per_call: int = 1
+) -> dict[str, Any]:
+    """``steps`` steps queued at once (after ``warmup``), timed as a whole: the steady per-step cost.
+    ``per_call``: steps per closure (training.steps_per_execution)."""
+
+    def schedule(count: int) -> None:
+        for start in range(0, count, per_call):
+            coordinator.schedule("train", steps=min(per_call, count - start))
+
+    schedule(warmup)
     coordinator.join(timeout=600)
     start = time.perf_counter()
-    for _ in range(steps):
-        coordinator.schedule("train")
+    schedule(steps)
     coordinator.join(timeout=600)
     per_step = (time.perf_counter() - start) / steps
     return {
@@ -164,10 +171,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             coordinator.shutdown()
             coordinator = None
             queued = {}
-            for in_flight in (1, 2):
+            for in_flight, per_call in ((1, 1), (2, 1), (1, args.steps_per_execution), (2, args.steps_per_execution)):
                 coordinator = ClusterCoordinator(cluster.jobs["worker"], on_result=on_result,
-                                                 step_id_base=in_flight << 40, steps_in_flight=in_flight)
-                queued[in_flight] = queued_steps(coordinator, args.warmup, args.steps, np.median(compute))
+                                                 step_id_base=(2 * in_flight + (per_call > 1)) << 40,
+                                                 steps_in_flight=in_flight)  # fmt: skip
+                queued[in_flight, per_call] = queued_steps(
+                    coordinator, args.warmup, args.steps, np.median(compute), per_call
+                )
                 coordinator.shutdown()
                 coordinator = None
             cluster.check_alive()
@@ -201,10 +211,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "step_ms": ms_stats(step),
         "rtt_ms": ms_stats(rtt),
         "sequential_steps_per_s": rounded(1.0 / median(rtt), 1),
-        "queued_one_in_flight": queued[1],
-        "queued_pipelined_two_in_flight": queued[2],
-        "pipelined_overhead_ms": queued[2]["per_step_minus_compute_ms"],
-        "pipelined_meets_target": bool(queued[2]["per_step_minus_compute_ms"] <= 1.0),
+        "queued_one_in_flight": queued[1, 1],
+        "queued_pipelined_two_in_flight": queued[2, 1],
+        "pipelined_overhead_ms": queued[2, 1]["per_step_minus_compute_ms"],
+        "pipelined_meets_target": bool(queued[2, 1]["per_step_minus_compute_ms"] <= 1.0),
+        "steps_per_execution": args.steps_per_execution,
+        "queued_per_execution_one_in_flight": queued[1, args.steps_per_execution],
+        "queued_per_execution_pipelined": queued[2, args.steps_per_execution],
+        "per_execution_overhead_ms": min(queued[k, args.steps_per_execution]["per_step_minus_compute_ms"]
+                                         for k in (1, 2)),
         "from_this_process": parts,
         "peak_rss_mb": monitor.peak_rss_mb(),
         "machine": machine(),
@@ -218,11 +233,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=50, help="untimed steps first (default 50)")
     parser.add_argument("--repeats", type=int, default=200, help="repeats of each attribution timing (default 200)")
     parser.add_argument("--threads", type=int, default=1, help="OMP/OPENBLAS/MKL threads per role (default 1)")
+    parser.add_argument("--steps-per-execution", type=int, default=10,
+                        help="steps per call for the queued runs with training.steps_per_execution (default 10)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", help="keep the roles' logs here (default: a temp dir)")
     args = parser.parse_args(argv)
-    if args.ps < 1 or args.steps < 1 or args.warmup < 0 or args.repeats < 1:
-        parser.error("--ps, --steps and --repeats must be >= 1, --warmup >= 0")
+    if args.ps < 1 or args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.steps_per_execution < 1:
+        parser.error("--ps, --steps, --repeats and --steps-per-execution must be >= 1, --warmup >= 0")
     return args
 
 

@@ -140,6 +140,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.workload, steps=args.steps, seed=args.seed, batch_size=args.batch_size, vocab=args.vocab,
         zipf=args.zipf, shards=args.shards or max(2, args.ps),
     )
+    training["pipelined"] = args.pipelined
+    training["steps_per_execution"] = args.steps_per_execution
     params = {
         "benchmark": args.workload,
         "ps": args.ps,
@@ -147,6 +149,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps,
         "batch_size": training["batch_size"],
         "threads_per_role": args.threads,
+        "pipelined": args.pipelined,
+        "steps_per_execution": args.steps_per_execution,
         "program": Path(training["program"]).name if args.workload == "w3" else training["program"],
         "optimizer": training["optimizer"]["name"],
     }
@@ -206,6 +210,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shards", type=int, default=0, help="w2: table shards (default: max(2, ps))")
     parser.add_argument("--warmup-fraction", type=float, default=0.1,
                         help="steps/s is measured from this fraction of the steps to the last (default 0.1)")
+    parser.add_argument("--pipelined", action="store_true", help="training.pipelined: two steps in flight per worker")
+    parser.add_argument("--steps-per-execution", type=int, default=1,
+                        help="training.steps_per_execution: steps per call from the chief (default 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
     parser.add_argument("--run-dir", help="keep logs, metrics.jsonl and result.json here (default: a temp dir)")
@@ -213,8 +220,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in DEFAULTS[args.workload].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.ps < 1 or args.workers < 1 or args.steps < 1 or args.threads < 1:
-        parser.error("--ps, --workers, --steps and --threads must be >= 1")
+    if args.ps < 1 or args.workers < 1 or args.steps < 1 or args.threads < 1 or args.steps_per_execution < 1:
+        parser.error("--ps, --workers, --steps, --threads and --steps-per-execution must be >= 1")
     if args.zipf and args.zipf <= 1:
         parser.error("--zipf must be 0 (uniform) or > 1")
     return args

@@ -104,13 +104,15 @@ def final_record(cluster: LocalCluster) -> dict[str, Any]:
 
 # -- (a) ------------------------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
+@pytest.mark.parametrize(("pipelined", "per_call"), [(False, 1), (True, 1), (True, 8)],
+                         ids=["plain", "pipelined", "pipelined-8-steps-per-call"])  # fmt: skip
 def test_mlp_on_digits_trains_to_accuracy_with_each_step_applied_once(
-    make_cluster: MakeCluster, pipelined: bool
+    make_cluster: MakeCluster, pipelined: bool, per_call: int
 ) -> None:
-    """Also pipelined (two steps in flight per worker): the same steps, each applied once, each batch once."""
+    """Also pipelined (two steps in flight per worker), and with several steps per call from the chief
+    (steps_per_execution; 600 is not a multiple of 8): the same steps, each applied once, each batch once."""
     steps = 600
-    cluster = make_cluster({**mlp_training(steps), "pipelined": pipelined})
+    cluster = make_cluster({**mlp_training(steps), "pipelined": pipelined, "steps_per_execution": per_call})
     cluster.start_servers()
     cluster.wait_serving()
     cluster.start_chief()
@@ -228,12 +230,15 @@ def _pull_dense(address: str, name: str) -> np.ndarray:
 
 # -- (c) ------------------------------------------------------------------------------------------------
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("per_call", [1, 5], ids=["one-step-per-call", "5-steps-per-call"])
 def test_worker_killed_mid_training_is_replaced_without_losing_or_repeating_a_step(
-    make_cluster: MakeCluster,
+    make_cluster: MakeCluster, per_call: int
 ) -> None:
+    """With several steps per call, the killed worker's call may have pushed some of its steps: the retried
+    call re-runs them all and the PS refuses the ones it already applied."""
     steps = 1000
     # Adam at 0.01 (as in (a)) spikes now and then over this many epochs of digits; 0.002 does not.
-    cluster = make_cluster(mlp_training(steps, learning_rate=0.002))
+    cluster = make_cluster({**mlp_training(steps, learning_rate=0.002), "steps_per_execution": per_call})
     cluster.start_servers()
     cluster.wait_serving()
     chief = cluster.start_chief()
@@ -276,10 +281,10 @@ def test_worker_killed_mid_training_is_replaced_without_losing_or_repeating_a_st
 
     chief_log = cluster.chief_log()
     assert "worker:1 lost (UNAVAILABLE" in chief_log, chief_log[-3000:]
-    # Shard 1's positions are handed out only by the coordinator's thread for worker 1, one step at a time:
-    # when the old process died at most one more (its in-flight step) had been bound. Beyond that, shard 1
+    # Shard 1's positions are handed out only by the coordinator's thread for worker 1, one call at a time:
+    # when the old process died at most one more call (its in-flight one) had been bound. Beyond that, shard 1
     # advanced only through steps given to the new process.
-    assert position(resumed_at, 1) > position(killed_at, 1) + 1, (killed_at, resumed_at)
+    assert position(resumed_at, 1) > position(killed_at, 1) + per_call, (killed_at, resumed_at)
     # and the process answering at worker 1's address is the new incarnation
     channel = make_channel(cluster.jobs["worker"][1])
     try:

@@ -320,6 +320,25 @@ MISTAKES = [
         "remove pipelined or set training.mode: async",
     ),
     (
+        "several steps per execution outside asynchronous training",
+        """\
+        roles: {chief: {}, ps: {}, worker: {replicas: 2}}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10, mode: bounded, staleness: 2,
+                   steps_per_execution: 4}
+        """,
+        "cluster.yaml:3: training.steps_per_execution: only used with training.mode: async, but training.mode is "
+        "bounded; remove steps_per_execution or set training.mode: async",
+    ),
+    (
+        "no steps per execution",
+        """\
+        roles: {chief: {}, ps: {}, worker: {replicas: 2}}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10, steps_per_execution: 0}
+        """,
+        "cluster.yaml:2: training.steps_per_execution: expected an integer >= 1, got 0; "
+        "write a whole number such as 10",
+    ),
+    (
         "role names a host but the spec has no hosts",
         """\
         roles:
@@ -694,6 +713,7 @@ def test_valid_spec_is_normalised_with_defaults(tmp_path: Path) -> None:
         "min_replicas": None,
         "distinct_replicas": None,
         "pipelined": False,
+        "steps_per_execution": 1,
     }
     assert json.loads(json.dumps(spec.training, allow_nan=False)) == spec.training
 

@@ -186,3 +186,44 @@ def test_two_steps_in_flight_per_worker_apply_each_step_and_batch_once(cluster) 
     assert list(state.shard_positions) == [39]  # batches 0..39 of shard 0
     with pytest.raises(ValueError, match="asynchronous training only"):
         ClusterCoordinator(["127.0.0.1:1"], steps_in_flight=2, staleness=2)
+
+
+def test_several_steps_per_call_apply_each_step_and_batch_once(cluster) -> None:
+    """steps_per_execution: one RunStep runs several steps, each with its own step id and batch."""
+    coordinator, _model, ps, _servicer = cluster
+    values = [coordinator.schedule("train", steps=5) for _ in range(3)] + [coordinator.schedule("train")]
+    coordinator.join(timeout=60)
+    responses = ClusterCoordinator.fetch(values)
+    assert [r.steps for r in responses] == [5, 5, 5, 1]
+    assert [r.examples for r in responses] == [5 * BATCH] * 3 + [BATCH]
+    assert all(r.applied for r in responses)
+    assert [r.global_step for r in responses] == [5, 10, 15, 16]
+    state = ps.state(0, include_step_ids=True)
+    assert state.global_step == 16 and state.duplicate_updates == 0
+    assert sorted(state.applied_step_ids) == list(range(1, 17))  # the ids each closure reserved, once each
+    assert list(state.shard_positions) == [15]  # batches 0..15 of shard 0
+    with pytest.raises(ValueError, match="asynchronous training steps only"):
+        coordinator.schedule("train", steps=2, sync_step=0)
+
+
+def test_a_retried_call_of_several_steps_applies_only_the_steps_not_yet_applied(cluster) -> None:
+    """A call that died after some of its steps were pushed is re-run whole elsewhere: the PS refuses the
+    steps it already applied (same ids) and applies the rest, so every step is applied exactly once."""
+    coordinator, _model, ps, _servicer = cluster
+    stub = pb_grpc.WorkerStub(coordinator._channels[0])
+
+    def call(steps: int) -> pb.StepResponse:
+        request = pb.StepRequest(step_id=500, shard=0, position=100, function="train", steps=steps, params_epoch=7)
+        return stub.RunStep(request, timeout=30)
+
+    assert call(2).applied  # the first two steps landed, then (say) the worker died
+    retried = call(4)
+    assert retried.applied and retried.steps == 4 and retried.global_step == 4
+    state = ps.state(0, include_step_ids=True)
+    assert sorted(state.applied_step_ids) == [500, 501, 502, 503]
+    assert (state.global_step, state.duplicate_updates, list(state.shard_positions)) == (4, 2, [103])
+    # several steps are for asynchronous training steps only: refused, and nothing changes
+    with pytest.raises(grpc.RpcError) as err:
+        stub.RunStep(pb.StepRequest(step_id=900, function="train", steps=3, sync_step=5), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ps.state(0).global_step == 4

@@ -302,23 +302,25 @@ class StateResponse(_message.Message):
     def __init__(self, global_step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., applied_updates: _Optional[int] = ..., duplicate_updates: _Optional[int] = ..., fenced_updates: _Optional[int] = ..., initialized: _Optional[bool] = ..., applied_step_ids: _Optional[_Iterable[int]] = ..., shard_positions: _Optional[_Iterable[int]] = ..., newest_step_id: _Optional[int] = ..., sync_gradients_applied: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., timed_out_steps: _Optional[int] = ..., pending_replicas: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "shard", "position", "function", "sync_step", "params_epoch")
+    __slots__ = ("step_id", "shard", "position", "function", "sync_step", "params_epoch", "steps")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     FUNCTION_FIELD_NUMBER: _ClassVar[int]
     SYNC_STEP_FIELD_NUMBER: _ClassVar[int]
     PARAMS_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     shard: int
     position: int
     function: str
     sync_step: int
     params_epoch: int
-    def __init__(self, step_id: _Optional[int] = ..., shard: _Optional[int] = ..., position: _Optional[int] = ..., function: _Optional[str] = ..., sync_step: _Optional[int] = ..., params_epoch: _Optional[int] = ...) -> None: ...
+    steps: int
+    def __init__(self, step_id: _Optional[int] = ..., shard: _Optional[int] = ..., position: _Optional[int] = ..., function: _Optional[str] = ..., sync_step: _Optional[int] = ..., params_epoch: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("loss", "examples", "metrics", "compute_seconds", "step_seconds", "global_step", "applied", "ps_global_steps")
+    __slots__ = ("loss", "examples", "metrics", "compute_seconds", "step_seconds", "global_step", "applied", "ps_global_steps", "steps")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +336,7 @@ class StepResponse(_message.Message):
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     PS_GLOBAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     loss: float
     examples: int
     metrics: _containers.ScalarMap[str, float]
@@ -342,7 +345,8 @@ class StepResponse(_message.Message):
     global_step: int
     applied: bool
     ps_global_steps: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, loss: _Optional[float] = ..., examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., compute_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., global_step: _Optional[int] = ..., applied: _Optional[bool] = ..., ps_global_steps: _Optional[_Iterable[int]] = ...) -> None: ...
+    steps: int
+    def __init__(self, loss: _Optional[float] = ..., examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., compute_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., global_step: _Optional[int] = ..., applied: _Optional[bool] = ..., ps_global_steps: _Optional[_Iterable[int]] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()

@@ -161,14 +161,15 @@ class Chief:
             return
         window = 2 * len(self.info.workers) + 2
         remaining = max(0, self.config.steps - self.ps.state(0).global_step)
-        for _ in range(remaining):
-            if self.stop.is_set():
-                break
+        per_call = max(1, self.config.steps_per_execution)
+        while remaining > 0 and not self.stop.is_set():
             coordinator.wait_below(window)
             if self.checkpointer is not None and self.checkpointer.due(self.meter.global_step):
                 coordinator.join()
                 self._checkpoint()
-            coordinator.schedule("train")
+            steps = min(per_call, remaining)
+            coordinator.schedule("train", steps=steps)
+            remaining -= steps
         coordinator.join()
 
     def _train_sync(self, coordinator: ClusterCoordinator) -> None:
@@ -287,7 +288,8 @@ class Chief:
     def _on_result(self, closure: Closure, response: Any, worker: int) -> None:
         if closure.function == "train":
             with self._advanced:
-                self.meter.record(loss=response.loss, examples=response.examples, global_step=response.global_step)
+                self.meter.record(loss=response.loss, examples=response.examples, global_step=response.global_step,
+                                  steps=max(1, response.steps))
                 for ps, step in enumerate(response.ps_global_steps):
                     self._ps_steps[ps] = max(self._ps_steps[ps], step)
                 self._advanced.notify_all()

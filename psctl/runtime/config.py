@@ -31,6 +31,9 @@ class TrainingConfig:
     distinct_replicas: bool | None = None
     #: Asynchronous mode: two steps in flight per worker, its communication overlapping its computation.
     pipelined: bool = False
+    #: Asynchronous mode: steps a worker runs per call from the chief (TensorFlow's steps_per_execution): the
+    #: chief's round trip is paid once per call instead of once per step.
+    steps_per_execution: int = 1
     steps: int = 1000
     seed: int = 0
     partitioner: dict[str, Any] | None = None

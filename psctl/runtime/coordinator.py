@@ -97,6 +97,9 @@ class Closure:
     shard: int | None = None
     position: int | None = None
     sync_step: int | None = None
+    #: Consecutive training steps in this closure: step ids step_id .. step_id + steps - 1, batches from
+    #: position on (each worker's cursor moves on by as many).
+    steps: int = 1
     attempts: int = 0
     tried_on: list[int] = field(default_factory=list)
 
@@ -186,13 +189,17 @@ class ClusterCoordinator:
         shard: int | None = None,
         position: int | None = None,
         sync_step: int | None = None,
+        steps: int = 1,
     ) -> RemoteValue:
-        """Queue a step; returns at once. The data position is bound when a worker takes it, unless given."""
+        """Queue a step (``steps`` > 1: that many consecutive asynchronous training steps, run in one call);
+        returns at once. The data position is bound when a worker takes it, unless given."""
+        if steps < 1 or (steps > 1 and (function != "train" or sync_step is not None)):
+            raise ValueError("several steps in one closure are for asynchronous training steps only")
         with self._cond:
             if self._error is not None:
                 raise self._error
-            self._next_step_id += 1
-            closure = Closure(function, self._next_step_id, RemoteValue(), shard, position, sync_step)
+            closure = Closure(function, self._next_step_id + 1, RemoteValue(), shard, position, sync_step, steps)
+            self._next_step_id += steps
             self._queue.append(closure)
             self._cond.notify_all()
             return closure.remote
@@ -406,7 +413,7 @@ class ClusterCoordinator:
                 closure.shard = worker.index
                 with self._cond:
                     closure.position = self.cursors[worker.index]
-                    self.cursors[worker.index] += 1
+                    self.cursors[worker.index] += closure.steps
             closure.attempts += 1
             closure.tried_on.append(worker.index)
             request = pb.StepRequest(
@@ -416,6 +423,7 @@ class ClusterCoordinator:
                 function=closure.function,
                 sync_step=0 if closure.sync_step is None else closure.sync_step + 1,
                 params_epoch=self.params_epoch,
+                steps=closure.steps,
             )
             try:
                 response = self._stubs[worker.index].RunStep(request, timeout=self.step_timeout)
@@ -423,7 +431,7 @@ class ClusterCoordinator:
                 self._on_rpc_error(worker, closure, exc)
                 continue
             with self._cond:
-                worker.steps += 1
+                worker.steps += closure.steps
                 self._cond.notify_all()  # a slow worker's progress may unblock workers held by the bound
             if self.on_result is not None:
                 self.on_result(closure, response, worker.index)

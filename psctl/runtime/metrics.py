@@ -84,13 +84,14 @@ class TrainingMeter:
         self._loss_n = 0
         self._mark = (get_time(), 0, 0)
 
-    def record(self, *, loss: float, examples: int, global_step: int) -> None:
+    def record(self, *, loss: float, examples: int, global_step: int, steps: int = 1) -> None:
+        """``steps`` steps finished (one call of several: ``loss`` is their mean, ``examples`` their sum)."""
         with self._lock:
-            self.steps += 1
+            self.steps += steps
             self.examples += examples
             self.global_step = max(self.global_step, global_step)
-            self._loss_sum += loss
-            self._loss_n += 1
+            self._loss_sum += loss * steps
+            self._loss_n += steps
 
     def reset(self, global_step: int) -> None:
         """After a restore the global step goes back: forget the higher one seen before."""

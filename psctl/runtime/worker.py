@@ -91,6 +91,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"shard {request.shard} out of range 0..{self.num_shards - 1}"
             )
+        if request.steps > 1 and (request.sync_step or request.function != "train"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "several steps in one call are for asynchronous training steps only")  # fmt: skip
         try:
             if request.function == "train":
                 try:
@@ -118,12 +121,31 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         raise AssertionError("unreachable")
 
     def _train(self, request: pb.StepRequest) -> pb.StepResponse:
+        """One step, or ``request.steps`` consecutive ones (each with its own step id and batch, each pushed
+        before the next starts); the reply sums them up."""
         if self._ps_was_down:
             self.ps.wait_ready(5.0)
             self._ps_was_down = False
+        count = max(1, request.steps)
+        if count == 1:
+            return self._train_step(request, request.step_id, request.position)
+        replies = [self._train_step(request, request.step_id + i, request.position + i) for i in range(count)]
+        last = replies[-1]
+        return pb.StepResponse(
+            loss=sum(r.loss for r in replies) / count,
+            examples=sum(r.examples for r in replies),
+            compute_seconds=sum(r.compute_seconds for r in replies),
+            step_seconds=sum(r.step_seconds for r in replies),
+            global_step=last.global_step,
+            applied=any(r.applied for r in replies),
+            ps_global_steps=last.ps_global_steps,
+            steps=count,
+        )
+
+    def _train_step(self, request: pb.StepRequest, step_id: int, position: int) -> pb.StepResponse:
         start = time.perf_counter()
         program = self.model.program
-        batch = self.dataset("train", request.shard).batch(request.position, self.batch_size)
+        batch = self.dataset("train", request.shard).batch(position, self.batch_size)
         ids = program.embedding_ids(batch)
         plan = self.model.pull_plan(ids)
         expected = self.model.pull_bytes(plan)
@@ -134,13 +156,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         loss, grads = program.loss_and_grads(params, batch)
         compute = time.perf_counter() - compute_start
         header = PushHeader(
-            step_id=request.step_id,
+            step_id=step_id,
             task=self.task,
             incarnation=self.incarnation,
             # synchronous: every PS gets the round's step (a late step is stale everywhere, not only on some)
             local_steps={ps: request.sync_step - 1 for ps in steps} if request.sync_step else steps,
             shard=request.shard,
-            position=request.position,
+            position=position,
         )
         responses = self._push(request, header, self.model.push_plan(grads), plan if reuse else None)
         first = responses[0]
@@ -157,6 +179,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             global_step=first.global_step,
             applied=any(r.applied for r in responses.values()),
             ps_global_steps=[responses[ps].global_step for ps in sorted(responses)],
+            steps=1,
         )
 
     def _variables(

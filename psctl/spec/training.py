@@ -24,7 +24,7 @@ TRAINING_KEYS = (
     "program", "args", "data", "batch_size", "optimizer", "mode", "replicas_to_aggregate",
     "total_replicas", "staleness", "steps", "seed", "partitioner", "checkpoint",
     "log_every_seconds", "eval_every_steps", "max_evaluations", "replica_timeout", "min_replicas",
-    "distinct_replicas", "pipelined",
+    "distinct_replicas", "pipelined", "steps_per_execution",
 )  # fmt: skip
 MODES = ("async", "sync", "bounded")
 #: Each optimizer's parameters besides learning_rate (the runtime's make_optimizer accepts exactly these).
@@ -69,7 +69,7 @@ def normalise_training(
     out["mode"] = mode
     mode_keys = (("replicas_to_aggregate", "sync"), ("total_replicas", "sync"), ("staleness", "bounded"),
                  ("replica_timeout", "sync"), ("min_replicas", "sync"), ("distinct_replicas", "sync"),
-                 ("pipelined", "async"))
+                 ("pipelined", "async"), ("steps_per_execution", "async"))
     for key, wanted in mode_keys:
         if key in t and mode != wanted:
             c.fail(
@@ -103,6 +103,7 @@ def normalise_training(
         )
     out["staleness"] = _int(c, t, "staleness", 0, minimum=0, example="2") if mode == "bounded" else None
     out["pipelined"] = c.boolean((*T, "pipelined"), t.get("pipelined", False), fix="write true or false")
+    out["steps_per_execution"] = _int(c, t, "steps_per_execution", 1, minimum=1, example="10")
     out["steps"] = _int(c, t, "steps", None, minimum=1, example="1000")
     out["seed"] = _int(c, t, "seed", 0, minimum=0, example="0")
     out["partitioner"] = _partitioner(c, t.get("partitioner"))
