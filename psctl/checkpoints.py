@@ -31,11 +31,14 @@ def split_location(text: str, hosts: Mapping[str, object]) -> tuple[str, str]:
 
 def checkpoint_folder(cdir: ClusterDir, record: ClusterRecord) -> tuple[str, str]:
     """Where the cluster's chief writes checkpoints, as (host, folder): the folder of the checkpoint its result
-    names once it finished, else the default folder on the chief's host."""
+    names once it finished, else the folder the supervisor gave the chief (training.checkpoint.dir or the
+    default), else the default folder on the chief's host (a cluster recorded by an older psctl)."""
     written = (record.result or {}).get("checkpoint")
     if written:
         host, path = split_location(str(written), record.hosts)
         return host, str(PurePosixPath(path).parent)
+    if record.checkpoint_dir:
+        return split_location(record.checkpoint_dir, record.hosts)
     chief = next((r for r in record.roles if r.role == "chief"), None)
     if chief is not None and chief.host in record.hosts:
         return chief.host, str(RemoteHost.from_dict(record.hosts[chief.host]).dirs.checkpoints)

@@ -167,6 +167,26 @@ def test_export_writes_the_newest_checkpoints_variables(psctl_env) -> None:
             "machine); give HOST:PATH with one of them, or a local folder") in flat(typo.stderr), typo.stderr
 
 
+def test_export_while_training_reads_the_spec_checkpoint_folder(psctl_env) -> None:
+    """Before the chief's result names a checkpoint, export looks where the chief was told to write them
+    (training.checkpoint.dir here), not in the cluster's default folder."""
+    folder = psctl_env.tmp_path / "my-checkpoints"
+    spec = psctl_env.write_spec("ckd", steps=LONG, workers=1)
+    spec.write_text(spec.read_text().replace(
+        "  mode: async\n", f"  mode: async\n  checkpoint: {{dir: {folder}, every_steps: 50}}\n"))
+    check(psctl_env.run("up", "--detach", str(spec)))
+    psctl_env.state("ckd")
+    try:
+        wait_until(lambda: any(folder.glob("ckpt-*/manifest.json")), timeout=60, interval=0.1,
+                   what="a checkpoint in training.checkpoint.dir")  # fmt: skip
+        out = psctl_env.tmp_path / "model.npz"
+        done = check(psctl_env.run("export", "ckd", "-o", str(out)))
+        assert done.stdout.startswith(f"exported {folder}/ckpt-"), done.stdout
+        assert not (psctl_env.home / "ckd" / "checkpoints").exists()
+    finally:
+        check(psctl_env.run("down", "ckd"))
+
+
 # -- (b) ----------------------------------------------------------------------------------------------------
 def test_detached_cluster_outlives_its_supervisor_and_down_stops_everything(psctl_env) -> None:
     roles = ("chief-0", "ps-0", "worker-0", "worker-1")

@@ -223,6 +223,9 @@ class Supervisor:
             training = dict(self.spec.training)
             if isinstance(training.get("checkpoint"), dict) and not training["checkpoint"].get("dir"):
                 training["checkpoint"] = {**training["checkpoint"], "dir": str(self.cdir.checkpoints)}
+        if role.role == "chief":
+            folder = (training.get("checkpoint") or {}).get("dir")
+            self.record.checkpoint_dir = "" if not folder else f"{role.host}:{folder}" if place.remote else str(folder)
         cluster = {
             "cluster": jobs,
             "task": {"type": role.role, "index": role.index},

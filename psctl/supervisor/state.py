@@ -126,6 +126,9 @@ class ClusterRecord:
     hosts: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: What is wrong with an SSH host now (unreachable, benched), for ``psctl status``; absent when nothing.
     host_problems: dict[str, str] = field(default_factory=dict)
+    #: Where the chief writes its checkpoints: a folder here, or ``host:folder`` on an SSH host ("" until the
+    #: chief is started, or when training does not checkpoint), for ``psctl export`` while it trains.
+    checkpoint_dir: str = ""
 
     def role(self, name: str) -> RoleRecord:
         for record in self.roles:
