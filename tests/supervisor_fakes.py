@@ -6,6 +6,7 @@ not process handling, which the end-to-end and fault tests cover for real.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -19,17 +20,20 @@ class FakeRunner(Runner):
     def __init__(self, host: str = "localhost") -> None:
         self.host = host
         self.next_pid = 1000
+        self._pid_lock = threading.Lock()  # the supervisor starts roles on SSH hosts from threads
         self.exit_codes: dict[int, int | None] = {}
         self.signals: list[tuple[int, int]] = []
 
     def start(self, *, argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: Path) -> ProcessHandle:
         if self.last_error is not None:  # set by a test: the host is cut off
             raise PsctlError(self.last_error)
-        self.next_pid += 1
-        self.exit_codes[self.next_pid] = None
+        with self._pid_lock:
+            self.next_pid += 1
+            pid = self.next_pid
+            self.exit_codes[pid] = None
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_path.write_text("started\n")
-        return ProcessHandle(self.host, self.next_pid, 0.0)
+        return ProcessHandle(self.host, pid, 0.0)
 
     def poll(self, handle: ProcessHandle) -> int | None:
         return self.exit_codes.get(handle.pid, -255)

@@ -22,7 +22,7 @@ from psctl.render import status_view
 from psctl.spec import load_spec_text, make_plan
 from psctl.supervisor.daemon import HeartbeatServicer, Supervisor
 from psctl.supervisor.hosts import HostBench, Occupant, hosts_for, restart_host
-from psctl.supervisor.state import ClusterRecord, RoleRecord, RoleState
+from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState
 
 SPEC = """\
 name: pools
@@ -149,6 +149,22 @@ def test_a_worker_on_a_cut_off_host_restarts_on_the_least_loaded_host_of_its_poo
     assert sup.record.host_problems == {} and "host h3" not in shown(sup)
     step(sup, 1.5, silent=("ps-0",))  # and the ps starts there again
     assert (sup.record.role("ps-0").state, sup.record.role("ps-0").attempt) == (RoleState.STARTING, 2)
+
+
+def test_the_cluster_finishing_stops_old_processes_left_on_a_host_that_answers_again(sup: Supervisor) -> None:
+    step(sup, 1)
+    old = sup.live["worker-2"].handle
+    host(sup, "h3").last_error = "host h3: timed out"
+    step(sup, 6, silent=("worker-2", "ps-0"))
+    step(sup, 1.5)
+    assert sup.record.role("worker-2").host == "h2" and old in sup.live["worker-2"].stale
+    host(sup, "h3").last_error = None  # h3 answers again, and training ends before the next sweep
+    with sup.lock:
+        sup.finish(ClusterState.SUCCEEDED, "training finished")
+    settle()
+    assert old is not None and host(sup, "h3").exit_codes[old.pid] is not None
+    left = {(name, pid) for name in sup.runners for pid, code in host(sup, name).exit_codes.items() if code is None}
+    assert left == set(), (left, {r.name: (r.host, r.pid, r.state) for r in sup.record.roles})
 
 
 def test_a_host_where_roles_keep_failing_is_benched_then_released(sup: Supervisor) -> None:

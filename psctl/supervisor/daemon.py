@@ -665,7 +665,10 @@ class Supervisor:
             for r in self.record.roles
             if not r.state.terminal and self.live[r.name].handle is not None
         ]
-        self.stop([h for h in handles if h is not None], grace=self.stop_grace())
+        # and the old processes of roles lost with their host, not swept yet (a host still cut off is logged:
+        # `psctl down` looks for the cluster's processes on every host again)
+        stale = [h for live in self.live.values() for h in live.stale]
+        self.stop([*(h for h in handles if h is not None), *stale], grace=self.stop_grace())
         for role in self.record.roles:
             if not role.state.terminal:
                 self.transition(role, RoleState.STOPPED, "cluster finished" if state != ClusterState.STOPPED
