@@ -137,6 +137,8 @@ class Supervisor:
         self._heartbeat_port: int | None = None
         self._mirror_offset = 0
         self._mirrored_at = float("-inf")
+        #: The loop mirrors outside the main lock, and finish() (from any thread) once more: one at a time.
+        self._mirror_lock = threading.Lock()
         self._host_errors: dict[str, str | None] = {}
         sup = spec.supervision
         self.bench = HostBench(failures=sup.bench_after_failures, window=sup.bench_window, cooloff=sup.bench_cooloff)
@@ -453,15 +455,16 @@ class Supervisor:
         if chief is None or not self.places[chief.host].remote:
             return
         place = self.places[chief.host]
-        try:
-            data = place.runner.read_file(str(place.dirs.run_dir / "metrics.jsonl"), self._mirror_offset)
-        except (OSError, PsctlError):
-            return
-        complete = data[: data.rfind(b"\n") + 1]  # whole lines only: the rest is read next time
-        if complete:
-            with open(self.cdir.run_dir / "metrics.jsonl", "ab") as f:
-                f.write(complete)
-            self._mirror_offset += len(complete)
+        with self._mirror_lock:
+            try:
+                data = place.runner.read_file(str(place.dirs.run_dir / "metrics.jsonl"), self._mirror_offset)
+            except (OSError, PsctlError):
+                return
+            complete = data[: data.rfind(b"\n") + 1]  # whole lines only: the rest is read next time
+            if complete:
+                with open(self.cdir.run_dir / "metrics.jsonl", "ab") as f:
+                    f.write(complete)
+                self._mirror_offset += len(complete)
 
     def save(self, *, force: bool = False) -> None:
         now = self.time()
