@@ -19,7 +19,7 @@ import psutil
 
 from psctl.errors import ClusterNotFound, LaunchError, PsctlError, UsageError
 from psctl.home import ClusterDir, list_clusters
-from psctl.launch.base import ProcessHandle, Runner, stop_on_hosts
+from psctl.launch.base import ProcessHandle, Runner, on_their_hosts, stop_on_hosts
 from psctl.launch.fanout import HostsError, check_results, run_on_all
 from psctl.launch.hostset import Placement, RemoteHost, host_runners, placements
 from psctl.launch.local import LocalRunner
@@ -292,6 +292,21 @@ def _cluster_processes(runners: Mapping[str, Runner], cluster_id: str) -> tuple[
     return found, errors
 
 
+def _running(
+    runners: Mapping[str, Runner], handles: list[ProcessHandle]
+) -> tuple[list[ProcessHandle], dict[str, Exception]]:
+    """The handles whose process still runs, asked of every host at once, and the hosts that could not say."""
+    live: list[ProcessHandle] = []
+    errors: dict[str, Exception] = {}
+    polled = on_their_hosts(runners, handles, lambda runner, group: [h for h in group if runner.poll(h) is None])
+    for host, (_, result) in polled.items():
+        if isinstance(result, Exception):
+            errors[host] = result
+        else:
+            live += result
+    return live, errors
+
+
 def _tear_down(
     cdir: ClusterDir, record: ClusterRecord, runners: Mapping[str, Runner], *, grace: float, purge: bool
 ) -> TeardownReport:
@@ -310,8 +325,9 @@ def _tear_down(
         if r.pid is not None and r.host not in unreachable
     ] + found
     handles = list({(h.host, h.pid): h for h in handles}.values())  # state file and process scan overlap
-    live = [h for h in handles if runners[h.host].poll(h) is None]
+    live, poll_errors = _running(runners, handles)
     survivors, errors = stop_on_hosts(runners, live, grace=grace)
+    errors.update(poll_errors)
     left, still_unreachable = _cluster_processes(runners, record.cluster_id)
     survivors += [h for h in left if h not in survivors]
     unreachable.update(still_unreachable)

@@ -12,9 +12,13 @@ import signal
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import PurePath
+from typing import TypeVar
+
+from psctl.launch.fanout import run_on_all
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -96,28 +100,31 @@ def stop_processes(
     return live
 
 
-def stop_on_hosts(
-    runners: Mapping[str, Runner], handles: Sequence[ProcessHandle], *, grace: float = 5.0
-) -> tuple[list[ProcessHandle], dict[str, Exception]]:
-    """:func:`stop_processes` on every host at once (grouped by ``handle.host``): what survived, and the
-    hosts that could not be reached (whose processes count as survivors)."""
+def on_their_hosts(
+    runners: Mapping[str, Runner], handles: Sequence[ProcessHandle],
+    fn: Callable[[Runner, list[ProcessHandle]], T],
+) -> dict[str, tuple[list[ProcessHandle], T | Exception]]:
+    """``fn(runner, handles on its host)`` on every host that has some, all at once: per host, its handles
+    and what ``fn`` returned or raised."""
     by_host: dict[str, list[ProcessHandle]] = {}
     for handle in handles:
         by_host.setdefault(handle.host, []).append(handle)
-    if not by_host:
-        return [], {}
+    results = run_on_all([runners[host] for host in by_host], lambda runner: fn(runner, by_host[runner.host]))
+    return {host: (by_host[host], result) for host, result in results.items()}
+
+
+def stop_on_hosts(
+    runners: Mapping[str, Runner], handles: Sequence[ProcessHandle], *, grace: float = 5.0
+) -> tuple[list[ProcessHandle], dict[str, Exception]]:
+    """:func:`stop_processes` on every host at once: what survived, and the hosts that could not be reached
+    (whose processes count as survivors)."""
     survivors: list[ProcessHandle] = []
     errors: dict[str, Exception] = {}
-    with ThreadPoolExecutor(max_workers=min(64, len(by_host)), thread_name_prefix="psctl-stop") as pool:
-        futures = {host: pool.submit(stop_processes, runners[host], group, grace=grace)
-                   for host, group in by_host.items()}
-    for host, future in futures.items():
-        exc = future.exception()
-        if exc is None:
-            survivors += future.result()
-        elif isinstance(exc, Exception):
-            errors[host] = exc
-            survivors += by_host[host]
+    done = on_their_hosts(runners, handles, lambda runner, group: stop_processes(runner, group, grace=grace))
+    for host, (group, result) in done.items():
+        if isinstance(result, Exception):
+            errors[host] = result
+            survivors += group
         else:
-            raise exc
+            survivors += result
     return survivors, errors
