@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
+from typing import Generic, TypeVar
+
+P = TypeVar("P", bound=PurePath)
 
 
 def psctl_home() -> Path:
@@ -12,10 +15,37 @@ def psctl_home() -> Path:
 
 
 @dataclass(frozen=True)
-class ClusterDir:
-    """The files of one named cluster."""
+class RoleFolders(Generic[P]):
+    """The folders a cluster's roles use, the same on every host: here under ``$PSCTL_HOME/<name>/``
+    (:class:`ClusterDir`), on an SSH host under its workdir (``psctl.launch.remote.HostDir``)."""
 
-    root: Path
+    root: P
+
+    @property
+    def logs(self) -> P:
+        return self.root / "logs"
+
+    @property
+    def run_dir(self) -> P:
+        """Where the chief writes metrics.jsonl and result.json."""
+        return self.root / "run"
+
+    @property
+    def tls_dir(self) -> P:
+        return self.root / "tls"
+
+    @property
+    def checkpoints(self) -> P:
+        """Where the chief writes checkpoints unless the spec names a folder."""
+        return self.root / "checkpoints"
+
+    def role_log(self, role: str, attempt: int) -> P:
+        return self.logs / f"{role}.{attempt}.log"
+
+
+@dataclass(frozen=True)
+class ClusterDir(RoleFolders[Path]):
+    """The files of one named cluster on this machine: the role folders, and the supervisor's own."""
 
     @classmethod
     def named(cls, name: str) -> ClusterDir:
@@ -34,33 +64,12 @@ class ClusterDir:
         return self.root / "spec.yaml"
 
     @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def run_dir(self) -> Path:
-        """Where the chief writes metrics.jsonl and result.json."""
-        return self.root / "run"
-
-    @property
     def supervisor_log(self) -> Path:
         return self.root / "supervisor.log"
 
     @property
     def events_file(self) -> Path:
         return self.root / "events.jsonl"
-
-    @property
-    def tls_dir(self) -> Path:
-        return self.root / "tls"
-
-    @property
-    def checkpoints(self) -> Path:
-        """Where the chief writes checkpoints unless the spec names a folder."""
-        return self.root / "checkpoints"
-
-    def role_log(self, role: str, attempt: int) -> Path:
-        return self.logs / f"{role}.{attempt}.log"
 
     def create(self) -> None:
         for path in (self.root, self.logs, self.run_dir):

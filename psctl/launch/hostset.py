@@ -12,10 +12,10 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from pathlib import PurePath, PurePosixPath
-from typing import Any, Protocol
+from pathlib import PurePosixPath
+from typing import Any
 
-from psctl.home import ClusterDir
+from psctl.home import ClusterDir, RoleFolders
 from psctl.launch.base import Runner
 from psctl.launch.local import LocalRunner
 from psctl.launch.remote import HostDir
@@ -55,21 +55,6 @@ def _host_spec(raw: Mapping[str, Any]) -> HostSpec:
     return HostSpec(**values)
 
 
-class RoleDirs(Protocol):
-    """The folders of a cluster on one host (local :class:`ClusterDir` or remote :class:`HostDir`)."""
-
-    @property
-    def run_dir(self) -> PurePath: ...
-
-    @property
-    def tls_dir(self) -> PurePath: ...
-
-    @property
-    def checkpoints(self) -> PurePath: ...
-
-    def role_log(self, role: str, attempt: int) -> PurePath: ...
-
-
 @dataclass(frozen=True)
 class Placement:
     """How the roles of one host are run: its runner, interpreter, folders, working folder, environment."""
@@ -77,7 +62,7 @@ class Placement:
     host: str
     runner: Runner
     python: str
-    dirs: RoleDirs
+    dirs: RoleFolders[Any]  # ClusterDir here, HostDir on an SSH host
     cwd: str
     #: The environment every role there starts from: this process's own here; on a host, only what psctl
     #: sets (the login environment of the host supplies the rest).

@@ -25,6 +25,7 @@ from typing import Any
 
 import psctl
 from psctl.errors import LaunchError
+from psctl.home import RoleFolders
 from psctl.launch.ssh import SSHRunner, sh_path
 from psctl.spec.model import ClusterSpec
 
@@ -38,38 +39,17 @@ RUNTIME_MODULES = ("numpy", "grpc", "google.protobuf")
 
 
 @dataclass(frozen=True)
-class HostDir:
+class HostDir(RoleFolders[PurePosixPath]):
     """A cluster's folder on one host (a remote path; ``~/`` is the remote user's home)."""
-
-    root: PurePosixPath
 
     @classmethod
     def of(cls, workdir: str, cluster: str) -> HostDir:
         return cls(PurePosixPath(workdir) / cluster)
 
     @property
-    def logs(self) -> PurePosixPath:
-        return self.root / "logs"
-
-    @property
-    def run_dir(self) -> PurePosixPath:
-        return self.root / "run"
-
-    @property
-    def tls_dir(self) -> PurePosixPath:
-        return self.root / "tls"
-
-    @property
-    def checkpoints(self) -> PurePosixPath:
-        return self.root / "checkpoints"
-
-    @property
     def files(self) -> PurePosixPath:
         """The roles' working folder: the program, data and ``files:`` copied from this machine."""
         return self.root / "files"
-
-    def role_log(self, role: str, attempt: int) -> PurePosixPath:
-        return self.logs / f"{role}.{attempt}.log"
 
 
 # -- what is copied ------------------------------------------------------------------------------------
