@@ -397,20 +397,14 @@ class SSHRunner(Runner):
                 raise LaunchError(f"host {self.host}: cannot create {folder!r}: {_last_line(err)}")
         target = _sftp_path(remote)
         partial = f"{target}.{uuid.uuid4().hex[:8]}.part"
-        sftp = self._sftp_client()
-        try:
+
+        def write(sftp: paramiko.SFTPClient) -> None:
             with sftp.open(partial, "wb") as out:
                 out.chmod(mode)
                 out.write(data)
             sftp.posix_rename(partial, target)
-        except OSError as exc:
-            if isinstance(exc, TimeoutError):
-                raise self._lost(f"no reply within {self.command_timeout:g}s") from exc
-            with contextlib.suppress(OSError, paramiko.SSHException):
-                sftp.remove(partial)
-            raise LaunchError(f"host {self.host}: cannot write {remote!r}: {exc.strerror or exc}") from exc
-        except (paramiko.SSHException, EOFError) as exc:
-            raise self._lost("connection lost") from exc
+
+        self._sftp_call(remote, write, verb="write", undo=lambda sftp: sftp.remove(partial))
 
     def get_file(self, remote: str, local: str | Path) -> None:
         """Copy a file of the host here (SFTP, streamed); FileNotFoundError if it does not exist."""
@@ -420,15 +414,26 @@ class SSHRunner(Runner):
         """The names in a folder of the host; FileNotFoundError if it does not exist."""
         return self._sftp_call(remote, lambda sftp: sftp.listdir(_sftp_path(remote)))  # type: ignore[no-any-return]
 
-    def _sftp_call(self, path: str, call: Callable[[paramiko.SFTPClient], Any]) -> Any:
+    def _sftp_call(
+        self, path: str, call: Callable[[paramiko.SFTPClient], Any], *, verb: str = "read",
+        undo: Callable[[paramiko.SFTPClient], object] | None = None,
+    ) -> Any:
+        """``call(sftp)`` with its failures as psctl's errors: no reply or a lost connection make the host
+        unreachable; any other OSError is a LaunchError that cannot ``verb`` ``path`` (after ``undo``), except
+        that a missing file stays FileNotFoundError when reading."""
+        sftp = None
         try:
-            return call(self._sftp_client())
-        except FileNotFoundError:
-            raise
+            sftp = self._sftp_client()
+            return call(sftp)
         except OSError as exc:
             if isinstance(exc, TimeoutError):
                 raise self._lost(f"no reply within {self.command_timeout:g}s") from exc
-            raise LaunchError(f"host {self.host}: cannot read {path!r}: {exc.strerror or exc}") from exc
+            if isinstance(exc, FileNotFoundError) and verb == "read":
+                raise
+            if undo is not None and sftp is not None:
+                with contextlib.suppress(OSError, paramiko.SSHException):
+                    undo(sftp)
+            raise LaunchError(f"host {self.host}: cannot {verb} {path!r}: {exc.strerror or exc}") from exc
         except (paramiko.SSHException, EOFError) as exc:
             raise self._lost("connection lost") from exc
 
