@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from inprocess_cluster import MakeCluster, cluster_factory
 
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
@@ -15,47 +16,26 @@ from psctl.runtime.coordinator import ClusterCoordinator
 from psctl.runtime.evaluation import evaluate_batch
 from psctl.runtime.heartbeat import ClusterAddresses, Progress, tasks_of
 from psctl.runtime.model import ShardedModel
-from psctl.runtime.program import ProgramRef, load_program
+from psctl.runtime.program import ProgramRef
 from psctl.runtime.ps import ParameterServerServicer, VariableStore, add_to_server
 from psctl.runtime.ps_client import PsClient
 from psctl.runtime.rpc import make_server
 from psctl.runtime.worker import WorkerServicer
 
 BATCH = 50
+MLP = ProgramRef("psctl.models.mlp", {"hidden_units": 16}, {"name": "digits"}, 0)
 
 
 @pytest.fixture
-def cluster() -> Iterator[tuple[ClusterCoordinator, ShardedModel, PsClient, WorkerServicer]]:
-    servers: list[grpc.Server] = []
-    clients: list[PsClient] = []
-    coordinator = None
-    try:
-        ps_server, ps_port = make_server("127.0.0.1:0")
-        pb_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(VariableStore(cluster_id="w")), ps_server)
-        ps_server.start()
-        servers.append(ps_server)
-        program = load_program(ProgramRef("psctl.models.mlp", {"hidden_units": 16}, {"name": "digits"}, 0))
-        model = ShardedModel(program, 1)
-        chief_ps = PsClient([f"127.0.0.1:{ps_port}"], timeout=10)
-        clients.append(chief_ps)
-        chief_ps.init(model.shard_specs(0), pb.OptimizerConfig(name="adam", learning_rate=0.01), "w")
-        worker_ps = PsClient([f"127.0.0.1:{ps_port}"], timeout=10)
-        clients.append(worker_ps)
-        servicer = WorkerServicer(model, worker_ps, task="worker:0", incarnation=1, batch_size=BATCH, num_shards=1)
-        worker_server, worker_port = make_server("127.0.0.1:0")
-        pb_grpc.add_WorkerServicer_to_server(servicer, worker_server)
-        worker_server.start()
-        servers.append(worker_server)
-        coordinator = ClusterCoordinator([f"127.0.0.1:{worker_port}"], probe_interval=0.05)
-        assert coordinator.wait_for_workers(10) == 1
-        yield coordinator, model, chief_ps, servicer
-    finally:
-        if coordinator is not None:
-            coordinator.shutdown()
-        for client in clients:
-            client.close()
-        for server in servers:
-            server.stop(grace=None).wait()
+def make_cluster() -> Iterator[MakeCluster]:
+    yield from cluster_factory()
+
+
+@pytest.fixture
+def cluster(make_cluster: MakeCluster) -> tuple[ClusterCoordinator, ShardedModel, PsClient, WorkerServicer]:
+    """One worker and one PS: (its coordinator, the model, the chief's PS client, the worker's servicer)."""
+    made = make_cluster(MLP, num_ps=1, batch_size=BATCH)
+    return made.coordinator, made.model, made.chief, made.worker
 
 
 def test_train_steps_advance_the_global_step_and_consume_consecutive_batches(cluster) -> None:
