@@ -158,24 +158,25 @@ class Supervisor:
         self._evaluator_deadline: float | None = None
 
     # -- events ---------------------------------------------------------------------------------------
+    def write_event(self, subject: str, was: str, to: str, reason: str, **extra: object) -> None:
+        """One line of events.jsonl: ``subject`` (a role, "cluster" or "host NAME") went from ``was`` to ``to``."""
+        event = {"time": time.time(), "role": subject, "from": was, "to": to, "reason": reason, **extra}
+        with open(self.cdir.events_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps(event) + "\n")
+
     def transition(self, role: RoleRecord, state: RoleState, reason: str = "") -> None:
         if role.state == state and not reason:
             return
-        event = {"time": time.time(), "role": role.name, "from": role.state.value, "to": state.value,
-                 "reason": reason, "attempt": role.attempt}
         log.info("%s: %s -> %s%s", role.name, role.state.value, state.value, f" ({reason})" if reason else "")
+        self.write_event(role.name, role.state.value, state.value, reason, attempt=role.attempt)
         role.state = state
         if reason:
             role.reason = reason
-        with open(self.cdir.events_file, "a", encoding="utf-8") as f:
-            f.write(json.dumps(event) + "\n")
         self._dirty = True
 
     def cluster_transition(self, state: ClusterState, reason: str = "") -> None:
         log.info("cluster: %s -> %s%s", self.record.state.value, state.value, f" ({reason})" if reason else "")
-        with open(self.cdir.events_file, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"time": time.time(), "role": "cluster", "from": self.record.state.value,
-                                "to": state.value, "reason": reason}) + "\n")
+        self.write_event("cluster", self.record.state.value, state.value, reason)
         self.record.state = state
         if reason:
             self.record.reason = reason
@@ -492,9 +493,7 @@ class Supervisor:
 
     def host_event(self, host: str, was: str, to: str, reason: str) -> None:
         """Log a host's change in the events, and what is wrong with it now in the record (for status)."""
-        event = {"time": time.time(), "role": f"host {host}", "from": was, "to": to, "reason": reason}
-        with open(self.cdir.events_file, "a", encoding="utf-8") as f:
-            f.write(json.dumps(event) + "\n")
+        self.write_event(f"host {host}", was, to, reason)
         problems = []
         if self._host_errors.get(host):
             problems.append(f"unreachable: {self._host_errors[host]}")
