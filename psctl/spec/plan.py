@@ -22,6 +22,11 @@ LOCAL_HOST = "localhost"
 LOCAL_ADDRESS = "127.0.0.1"
 
 
+def endpoint(address: str, port: int) -> str:
+    """``address:port``, with an IPv6 address in brackets: how gRPC and the roles name where a role listens."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
 @dataclass(frozen=True)
 class RoleInstance:
     """One process to run: ``name`` is ``f"{role}-{index}"``; ``address:port`` is where it listens."""
@@ -35,8 +40,7 @@ class RoleInstance:
 
     @property
     def endpoint(self) -> str:
-        """``address:port``, with an IPv6 address in brackets."""
-        return f"[{self.address}]:{self.port}" if ":" in self.address else f"{self.address}:{self.port}"
+        return endpoint(self.address, self.port)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from psctl.spec.plan import endpoint
+
 
 class RoleState(str, Enum):
     PENDING = "pending"
@@ -92,8 +94,8 @@ class RoleRecord:
 
     @property
     def endpoint(self) -> str:
-        """``address:port`` (an IPv6 address in brackets): where the role listens."""
-        return f"[{self.address}]:{self.port}" if ":" in self.address else f"{self.address}:{self.port}"
+        """Where the role listens (``address:port``)."""
+        return endpoint(self.address, self.port)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RoleRecord:
