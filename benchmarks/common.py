@@ -331,6 +331,12 @@ def run_directory(keep: str | None) -> Iterator[Path]:
 
 
 # -- monitoring -------------------------------------------------------------------------------------------
+def cpu_seconds(process: psutil.Process) -> float:
+    """User + system CPU seconds of one process so far."""
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
 def _tree_rss(process: psutil.Process) -> int:
     """RSS of a role: the process itself (roles start no children, but count any)."""
     rss = process.memory_info().rss

@@ -24,6 +24,7 @@ and one W1 push against the PS, and an empty Ping to the worker and GetState to 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -31,10 +32,12 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import psutil
 
 from benchmarks.common import (
     Monitor,
     bench_cluster,
+    cpu_seconds,
     emit,
     install_signal_handlers,
     log,
@@ -71,10 +74,12 @@ def timed(fn: Callable[[], object], repeats: int) -> list[float]:
 
 
 def queued_steps(
-    coordinator: ClusterCoordinator, warmup: int, steps: int, compute: float, per_call: int = 1
+    coordinator: ClusterCoordinator, warmup: int, steps: int, compute: float,
+    processes: dict[str, psutil.Process], per_call: int = 1,
 ) -> dict[str, Any]:
-    """``steps`` steps queued at once (after ``warmup``), timed as a whole: the steady per-step cost.
-    ``per_call``: steps per closure (training.steps_per_execution)."""
+    """``steps`` steps queued at once (after ``warmup``), timed as a whole: the steady per-step cost, and the
+    CPU each of ``processes`` spent per step meanwhile. ``per_call``: steps per closure
+    (training.steps_per_execution)."""
 
     def schedule(count: int) -> None:
         for start in range(0, count, per_call):
@@ -82,14 +87,20 @@ def queued_steps(
 
     schedule(warmup)
     coordinator.join(timeout=600)
+    cpu_before = {name: cpu_seconds(p) for name, p in processes.items()}
     start = time.perf_counter()
     schedule(steps)
     coordinator.join(timeout=600)
     per_step = (time.perf_counter() - start) / steps
+    cpu = {name: (cpu_seconds(p) - cpu_before[name]) / steps * 1e3 for name, p in processes.items()}
+    cores = os.cpu_count() or 1
     return {
         "steps_per_s": rounded(1.0 / per_step, 1),
         "per_step_ms": rounded(per_step * 1e3),
         "per_step_minus_compute_ms": rounded((per_step - compute) * 1e3),
+        "cpu_ms_per_step": {name: rounded(ms) for name, ms in cpu.items()},
+        # the machine's floor for this rate: all the CPU a step takes, spread over every core
+        "cpu_floor_per_step_ms": rounded(sum(cpu.values()) / cores),
     }
 
 
@@ -171,12 +182,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             coordinator.shutdown()
             coordinator = None
             queued = {}
+            processes = {"chief (this process)": psutil.Process()}
+            for role in cluster.roles:
+                if role.process is not None:
+                    processes[f"{role.task_type}:{role.index}"] = role.process
             for in_flight, per_call in ((1, 1), (2, 1), (1, args.steps_per_execution), (2, args.steps_per_execution)):
                 coordinator = ClusterCoordinator(cluster.jobs["worker"], on_result=on_result,
                                                  step_id_base=(2 * in_flight + (per_call > 1)) << 40,
                                                  steps_in_flight=in_flight)  # fmt: skip
                 queued[in_flight, per_call] = queued_steps(
-                    coordinator, args.warmup, args.steps, np.median(compute), per_call
+                    coordinator, args.warmup, args.steps, np.median(compute), processes, per_call
                 )
                 coordinator.shutdown()
                 coordinator = None

@@ -47,6 +47,7 @@ from benchmarks.common import (
     REPO_ROOT,
     Monitor,
     bench_cluster,
+    cpu_seconds,
     emit,
     install_signal_handlers,
     log,
@@ -253,11 +254,6 @@ class Sample:
 
     def per_op_ms(self, seconds: float) -> float | None:
         return rounded(seconds / max(1, len(self.times)) * 1e3, 2)
-
-
-def cpu_seconds(process: psutil.Process) -> float:
-    times = process.cpu_times()
-    return float(times.user + times.system)
 
 
 def measure(ops: dict[str, Op], repeats: int, warmup: int, ps: psutil.Process) -> dict[str, Sample]:
