@@ -77,11 +77,11 @@ def remote_hosts(records: Mapping[str, Mapping[str, Any]]) -> dict[str, RemoteHo
     return {name: RemoteHost.from_dict(raw) for name, raw in records.items()}
 
 
-def host_runners(records: Mapping[str, Mapping[str, Any]], *, status_ttl: float = 0.0) -> dict[str, Runner]:
+def host_runners(records: Mapping[str, Mapping[str, Any]]) -> dict[str, Runner]:
     """A runner per host of the cluster: ``localhost`` and every recorded SSH host (connecting lazily)."""
     runners: dict[str, Runner] = {LOCAL_HOST: LocalRunner()}
     for name, host in remote_hosts(records).items():
-        runners[name] = SSHRunner(host.spec, status_ttl=status_ttl)
+        runners[name] = SSHRunner(host.spec)
     return runners
 
 

@@ -144,8 +144,7 @@ class SSHRunner(Runner):
 
     ``known_hosts``: the user's known_hosts file (read, and written by ``accept-new``); default
     ``~/.ssh/known_hosts`` or the ssh_config's ``UserKnownHostsFile``. ``ssh_config``: an OpenSSH client
-    config consulted for what the spec leaves open (None: none). ``status_ttl``: seconds for which
-    :meth:`poll` may answer from its last look at the host.
+    config consulted for what the spec leaves open (None: none).
     """
 
     def __init__(
@@ -157,7 +156,6 @@ class SSHRunner(Runner):
         connect_timeout: float = CONNECT_TIMEOUT,
         command_timeout: float = COMMAND_TIMEOUT,
         allow_agent: bool = True,
-        status_ttl: float = 0.0,
     ) -> None:
         self.spec = host
         self.host = host.name
@@ -171,7 +169,8 @@ class SSHRunner(Runner):
         self._client: paramiko.SSHClient | None = None
         self._sftp: paramiko.SFTPClient | None = None
         self._boot: tuple[float, int] | None = None  # (boot time, clock ticks per second) of this connection
-        self.status_ttl = status_ttl
+        #: Seconds for which poll() may answer from its last look at the host (set by watch_in_background).
+        self.status_ttl = 0.0
         self._poll_lock = threading.RLock()
         self._watched: dict[ProcessHandle, None] = {}  # processes poll() looks at (an ordered set)
         self._seen_live: set[ProcessHandle] = set()
