@@ -61,16 +61,23 @@ def staged_name(local: Path, spec_dir: Path) -> str:
         return "_abs" + local.as_posix()
 
 
+def _copied_program(training: Mapping[str, Any]) -> str | None:
+    """The training program, if it is a local .py file (copied to every host); None for a module."""
+    program = str(training.get("program", ""))
+    return program if program.endswith(".py") else None
+
+
+def _copied_data(training: Mapping[str, Any]) -> str | None:
+    """The training data file, if it is one here (copied); None for a built-in set or a path on the hosts."""
+    path = (training.get("data") or {}).get("path")
+    return str(path) if path and not str(path).startswith("~") and Path(path).exists() else None
+
+
 def staged_files(spec: ClusterSpec) -> dict[str, Path]:
     """Every local file or folder the roles need on their hosts: name under ``files/`` -> local path."""
     spec_dir = spec_folder(spec)
     paths = [Path(p) for p in spec.files]
-    program = str(spec.training.get("program", ""))
-    if program.endswith(".py"):
-        paths.append(Path(program))
-    data_path = (spec.training.get("data") or {}).get("path")
-    if data_path and not str(data_path).startswith("~") and Path(data_path).exists():
-        paths.append(Path(data_path))
+    paths += [Path(p) for p in (_copied_program(spec.training), _copied_data(spec.training)) if p is not None]
     return {staged_name(p.resolve(), spec_dir): p.resolve() for p in paths}
 
 
@@ -82,12 +89,15 @@ def remote_training(spec: ClusterSpec, hostdir: HostDir) -> dict[str, Any]:
     """The training section as a role on a host sees it: copied paths point at their copies there."""
     training = json.loads(json.dumps(spec.training))
     spec_dir = spec_folder(spec)
-    program = str(training.get("program", ""))
-    if program.endswith(".py"):
-        training["program"] = str(hostdir.files / staged_name(Path(program).resolve(), spec_dir))
-    data = training.get("data") or {}
-    if data.get("path") and not str(data["path"]).startswith("~") and Path(data["path"]).exists():
-        data["path"] = str(hostdir.files / staged_name(Path(data["path"]).resolve(), spec_dir))
+
+    def copy_of(local: str) -> str:
+        return str(hostdir.files / staged_name(Path(local).resolve(), spec_dir))
+
+    program, data_path = _copied_program(training), _copied_data(training)
+    if program is not None:
+        training["program"] = copy_of(program)
+    if data_path is not None:
+        training["data"]["path"] = copy_of(data_path)
     checkpoint = training.get("checkpoint")
     if isinstance(checkpoint, dict) and not checkpoint.get("dir"):
         training["checkpoint"] = {**checkpoint, "dir": str(hostdir.checkpoints)}
