@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -439,39 +439,46 @@ class Monitor:
         return {r.task: round(r.cpu_seconds, 2) for r in self.cluster.roles}
 
 
-def wait_for_ps(addresses: Sequence[str], timeout: float) -> None:
-    """Block until every PS answers GetState (the process is up and serving)."""
+def _wait_answering(addresses: Sequence[str], timeout: float, what: str, ask: Callable[[grpc.Channel], object]) -> None:
+    """Block until ``ask(channel)`` succeeds for every address (each process up and serving)."""
     deadline = time.monotonic() + timeout
     for address in addresses:
         channel = make_channel(address)
         try:
-            stub = pb_grpc.ParameterServerStub(channel)
             while True:
                 try:
-                    stub.GetState(pb.StateRequest(), timeout=1.0, wait_for_ready=True)
+                    ask(channel)
                     break
                 except grpc.RpcError:
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"ps at {address} did not answer within {timeout:.0f}s") from None
+                        raise TimeoutError(f"{what} at {address} did not answer within {timeout:.0f}s") from None
                     time.sleep(0.05)
         finally:
             channel.close()
+
+
+def wait_for_ps(addresses: Sequence[str], timeout: float) -> None:
+    """Block until every PS answers GetState."""
+    _wait_answering(addresses, timeout, "ps", lambda channel: pb_grpc.ParameterServerStub(channel).GetState(
+        pb.StateRequest(), timeout=1.0, wait_for_ready=True))
 
 
 def wait_for_workers(addresses: Sequence[str], timeout: float) -> None:
     """Block until every worker answers Ping."""
-    deadline = time.monotonic() + timeout
-    for address in addresses:
-        channel = make_channel(address)
-        try:
-            stub = pb_grpc.WorkerStub(channel)
-            while True:
-                try:
-                    stub.Ping(pb.PingRequest(), timeout=1.0, wait_for_ready=True)
-                    break
-                except grpc.RpcError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"worker at {address} did not answer within {timeout:.0f}s") from None
-                    time.sleep(0.05)
-        finally:
-            channel.close()
+    _wait_answering(addresses, timeout, "worker", lambda channel: pb_grpc.WorkerStub(channel).Ping(
+        pb.PingRequest(), timeout=1.0, wait_for_ready=True))
+
+
+def emit_all(benchmark: str, run: Callable[[], Iterable[dict[str, Any]]]) -> int:
+    """A benchmark's main: emit each JSON line ``run`` yields; on a failure, or Ctrl-C / SIGTERM (every process
+    is already stopped by then), one line saying ``"ok": false`` and why. Returns the exit code."""
+    try:
+        for line in run():
+            emit(line)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        emit({"benchmark": benchmark, "ok": False, "error": str(exc).splitlines()[0]})
+        return 1
+    except (KeyboardInterrupt, SystemExit) as exc:
+        emit({"benchmark": benchmark, "ok": False, "error": f"interrupted ({type(exc).__name__})"})
+        return 130
+    return 0

@@ -38,7 +38,7 @@ from benchmarks.common import (
     Monitor,
     bench_cluster,
     cpu_seconds,
-    emit,
+    emit_all,
     install_signal_handlers,
     log,
     machine,
@@ -262,15 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run_as_role("benchmarks.overhead", args.threads, argv)
     install_signal_handlers()
-    try:
-        emit(run(args))
-    except (RuntimeError, TimeoutError, OSError) as exc:
-        emit({"benchmark": "overhead_w1", "ok": False, "error": str(exc).splitlines()[0]})
-        return 1
-    except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C or SIGTERM: every process is already stopped
-        emit({"benchmark": "overhead_w1", "ok": False, "error": f"interrupted ({type(exc).__name__})"})
-        return 130
-    return 0
+    return emit_all("overhead_w1", lambda: [run(args)])
 
 
 if __name__ == "__main__":

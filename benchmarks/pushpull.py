@@ -48,7 +48,7 @@ from benchmarks.common import (
     Monitor,
     bench_cluster,
     cpu_seconds,
-    emit,
+    emit_all,
     install_signal_handlers,
     log,
     machine,
@@ -379,16 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         return grpc_raw_server(args.grpc_raw_server)
     run_as_role("benchmarks.pushpull", args.threads, argv)
     install_signal_handlers()
-    try:
-        for line in run(args):
-            emit(line)
-    except (RuntimeError, TimeoutError, OSError) as exc:
-        emit({"benchmark": "pushpull", "ok": False, "error": str(exc).splitlines()[0]})
-        return 1
-    except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C or SIGTERM: every process is already stopped
-        emit({"benchmark": "pushpull", "ok": False, "error": f"interrupted ({type(exc).__name__})"})
-        return 130
-    return 0
+    return emit_all("pushpull", lambda: run(args))
 
 
 if __name__ == "__main__":

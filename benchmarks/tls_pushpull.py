@@ -38,7 +38,7 @@ from benchmarks.common import (
     MIB,
     BenchCluster,
     Monitor,
-    emit,
+    emit_all,
     install_signal_handlers,
     log,
     machine,
@@ -207,14 +207,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     install_signal_handlers()
-    try:
-        records = run(args)
-    except (RuntimeError, TimeoutError, OSError) as exc:
-        emit({"benchmark": "tls_pushpull", "ok": False, "error": str(exc).splitlines()[0]})
-        return 1
-    for record in records:
-        emit(record)
-    return 0
+    return emit_all("tls_pushpull", lambda: run(args))
 
 
 if __name__ == "__main__":

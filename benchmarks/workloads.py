@@ -23,7 +23,7 @@ from benchmarks.common import (
     BenchCluster,
     Monitor,
     bench_cluster,
-    emit,
+    emit_all,
     install_signal_handlers,
     log,
     machine,
@@ -230,15 +230,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     install_signal_handlers()
     args = parse_args(argv)
-    try:
-        emit(run(args))
-    except (RuntimeError, TimeoutError, OSError) as exc:
-        emit({"benchmark": args.workload, "ok": False, "error": str(exc).splitlines()[0]})
-        return 1
-    except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C or SIGTERM: every process is already stopped
-        emit({"benchmark": args.workload, "ok": False, "error": f"interrupted ({type(exc).__name__})"})
-        return 130
-    return 0
+    return emit_all(args.workload, lambda: [run(args)])
 
 
 if __name__ == "__main__":
