@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -85,7 +85,7 @@ def _deliver(callback: Callable[[dict[str, str]], None], addresses: dict[str, st
         return False
 
 
-def tasks_of(job: str, addresses: dict[str, str]) -> dict[int, str]:
+def tasks_of(job: str, addresses: Mapping[str, str]) -> dict[int, str]:
     """``{index: address}`` of one job's tasks in an address map such as ``{"ps:0": "h:7110", ...}``."""
     out = {}
     for task, address in addresses.items():

@@ -607,7 +607,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 assembler.add_pieces(pieces)
             if header is None:
                 raise WireError("empty stream")
-            entries, split = assembler.split_entries(split=split_dense)
+            entries, split = assembler.split_entries()  # (nothing is split unless split_dense kept pieces)
             return header, entries, split
         except WireError as exc:
             self._abort(context, exc)

@@ -104,7 +104,7 @@ class PsClient:
 
     def follow(self, addresses: Mapping[str, str]) -> None:
         """Apply the ps addresses of a supervisor's address map (``{"ps:1": "host:port", ...}``)."""
-        for ps, address in tasks_of("ps", dict(addresses)).items():
+        for ps, address in tasks_of("ps", addresses).items():
             if ps < len(self.addresses):
                 self.set_address(ps, address)
 

@@ -461,21 +461,26 @@ class Assembler:
         part.append(name, data, keep=self._keep_dense and kind == DENSE)
 
     def entries(self) -> list[Entry]:
-        return self.split_entries(split=False)[0]
+        """Every entry, whole (pieces kept by ``keep_dense_pieces`` are joined)."""
+        return [Entry(name, kind, part.array()) for (name, kind), part in self._complete()]
 
-    def split_entries(self, *, split: bool = True) -> tuple[list[Entry], dict[str, SplitArray]]:
-        """Every entry, whole; or (``split``) the DENSE ones kept in aligned pieces as SplitArrays, by name."""
+    def split_entries(self) -> tuple[list[Entry], dict[str, SplitArray]]:
+        """The DENSE arrays kept in aligned pieces, as SplitArrays by name, and every other entry whole."""
         out: list[Entry] = []
         split_arrays: dict[str, SplitArray] = {}
-        for (name, kind), part in self._parts.items():
-            if part.received != part.nbytes:
-                raise WireError(f"entry {name!r}: got {part.received} of {part.nbytes} bytes")
-            pieces = part.split() if split else None
+        for (name, kind), part in self._complete():
+            pieces = part.split()
             if pieces is not None:
                 split_arrays[name] = pieces
             else:
                 out.append(Entry(name, kind, part.array()))
         return out, split_arrays
+
+    def _complete(self) -> list[tuple[tuple[str, int], _Partial]]:
+        for (name, _), part in self._parts.items():
+            if part.received != part.nbytes:
+                raise WireError(f"entry {name!r}: got {part.received} of {part.nbytes} bytes")
+        return list(self._parts.items())
 
 
 def decode_entries(items: Iterable[pb.NamedTensor]) -> list[Entry]:

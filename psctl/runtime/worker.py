@@ -127,9 +127,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self.ps.wait_ready(5.0)
             self._ps_was_down = False
         count = max(1, request.steps)
-        if count == 1:
-            return self._train_step(request, request.step_id, request.position)
         replies = [self._train_step(request, request.step_id + i, request.position + i) for i in range(count)]
+        if count == 1:
+            return replies[0]
         last = replies[-1]
         return pb.StepResponse(
             loss=sum(r.loss for r in replies) / count,
