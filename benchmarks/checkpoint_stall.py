@@ -11,21 +11,22 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from benchmarks.common import (
     bench_cluster,
-    emit,
+    emit_all,
     install_signal_handlers,
     log,
     machine,
     median,
     run_directory,
-    wait_for_ps,
 )
 from psctl.runtime.checkpoint import take_snapshot, write_checkpoint
 from psctl.runtime.config import TrainingConfig
@@ -58,13 +59,17 @@ def disk_ceiling(directory: Path, nbytes: int) -> float:
     return seconds
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write checkpoints (default: a temporary folder)")
     parser.add_argument("--run-dir", default=None)
     args = parser.parse_args()
     install_signal_handlers()
+    return emit_all("checkpoint_stall", lambda: [run(args)])
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     config = TrainingConfig.from_dict(TRAINING)
     program = load_program(ProgramRef(config.program, config.args, config.data, config.seed))
     model = ShardedModel(program, 2, config.partitioner)
@@ -72,9 +77,9 @@ def main() -> None:
         run_dir, TRAINING, num_ps=2, num_workers=0, with_chief=False
     ) as cluster:
         cluster.start_all()
-        wait_for_ps(cluster.jobs["ps"], timeout=60)
         client = PsClient(cluster.jobs["ps"], timeout=300)
         try:
+            client.wait_ready(60.0)
             client.init(model.shard_specs(0), config.optimizer_proto(), "bench")
             target = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="psctl-ckpt-"))
             stalls, writes = [], []
@@ -98,7 +103,7 @@ def main() -> None:
             disk = disk_ceiling(target, nbytes)
         finally:
             client.close()
-    emit({
+    return {
         "benchmark": "checkpoint_stall",
         "model": "W2 1,000,000 x 64 float32 over 2 ps, adagrad (variable + accumulator slot)",
         "bytes": nbytes,
@@ -109,8 +114,8 @@ def main() -> None:
         "stall_vs_write": round(median(stalls) / median(writes), 3),
         "repeats": args.repeats,
         "machine": machine(),
-    })
+    }
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

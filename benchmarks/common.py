@@ -439,44 +439,15 @@ class Monitor:
         return {r.task: round(r.cpu_seconds, 2) for r in self.cluster.roles}
 
 
-def _wait_answering(addresses: Sequence[str], timeout: float, what: str, ask: Callable[[grpc.Channel], object]) -> None:
-    """Block until ``ask(channel)`` succeeds for every address (each process up and serving)."""
-    deadline = time.monotonic() + timeout
-    for address in addresses:
-        channel = make_channel(address)
-        try:
-            while True:
-                try:
-                    ask(channel)
-                    break
-                except grpc.RpcError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{what} at {address} did not answer within {timeout:.0f}s") from None
-                    time.sleep(0.05)
-        finally:
-            channel.close()
-
-
-def wait_for_ps(addresses: Sequence[str], timeout: float) -> None:
-    """Block until every PS answers GetState."""
-    _wait_answering(addresses, timeout, "ps", lambda channel: pb_grpc.ParameterServerStub(channel).GetState(
-        pb.StateRequest(), timeout=1.0, wait_for_ready=True))
-
-
-def wait_for_workers(addresses: Sequence[str], timeout: float) -> None:
-    """Block until every worker answers Ping."""
-    _wait_answering(addresses, timeout, "worker", lambda channel: pb_grpc.WorkerStub(channel).Ping(
-        pb.PingRequest(), timeout=1.0, wait_for_ready=True))
-
-
 def emit_all(benchmark: str, run: Callable[[], Iterable[dict[str, Any]]]) -> int:
     """A benchmark's main: emit each JSON line ``run`` yields; on a failure, or Ctrl-C / SIGTERM (every process
     is already stopped by then), one line saying ``"ok": false`` and why. Returns the exit code."""
     try:
         for line in run():
             emit(line)
-    except (RuntimeError, TimeoutError, OSError) as exc:
-        emit({"benchmark": benchmark, "ok": False, "error": str(exc).splitlines()[0]})
+    except Exception as exc:  # any failure of the run is reported on the line, not as a traceback
+        first_line = (str(exc).splitlines() or [""])[0]
+        emit({"benchmark": benchmark, "ok": False, "error": f"{type(exc).__name__}: {first_line}"})
         return 1
     except (KeyboardInterrupt, SystemExit) as exc:
         emit({"benchmark": benchmark, "ok": False, "error": f"interrupted ({type(exc).__name__})"})

@@ -24,6 +24,7 @@ and one W1 push against the PS, and an empty Ping to the worker and GetState to 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import threading
@@ -47,7 +48,6 @@ from benchmarks.common import (
     rounded,
     run_as_role,
     run_directory,
-    wait_for_workers,
 )
 from benchmarks.workloads import training_config
 from psctl.proto import psctl_pb2 as pb
@@ -73,46 +73,65 @@ def timed(fn: Callable[[], object], repeats: int) -> list[float]:
     return times
 
 
+#: The queued runs: (field of the result, steps in flight per worker, whether several steps go in one call).
+QUEUED_RUNS = (
+    ("queued_one_in_flight", 1, False),
+    ("queued_pipelined_two_in_flight", 2, False),
+    ("queued_per_execution_one_in_flight", 1, True),
+    ("queued_per_execution_pipelined", 2, True),
+)
+
+
+def duplicates(client: PsClient) -> int:
+    """Pushes every PS refused as already applied: a timed run must cause none (it would time no update)."""
+    return sum(client.state(ps).duplicate_updates for ps in range(len(client.addresses)))
+
+
 def queued_steps(
-    coordinator: ClusterCoordinator, warmup: int, steps: int, compute: float,
-    processes: dict[str, psutil.Process], per_call: int = 1,
+    new_coordinator: Callable[[int], ClusterCoordinator], in_flight: int, per_call: int, args: argparse.Namespace,
+    compute: float, processes: dict[str, psutil.Process],
 ) -> dict[str, Any]:
-    """``steps`` steps queued at once (after ``warmup``), timed as a whole: the steady per-step cost, and the
-    CPU each of ``processes`` spent per step meanwhile. ``per_call``: steps per closure
+    """``args.steps`` steps queued at once (after ``args.warmup``), timed as a whole: the steady per-step cost,
+    and the CPU each of ``processes`` spent per step meanwhile. ``per_call``: steps per closure
     (training.steps_per_execution)."""
+    coordinator = new_coordinator(in_flight)
+    try:
+        def schedule(count: int) -> None:
+            for start in range(0, count, per_call):
+                coordinator.schedule("train", steps=min(per_call, count - start))
 
-    def schedule(count: int) -> None:
-        for start in range(0, count, per_call):
-            coordinator.schedule("train", steps=min(per_call, count - start))
-
-    schedule(warmup)
-    coordinator.join(timeout=600)
-    cpu_before = {name: cpu_seconds(p) for name, p in processes.items()}
-    start = time.perf_counter()
-    schedule(steps)
-    coordinator.join(timeout=600)
-    per_step = (time.perf_counter() - start) / steps
-    cpu = {name: (cpu_seconds(p) - cpu_before[name]) / steps * 1e3 for name, p in processes.items()}
-    cores = os.cpu_count() or 1
+        schedule(args.warmup)
+        coordinator.join(timeout=600)
+        cpu_before = {name: cpu_seconds(p) for name, p in processes.items()}
+        start = time.perf_counter()
+        schedule(args.steps)
+        coordinator.join(timeout=600)
+        per_step = (time.perf_counter() - start) / args.steps
+    finally:
+        coordinator.shutdown()
+    cpu = {name: (cpu_seconds(p) - cpu_before[name]) / args.steps * 1e3 for name, p in processes.items()}
     return {
         "steps_per_s": rounded(1.0 / per_step, 1),
         "per_step_ms": rounded(per_step * 1e3),
         "per_step_minus_compute_ms": rounded((per_step - compute) * 1e3),
         "cpu_ms_per_step": {name: rounded(ms) for name, ms in cpu.items()},
         # the machine's floor for this rate: all the CPU a step takes, spread over every core
-        "cpu_floor_per_step_ms": rounded(sum(cpu.values()) / cores),
+        "cpu_floor_per_step_ms": rounded(sum(cpu.values()) / (os.cpu_count() or 1)),
     }
 
 
-def attribution(model: ShardedModel, client: PsClient, worker: str, ps: str, repeats: int) -> dict[str, Any]:
-    """Bare rpc latencies and one W1 pull / push, timed from this process."""
+def attribution(
+    model: ShardedModel, client: PsClient, worker: str, ps: str, repeats: int, first_step_id: int
+) -> dict[str, Any]:
+    """Bare rpc latencies and one W1 pull / push, timed from this process (pushes numbered from
+    ``first_step_id``, above every step id used before, so that each is applied)."""
     plan = model.pull_plan({})
     expected = model.pull_bytes(plan)
     pulled, _ = client.pull(plan, expected)
     params = model.assemble({}, pulled)
     grads: Grads = {name: np.zeros_like(np.asarray(value)) for name, value in params.items()}
     push_plan = model.push_plan(grads)
-    step_id = [1 << 40]  # far above the coordinator's step ids
+    step_id = [first_step_id]
 
     def push() -> None:
         step_id[0] += 1
@@ -161,48 +180,50 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 done_at[closure.step_id] = now
                 responses[closure.step_id] = response
 
-        coordinator: ClusterCoordinator | None = None
+        # Every run numbers its steps above all earlier ones: a PS refuses step ids far below the newest it saw.
+        step_id_bases = (k << 40 for k in itertools.count())
+
+        def new_coordinator(in_flight: int) -> ClusterCoordinator:
+            return ClusterCoordinator(cluster.jobs["worker"], on_result=on_result, steps_in_flight=in_flight,
+                                      step_id_base=next(step_id_bases))  # fmt: skip
+
         try:
             client.wait_ready(60.0)
             client.init(model.shard_specs(cfg.seed), cfg.optimizer_proto(), cluster.cluster_id)
-            wait_for_workers(cluster.jobs["worker"], 60.0)
-            coordinator = ClusterCoordinator(cluster.jobs["worker"], on_result=on_result)
-            rtt: list[float] = []
-            step: list[float] = []
-            compute: list[float] = []
-            for i in range(1, args.warmup + args.steps + 1):
-                start = time.perf_counter()
-                coordinator.schedule("train").fetch(timeout=60)
-                with lock:
-                    response, finished = responses[i], done_at[i]
-                if i > args.warmup:
-                    rtt.append(finished - start)
-                    step.append(response.step_seconds)
-                    compute.append(response.compute_seconds)
-            coordinator.shutdown()
-            coordinator = None
-            queued = {}
-            processes = {"chief (this process)": psutil.Process()}
-            for role in cluster.roles:
-                if role.process is not None:
-                    processes[f"{role.task_type}:{role.index}"] = role.process
-            for in_flight, per_call in ((1, 1), (2, 1), (1, args.steps_per_execution), (2, args.steps_per_execution)):
-                coordinator = ClusterCoordinator(cluster.jobs["worker"], on_result=on_result,
-                                                 step_id_base=(2 * in_flight + (per_call > 1)) << 40,
-                                                 steps_in_flight=in_flight)  # fmt: skip
-                queued[in_flight, per_call] = queued_steps(
-                    coordinator, args.warmup, args.steps, np.median(compute), processes, per_call
-                )
+            coordinator = new_coordinator(1)
+            try:
+                if coordinator.wait_for_workers(60.0) < 1:
+                    raise TimeoutError("the worker did not answer within 60s")
+                rtt: list[float] = []
+                step: list[float] = []
+                compute: list[float] = []
+                for i in range(1, args.warmup + args.steps + 1):
+                    start = time.perf_counter()
+                    coordinator.schedule("train").fetch(timeout=60)
+                    with lock:
+                        response, finished = responses[i], done_at[i]
+                    if i > args.warmup:
+                        rtt.append(finished - start)
+                        step.append(response.step_seconds)
+                        compute.append(response.compute_seconds)
+            finally:
                 coordinator.shutdown()
-                coordinator = None
+            processes = {"chief (this process)": psutil.Process()}
+            processes.update({role.task: role.process for role in cluster.roles if role.process is not None})
+            queued = {
+                name: queued_steps(new_coordinator, in_flight, args.steps_per_execution if many else 1, args,
+                                   np.median(compute), processes)
+                for name, in_flight, many in QUEUED_RUNS
+            }
+            parts = attribution(model, client, cluster.jobs["worker"][0], cluster.jobs["ps"][0], args.repeats,
+                                next(step_id_bases))  # fmt: skip
+            if duplicates(client):
+                raise RuntimeError(f"the PS refused {duplicates(client)} timed pushes as already applied")
             cluster.check_alive()
-            parts = attribution(model, client, cluster.jobs["worker"][0], cluster.jobs["ps"][0], args.repeats)
         except BaseException:
             log(cluster.logs())
             raise
         finally:
-            if coordinator is not None:
-                coordinator.shutdown()
             client.close()
             monitor.stop()
     rtt_a, step_a, compute_a = np.array(rtt), np.array(step), np.array(compute)
@@ -226,15 +247,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "step_ms": ms_stats(step),
         "rtt_ms": ms_stats(rtt),
         "sequential_steps_per_s": rounded(1.0 / median(rtt), 1),
-        "queued_one_in_flight": queued[1, 1],
-        "queued_pipelined_two_in_flight": queued[2, 1],
-        "pipelined_overhead_ms": queued[2, 1]["per_step_minus_compute_ms"],
-        "pipelined_meets_target": bool(queued[2, 1]["per_step_minus_compute_ms"] <= 1.0),
+        **queued,
+        "pipelined_overhead_ms": queued["queued_pipelined_two_in_flight"]["per_step_minus_compute_ms"],
+        "pipelined_meets_target": bool(queued["queued_pipelined_two_in_flight"]["per_step_minus_compute_ms"] <= 1.0),
         "steps_per_execution": args.steps_per_execution,
-        "queued_per_execution_one_in_flight": queued[1, args.steps_per_execution],
-        "queued_per_execution_pipelined": queued[2, args.steps_per_execution],
-        "per_execution_overhead_ms": min(queued[k, args.steps_per_execution]["per_step_minus_compute_ms"]
-                                         for k in (1, 2)),
+        "per_execution_overhead_ms": min(queued[name]["per_step_minus_compute_ms"]
+                                         for name in ("queued_per_execution_one_in_flight",
+                                                      "queued_per_execution_pipelined")),
         "from_this_process": parts,
         "peak_rss_mb": monitor.peak_rss_mb(),
         "machine": machine(),
@@ -253,8 +272,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", help="keep the roles' logs here (default: a temp dir)")
     args = parser.parse_args(argv)
-    if args.ps < 1 or args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.steps_per_execution < 1:
-        parser.error("--ps, --steps, --repeats and --steps-per-execution must be >= 1, --warmup >= 0")
+    if args.ps < 1 or args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.steps_per_execution < 2:
+        parser.error("--ps, --steps and --repeats must be >= 1, --steps-per-execution >= 2, --warmup >= 0")
     return args
 
 
