@@ -466,7 +466,8 @@ def follow(
     the next attempt's log when the role restarts; ends when the cluster has finished and all is read."""
     attempt = start_attempt
     if offset is None:
-        offset = len(log.read(attempt) or b"")
+        end = log.read_end(attempt, 0)  # its size: nothing of it is read
+        offset = end[1] if end is not None else 0
     pending = ""
     while True:
         data = log.read(attempt, offset)
@@ -478,7 +479,7 @@ def follow(
             continue
         record = load_state(cdir.state_file)
         log.record = record.role(log.role)  # the next attempt may run on another host
-        if log.read(attempt + 1, 0) is not None:
+        if log.read_end(attempt + 1, 0) is not None:  # the next attempt has begun (its log exists)
             if pending:
                 yield pending
                 pending = ""

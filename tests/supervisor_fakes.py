@@ -20,7 +20,7 @@ class FakeRunner(Runner):
     def __init__(self, host: str = "localhost") -> None:
         self.host = host
         self.next_pid = 1000
-        self._pid_lock = threading.Lock()  # the supervisor starts roles on SSH hosts from threads
+        self._pid_lock = threading.Lock()  # the supervisor starts and stops roles on SSH hosts from threads
         self.exit_codes: dict[int, int | None] = {}
         self.signals: list[tuple[int, int]] = []
 
@@ -46,7 +46,8 @@ class FakeRunner(Runner):
             self.exit_codes[handle.pid] = -sig
 
     def cluster_processes(self, cluster_id: str) -> list[ProcessHandle]:
-        return [ProcessHandle(self.host, pid) for pid, code in self.exit_codes.items() if code is None]
+        with self._pid_lock:  # starts add entries from other threads
+            return [ProcessHandle(self.host, pid) for pid, code in self.exit_codes.items() if code is None]
 
     def read_file(self, path: str, offset: int = 0) -> bytes:
         data = Path(path).read_bytes()

@@ -150,7 +150,9 @@ def test_export_writes_the_newest_checkpoints_variables(psctl_env) -> None:
     import numpy as np
 
     spec = psctl_env.write_spec("exp", steps=200, workers=1)
-    spec.write_text(spec.read_text().replace("  mode: async\n", "  mode: async\n  checkpoint: {every_steps: 50}\n"))
+    text = spec.read_text()
+    assert "  mode: async\n" in text  # the line the checkpoint settings go after
+    spec.write_text(text.replace("  mode: async\n", "  mode: async\n  checkpoint: {every_steps: 50}\n"))
     check(psctl_env.run("up", str(spec), timeout=180))
     psctl_env.state("exp")
     out = psctl_env.tmp_path / "model.npz"
@@ -172,8 +174,10 @@ def test_export_while_training_reads_the_spec_checkpoint_folder(psctl_env) -> No
     (training.checkpoint.dir here), not in the cluster's default folder."""
     folder = psctl_env.tmp_path / "my-checkpoints"
     spec = psctl_env.write_spec("ckd", steps=LONG, workers=1)
-    spec.write_text(spec.read_text().replace(
-        "  mode: async\n", f"  mode: async\n  checkpoint: {{dir: {folder}, every_steps: 50}}\n"))
+    text = spec.read_text()
+    assert "  mode: async\n" in text
+    checkpoint = f"  checkpoint: {{dir: {folder}, every_steps: 50}}\n"
+    spec.write_text(text.replace("  mode: async\n", "  mode: async\n" + checkpoint))
     check(psctl_env.run("up", "--detach", str(spec)))
     psctl_env.state("ckd")
     try:

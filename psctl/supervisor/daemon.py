@@ -667,9 +667,9 @@ class Supervisor:
             for r in self.record.roles
             if not r.state.terminal and self.live[r.name].handle is not None
         ]
-        # and the old processes of roles lost with their host, not swept yet (a host still cut off is logged:
-        # `psctl down` looks for the cluster's processes on every host again)
-        stale = [h for live in self.live.values() for h in live.stale]
+        # and the old processes of roles lost with their host, not swept yet, where the host answers (a host still
+        # cut off would hold the lock for its timeouts; `psctl down` looks for the cluster's processes again)
+        stale = [h for live in self.live.values() for h in live.stale if self.usable_now(h.host)]
         self.stop([*(h for h in handles if h is not None), *stale], grace=self.stop_grace())
         for role in self.record.roles:
             if not role.state.terminal:

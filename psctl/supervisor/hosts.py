@@ -41,13 +41,13 @@ class HostBench:
 
     def record_failure(self, host: str, now: float) -> bool:
         """A role failed on ``host`` (exited badly or was lost); True if that benched the host just now."""
-        if self.failures <= 0:
+        if self.failures <= 0 or self.is_benched(host, now):  # failures while benched do not count towards the next
             return False
         record = self._hosts[host]
         record.failures.append(now)
         while record.failures and now - record.failures[0] > self.window:
             record.failures.popleft()
-        if self.is_benched(host, now) or len(record.failures) < self.failures:
+        if len(record.failures) < self.failures:
             return False
         record.benched_until = now + self.cooloff
         record.failures.clear()
