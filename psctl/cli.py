@@ -229,7 +229,9 @@ def down(name: str | None, grace: float, purge: bool) -> None:
     report = operations.tear_down(cdir, grace=grace, purge=purge)
     what = f"stopped {report.stopped} process(es)" if report.stopped else "nothing was running"
     kept = "logs and state deleted" if purge else f"logs kept in {cdir.logs}"
-    console.print(f"cluster {cdir.name!r}: {what}; no process of it is left; {kept}", markup=False)
+    spares = (f"; not answering, but no role ever ran there: {', '.join(report.unanswered_spares)}"
+              if report.unanswered_spares else "")  # fmt: skip
+    console.print(f"cluster {cdir.name!r}: {what}; no process of it is left; {kept}{spares}", markup=False)
 
 
 @cli.command()

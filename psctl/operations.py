@@ -266,6 +266,8 @@ class TeardownReport:
     stopped: int
     survivors: list[ProcessHandle]
     was_running: bool
+    #: Spare pool hosts that did not answer, where no role of the cluster ever ran (nothing to stop there).
+    unanswered_spares: tuple[str, ...] = ()
 
 
 def tear_down(cdir: ClusterDir, *, grace: float = 5.0, purge: bool = False) -> TeardownReport:
@@ -341,6 +343,10 @@ def _tear_down(
             role.state = RoleState.STOPPED
             role.reason = "stopped by psctl down"
     save_state(cdir.state_file, record)
+    # A pool host that no attempt of any role ran on holds nothing of the cluster: its silence is no failure.
+    ran = {r.host for r in record.roles} | {where for r in record.roles for _, where in r.hosts_by_attempt}
+    spares = tuple(sorted(h for h in unreachable if h not in ran))
+    unreachable = {h: why for h, why in unreachable.items() if h in ran}
     if unreachable:
         lines = [f"cannot verify that nothing of cluster {cdir.name!r} is left on {len(unreachable)} host(s); "
                  f"run `psctl down {cdir.name}` again once they answer:"]
@@ -357,7 +363,7 @@ def _tear_down(
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
         if not any(cdir.root.iterdir()):
             cdir.root.rmdir()
-    return TeardownReport(stopped=len(live), survivors=survivors, was_running=was_running)
+    return TeardownReport(stopped=len(live), survivors=survivors, was_running=was_running, unanswered_spares=spares)
 
 
 # -- logs ---------------------------------------------------------------------------------------------

@@ -15,14 +15,17 @@ import pytest
 from rich.console import Console
 from supervisor_fakes import Clock, FakeRunner
 
+from psctl.errors import LaunchError, PsctlError
 from psctl.home import ClusterDir
+from psctl.launch.base import ProcessHandle
 from psctl.launch.hostset import Placement
+from psctl.operations import _tear_down
 from psctl.proto import psctl_pb2 as pb
 from psctl.render import status_view
 from psctl.spec import load_spec_text, make_plan
 from psctl.supervisor.daemon import HeartbeatServicer, Supervisor
 from psctl.supervisor.hosts import HostBench, Occupant, hosts_for, restart_host
-from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState
+from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, save_state
 
 SPEC = """\
 name: pools
@@ -239,3 +242,29 @@ def test_workers_and_ps_may_run_on_their_whole_pool_other_roles_on_their_host() 
     assert hosts_for("worker", "h2", ("h1", "h2", "h3")) == ("h2", "h1", "h3")
     assert hosts_for("ps", "h2", ("h1", "h2")) == ("h2", "h1")
     assert hosts_for("chief", "h2", ("h1", "h2")) == ("h2",)
+
+
+class SilentHost(FakeRunner):
+    """A host that does not answer at all."""
+
+    def cluster_processes(self, cluster_id: str) -> list[ProcessHandle]:
+        raise PsctlError(f"host {self.host}: timed out")
+
+
+def test_down_is_not_failed_by_a_silent_spare_host_no_role_ever_ran_on(tmp_path: Path) -> None:
+    cdir = ClusterDir(tmp_path / "home" / "pools")
+    cdir.create()
+    h1, h2 = FakeRunner("h1"), SilentHost("h2")
+    handle = h1.start(argv=["x"], env={}, cwd=".", log_path=tmp_path / "w.log")
+    worker = RoleRecord("worker-0", "worker", 0, "h1", "10.9.0.1", 7020, pid=handle.pid, state=RoleState.RUNNING,
+                        hosts_by_attempt=[[1, "h1"]])  # fmt: skip
+    record = ClusterRecord(name="pools", cluster_id="pools-test", spec_path="", tls=False, roles=[worker])
+    save_state(cdir.state_file, record)
+    report = _tear_down(cdir, record, {"h1": h1, "h2": h2}, grace=0.5, purge=False)
+    assert h1.exit_codes[handle.pid] is not None  # what ran was stopped
+    assert (report.stopped, report.unanswered_spares) == (1, ("h2",))
+    # a silent host where an attempt did run is still an error: something of the cluster may be left there
+    worker.hosts_by_attempt = [[1, "h2"], [2, "h1"]]
+    save_state(cdir.state_file, record)
+    with pytest.raises(LaunchError, match="cannot verify that nothing of cluster 'pools' is left on 1 host"):
+        _tear_down(cdir, record, {"h1": h1, "h2": h2}, grace=0.5, purge=False)
