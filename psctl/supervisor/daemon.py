@@ -432,7 +432,8 @@ class Supervisor:
         try:
             while not self.record.state.terminal:
                 if self.stop_requested.is_set():
-                    self.finish(ClusterState.STOPPED, "stopped by psctl down")
+                    with self.lock:  # a launch finishing meanwhile then sees the cluster stopped and stops its process
+                        self.finish(ClusterState.STOPPED, "stopped by psctl down")
                     break
                 with self.lock:
                     self.step()
