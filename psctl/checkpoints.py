@@ -16,7 +16,14 @@ from psctl.errors import ClusterNotFound, UsageError
 from psctl.home import ClusterDir
 from psctl.launch.hostset import RemoteHost
 from psctl.launch.ssh import SSHRunner
-from psctl.runtime.checkpoint import PREFIX, CheckpointError, Snapshot, latest_checkpoint, load_checkpoint
+from psctl.runtime.checkpoint import (
+    CheckpointError,
+    Snapshot,
+    checkpoint_step,
+    latest_checkpoint,
+    load_checkpoint,
+    step_of,
+)
 from psctl.spec.plan import LOCAL_HOST
 from psctl.supervisor.state import ClusterRecord
 
@@ -42,7 +49,7 @@ def checkpoint_folder(cdir: ClusterDir, record: ClusterRecord) -> tuple[str, str
     chief = next((r for r in record.roles if r.role == "chief"), None)
     if chief is not None and chief.host in record.hosts:
         return chief.host, str(RemoteHost.from_dict(record.hosts[chief.host]).dirs.checkpoints)
-    return LOCAL_HOST, str(cdir.root / "checkpoints")
+    return LOCAL_HOST, str(cdir.checkpoints)
 
 
 def find_snapshot(cdir: ClusterDir | None, record: ClusterRecord | None, location: str | None) -> tuple[str, Snapshot]:
@@ -83,15 +90,14 @@ def fetch_newest(runner: SSHRunner, folder: str, into: Path) -> tuple[str, Snaps
     """Copy the newest checkpoint under ``folder`` on the runner's host that verifies into ``into`` and load it
     (``folder`` may be one checkpoint)."""
     remote = PurePosixPath(folder)
-    if _is_checkpoint_name(remote.name):
+    if checkpoint_step(remote.name) is not None:
         candidates = [remote]
     else:
         try:
             names = runner.listdir(folder)
         except FileNotFoundError:
             raise ClusterNotFound(f"no checkpoint folder {folder} on {runner.host}") from None
-        steps = sorted((int(n[len(PREFIX):]), n) for n in names if _is_checkpoint_name(n))
-        candidates = [remote / n for _, n in reversed(steps)]
+        candidates = sorted((remote / n for n in names if checkpoint_step(n) is not None), key=step_of, reverse=True)
     for path in candidates:
         where = f"{runner.host}:{path}"
         try:
@@ -99,10 +105,6 @@ def fetch_newest(runner: SSHRunner, folder: str, into: Path) -> tuple[str, Snaps
         except (CheckpointError, FileNotFoundError) as exc:
             log.warning("skipping checkpoint %s: %s", where, exc)
     raise ClusterNotFound(f"no valid checkpoint in {folder} on {runner.host}")
-
-
-def _is_checkpoint_name(name: str) -> bool:
-    return name.startswith(PREFIX) and name[len(PREFIX):].isdigit()
 
 
 def _copy(runner: SSHRunner, remote: PurePosixPath, local: Path) -> Path:

@@ -23,7 +23,7 @@ import time
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import numpy as np
@@ -164,12 +164,21 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     directory = Path(directory).expanduser()
     if not directory.is_dir():
         return []
-    found = [p for p in directory.iterdir() if p.is_dir() and _NAME.fullmatch(p.name)]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+    found = [p for p in directory.iterdir() if p.is_dir() and checkpoint_step(p.name) is not None]
+    return sorted(found, key=step_of)
 
 
-def step_of(path: Path) -> int:
-    return int(path.name[len(PREFIX):])
+def checkpoint_step(name: str) -> int | None:
+    """The global step in a checkpoint folder's name (``ckpt-<step>``); None for any other name."""
+    match = _NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def step_of(path: PurePath) -> int:
+    step = checkpoint_step(path.name)
+    if step is None:
+        raise ValueError(f"{path} is not a checkpoint folder (ckpt-<step>)")
+    return step
 
 
 def verify_checkpoint(path: Path) -> None:
