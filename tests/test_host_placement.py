@@ -204,6 +204,8 @@ def test_a_ps_with_a_pool_moves_and_the_chief_and_workers_are_told(tmp_path: Pat
         reply = HeartbeatServicer(sup).Heartbeat(
             pb.HeartbeatRequest(task=task, incarnation=role.incarnation), None)  # type: ignore[arg-type]
         assert reply.addresses["ps:0"] == "10.9.0.1:7010"
+        # the chief follows workers too; a worker only the ps (it talks to no other worker)
+        assert any(t.startswith("worker:") for t in reply.addresses) == (task == "chief:0"), dict(reply.addresses)
     ps_reply = HeartbeatServicer(sup).Heartbeat(
         pb.HeartbeatRequest(task="ps:0", incarnation=ps.incarnation), None)  # type: ignore[arg-type]
     assert dict(ps_reply.addresses) == {}  # a ps talks to no other role

@@ -108,8 +108,8 @@ class HeartbeatServicer(pb_grpc.SupervisorServicer):
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         response = pb.HeartbeatResponse(fenced=self.supervisor.on_heartbeat(request))
-        if request.task.startswith(("chief:", "worker:")) and not response.fenced:  # they follow roles that move
-            response.addresses.update(self.supervisor.addresses())
+        if not response.fenced:  # the chief follows moved ps and workers, a worker moved ps, a ps nobody
+            response.addresses.update(self.supervisor.addresses(request.task.partition(":")[0]))
         return response
 
 
@@ -203,16 +203,18 @@ class Supervisor:
             role.metrics = dict(hb.metrics)
             return False
 
-    def addresses(self) -> dict[str, str]:
-        """Every ps's and worker's address (``"worker:2" -> "host:port"``): what the heartbeat replies of the
-        chief and the workers bring back, so that they follow a role that moved. Empty where none can move."""
-        return self._addresses
+    def addresses(self, job: str) -> dict[str, str]:
+        """The addresses a role of ``job`` follows in its heartbeat replies (``"worker:2" -> "host:port"``): every
+        ps's and worker's for the chief, every ps's for a worker (it talks to no other worker: a reply stays
+        O(ps), not O(workers)), none for others; none at all where no role can move."""
+        return self._addresses.get(job, {})
 
-    def _address_map(self) -> dict[str, str]:
+    def _address_map(self) -> dict[str, dict[str, str]]:
         """Rebuilt when a role moves (heartbeats read it without the lock: it is replaced, never changed)."""
         if not any(len(set(self.spec.roles[r.role].hosts)) > 1 and r.role in MOVABLE_ROLES for r in self.record.roles):
             return {}
-        return {f"{r.role}:{r.index}": r.endpoint for r in self.record.roles if r.role in MOVABLE_ROLES}
+        chief = {f"{r.role}:{r.index}": r.endpoint for r in self.record.roles if r.role in MOVABLE_ROLES}
+        return {"chief": chief, "worker": {task: at for task, at in chief.items() if task.startswith("ps:")}}
 
     # -- starting roles -------------------------------------------------------------------------------
     def role_env(self, role: RoleRecord) -> dict[str, str]:
