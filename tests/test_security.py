@@ -148,7 +148,7 @@ class HeartbeatRecorder:
         self.heartbeats.append(hb)
         return False
 
-    def addresses(self) -> dict[str, str]:
+    def addresses(self, job: str) -> dict[str, str]:
         return {}
 
 
