@@ -9,6 +9,8 @@ raw stubs the plain protobuf rpcs, and malformed frames go in as raw bytes.
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -645,6 +647,32 @@ def test_bad_request_is_refused_and_changes_nothing(ps: Ps, case: str) -> None:
     assert response.applied
     assert response.global_step == before.state.global_step + 1
     assert pull_dense(ps)["w"].tobytes() != before.values["w"]
+
+
+def test_a_streamed_push_is_refused_at_its_first_non_finite_piece_before_the_rest_is_sent(ps: Ps) -> None:
+    """Each piece of a streamed gradient is checked as it arrives: the PS refuses at the bad piece instead of
+    waiting for the end of the stream (the check overlaps the transfer). The client's stream blocks after its
+    first frames, so a PS that waited for the whole stream would leave the call to its deadline."""
+    init(ps)
+    before = snapshot(ps)
+    frames = _push_frames([NAN_W])  # the NaN sits in the first frame's piece
+    rest_may_go = threading.Event()
+
+    def request_frames() -> Iterator[bytes]:
+        yield frames[0]
+        rest_may_go.wait(timeout=30)
+        yield from frames[1:]
+
+    path = f"/{wire.PS_SERVICE}/PushFramedStream"
+    try:
+        call = lambda: ps.client._channels[0].stream_unary(path)(request_frames(), timeout=20)  # noqa: E731
+        started = time.monotonic()
+        assert rpc_code(call) == grpc.StatusCode.INVALID_ARGUMENT
+        assert time.monotonic() - started < 15  # refused while the rest was held back, not at the deadline
+    finally:
+        rest_may_go.set()
+    after = snapshot(ps)
+    assert (after.state, after.values, after.slots) == (before.state, before.values, before.slots)
 
 
 def test_push_from_a_fenced_incarnation_is_refused_and_changes_nothing_else(ps: Ps) -> None:

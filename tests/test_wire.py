@@ -569,6 +569,33 @@ def test_a_dense_array_in_aligned_pieces_stays_in_them_without_a_copy() -> None:
         _assert_same(got.array, want.array)
 
 
+def test_check_run_sees_each_kept_piece_as_it_arrives_and_can_refuse_the_rest() -> None:
+    kernel = np.arange(40, dtype=np.float32)
+    seen: list[tuple[str, list[float]]] = []
+
+    def check(name: str, run: np.ndarray) -> None:
+        seen.append((name, run.tolist()))
+        if run[0] >= 24:
+            raise WireError(f"{name}: refused")
+
+    assembler = Assembler(keep_dense_pieces=True, check_run=check)
+    frames = list(wire.frames([Entry("kernel", DENSE, kernel)], pb.PushRequest(), 48))  # 12 elements a frame
+    for frame in frames[:2]:
+        assembler.add_pieces(wire.decode_frame(frame, pb.PushRequest)[1])
+    assert seen == [("kernel", kernel[:12].tolist()), ("kernel", kernel[12:24].tolist())]  # one call a piece
+    with pytest.raises(WireError, match="kernel: refused"):
+        assembler.add_pieces(wire.decode_frame(frames[2], pb.PushRequest)[1])
+
+
+def test_split_arrays_say_whether_their_runs_were_checked() -> None:
+    entries = [Entry("kernel", DENSE, np.arange(40, dtype=np.float32))]
+    assert not _assembled_from_frames(entries, chunk_bytes=48).split_entries()[1]["kernel"].runs_checked
+    checked = Assembler(keep_dense_pieces=True, check_run=lambda name, run: None)
+    for frame in wire.frames(entries, pb.PushRequest(), 48):
+        checked.add_pieces(wire.decode_frame(frame, pb.PushRequest)[1])
+    assert checked.split_entries()[1]["kernel"].runs_checked
+
+
 def test_pieces_cut_inside_an_element_are_joined_instead() -> None:
     kernel = np.arange(10, dtype=np.float32)  # frames of 7 bytes cut inside elements
     whole, split = _assembled_from_frames([Entry("kernel", DENSE, kernel)], chunk_bytes=7).split_entries()

@@ -405,8 +405,18 @@ def _check_values(
         raise WireError(f"{what} for {name!r} is {array.dtype}, the variable is {shard.value.dtype}")
     if array.shape != shape:
         raise WireError(f"{what} for {name!r} has shape {array.shape}, expected {shape}")
-    if not _all_finite(array):
-        raise WireError(f"{what} for {name!r} contains NaN or infinity; refused (the variable is unchanged)")
+    if not (isinstance(array, SplitArray) and array.runs_checked) and not _all_finite(array):
+        raise WireError(_non_finite(what, name))
+
+
+def _non_finite(what: str, name: str) -> str:
+    return f"{what} for {name!r} contains NaN or infinity; refused (the variable is unchanged)"
+
+
+def _refuse_non_finite_run(name: str, run: np.ndarray) -> None:
+    """A streamed gradient's piece, checked as it arrives (the Assembler's check_run)."""
+    if not _all_finite(run):
+        raise WireError(_non_finite("gradient", name))
 
 
 def _runs(array: Gradient) -> list[tuple[int, np.ndarray]]:
@@ -596,10 +606,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         split_dense: bool = False,
     ) -> tuple[Any, list[Entry], dict[str, SplitArray]]:
         """A streamed request: the header from the first chunk (its scalars only, not its data), and every
-        chunk's pieces reassembled and validated (``split_dense``: dense arrays left in the pieces they came
-        in where those are element-aligned); a malformed stream is refused with INVALID_ARGUMENT."""
+        chunk's pieces reassembled and validated (``split_dense``, for pushes: dense gradients left in the pieces
+        they came in where those are element-aligned, each piece checked finite as it arrives, so that the
+        check overlaps the transfer); a malformed stream is refused with INVALID_ARGUMENT."""
         header = None
-        assembler = wire.Assembler(keep_dense_pieces=split_dense)
+        assembler = wire.Assembler(
+            keep_dense_pieces=split_dense, check_run=_refuse_non_finite_run if split_dense else None
+        )
         try:
             for part, pieces in parts:
                 if header is None:

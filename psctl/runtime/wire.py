@@ -350,6 +350,9 @@ class SplitArray:
     dtype: np.dtype
     shape: tuple[int, ...]
     parts: tuple[np.ndarray, ...]
+    #: Every run passed the Assembler's ``check_run`` as it arrived (the PS's finite check), so a receiver
+    #: need not read the whole array again once the last piece is in.
+    runs_checked: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -368,6 +371,14 @@ class SplitArray:
         out = out.reshape(self.shape)
         out.flags.writeable = False
         return out
+
+
+def _elements(data: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
+    """``data`` (uint8) as 1-d elements of ``dtype`` without a copy, if it holds whole, aligned ones."""
+    size = dtype.itemsize
+    if len(data) % size or data.ctypes.data % size:
+        return None
+    return data.view(dtype)
 
 
 @dataclass(slots=True)
@@ -399,12 +410,12 @@ class _Partial:
             self.data[self.received : self.received + len(data)] = data
         self.received += len(data)
 
-    def split(self) -> SplitArray | None:
+    def split(self, *, runs_checked: bool) -> SplitArray | None:
         """The kept pieces as a SplitArray, if every one of them holds whole, aligned elements."""
-        size = self.dtype.itemsize
-        if self.pieces is None or any(len(p) % size or p.ctypes.data % size for p in self.pieces):
+        if self.pieces is None or any(_elements(p, self.dtype) is None for p in self.pieces):
             return None
-        return SplitArray(self.dtype, self.shape, tuple(p.view(self.dtype) for p in self.pieces if len(p)))
+        runs = tuple(p.view(self.dtype) for p in self.pieces if len(p))
+        return SplitArray(self.dtype, self.shape, runs, runs_checked)
 
     def array(self) -> np.ndarray:
         if self.pieces is not None:
@@ -418,10 +429,19 @@ class _Partial:
 class Assembler:
     """Reassembles entries from whole tensors or in-order pieces, validating as it goes."""
 
-    def __init__(self, *, max_total_bytes: int = MAX_ARRAY_BYTES, keep_dense_pieces: bool = False) -> None:
-        """``keep_dense_pieces``: leave DENSE arrays that arrive in several pieces in them, for split_entries."""
+    def __init__(
+        self,
+        *,
+        max_total_bytes: int = MAX_ARRAY_BYTES,
+        keep_dense_pieces: bool = False,
+        check_run: Callable[[str, np.ndarray], None] | None = None,
+    ) -> None:
+        """``keep_dense_pieces``: leave DENSE arrays that arrive in several pieces in them, for split_entries;
+        ``check_run(name, elements)`` is called on each such piece as it arrives (it raises WireError to refuse
+        the request), so that a check of the whole array overlaps its transfer instead of following it."""
         self._max_total = max_total_bytes
         self._keep_dense = keep_dense_pieces
+        self._check_run = check_run
         self._total = 0
         self._parts: dict[tuple[str, int], _Partial] = {}  # in arrival order
 
@@ -458,7 +478,12 @@ class Assembler:
             if offset != part.received:
                 raise WireError(f"entry {name!r}: piece at offset {offset}, expected {part.received}")
         data = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
-        part.append(name, data, keep=self._keep_dense and kind == DENSE)
+        keep = self._keep_dense and kind == DENSE
+        part.append(name, data, keep=keep)
+        if keep and part.pieces is not None and self._check_run is not None:
+            elements = _elements(data, dtype)
+            if elements is not None:  # (an unaligned piece makes split() join the array: checked whole later)
+                self._check_run(name, elements)
 
     def entries(self) -> list[Entry]:
         """Every entry, whole (pieces kept by ``keep_dense_pieces`` are joined)."""
@@ -469,7 +494,7 @@ class Assembler:
         out: list[Entry] = []
         split_arrays: dict[str, SplitArray] = {}
         for (name, kind), part in self._complete():
-            pieces = part.split()
+            pieces = part.split(runs_checked=self._check_run is not None)
             if pieces is not None:
                 split_arrays[name] = pieces
             else:
