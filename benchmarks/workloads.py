@@ -49,10 +49,14 @@ def training_config(
     batch_size: int = 0,
     vocab: int = 1_000_000,
     zipf: float = 0.0,
-    shards: int = 2,
+    shards: int = 0,
 ) -> dict[str, Any]:
-    """The chief's training section for a workload (see psctl/runtime/config.py for the keys)."""
+    """The chief's training section for a workload (see psctl/runtime/config.py for the keys). ``shards``: cut
+    every variable in that many row ranges (fixed partitioner, placed round-robin over the ps); w2's table is
+    always cut, in 2 by default."""
     common: dict[str, Any] = {"steps": steps, "mode": "async", "seed": seed, "log_every_seconds": 1.0}
+    if shards or workload == "w2":
+        common["partitioner"] = {"kind": "fixed", "num_shards": shards or 2}
     if workload == "w1":
         return {
             **common,
@@ -70,8 +74,6 @@ def training_config(
             "data": {"name": "synthetic_embedding", "vocab_size": vocab, "ids_per_example": 10, "zipf": zipf},
             "batch_size": batch_size or 512,
             "optimizer": {"name": "adagrad", "learning_rate": 0.05},
-            # Fixed shards: the table is cut in `shards` row ranges, placed round-robin over the ps.
-            "partitioner": {"kind": "fixed", "num_shards": shards},
         }
     if workload == "w3":
         return {
@@ -138,7 +140,7 @@ def wait_for_chief(cluster: BenchCluster, timeout: float) -> int:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     training = training_config(
         args.workload, steps=args.steps, seed=args.seed, batch_size=args.batch_size, vocab=args.vocab,
-        zipf=args.zipf, shards=args.shards or max(2, args.ps),
+        zipf=args.zipf, shards=args.shards or (max(2, args.ps) if args.workload == "w2" else 0),
     )
     training["pipelined"] = args.pipelined
     training["steps_per_execution"] = args.steps_per_execution
@@ -155,8 +157,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "optimizer": training["optimizer"]["name"],
     }
     if args.workload == "w2":
-        params.update(vocab=args.vocab, dim=64, ids_per_example=10, zipf=args.zipf,
-                      shards=training["partitioner"]["num_shards"])
+        params.update(vocab=args.vocab, dim=64, ids_per_example=10, zipf=args.zipf)
+    if "partitioner" in training:
+        params["shards"] = training["partitioner"]["num_shards"]
     with run_directory(args.run_dir) as run_dir, bench_cluster(
         run_dir, training, num_ps=args.ps, num_workers=args.workers, threads=args.threads
     ) as cluster:
@@ -207,7 +210,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--zipf", type=float, default=0.0,
                         help="w2: Zipf exponent of the ids (> 1), 0 for uniform ids (default)")
     parser.add_argument("--vocab", type=int, default=1_000_000, help="w2: embedding rows (default 1000000)")
-    parser.add_argument("--shards", type=int, default=0, help="w2: table shards (default: max(2, ps))")
+    parser.add_argument("--shards", type=int, default=0,
+                        help="cut every variable in N row shards, placed round-robin over the ps (default: w2 "
+                             "max(2, ps), w1 and w3 none: each variable whole on one ps)")
     parser.add_argument("--warmup-fraction", type=float, default=0.1,
                         help="steps/s is measured from this fraction of the steps to the last (default 0.1)")
     parser.add_argument("--pipelined", action="store_true", help="training.pipelined: two steps in flight per worker")
