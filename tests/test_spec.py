@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from psctl.errors import EXIT_USAGE, SpecError
+from psctl.launch.hosts import ConfigError, resolve
 from psctl.spec import (
     ClusterSpec,
     HostSpec,
@@ -22,6 +23,7 @@ from psctl.spec import (
     make_plan,
     parse_duration,
 )
+from psctl.spec.model import parse_jump
 
 VALID = textwrap.dedent(
     """\
@@ -931,3 +933,21 @@ def test_a_proxy_jump_port_out_of_range_is_refused(tmp_path: Path) -> None:
               worker: {host: a, port: 7100}
             training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
             """))
+
+
+@pytest.mark.parametrize(("hop", "parsed"), [
+    ("gw", (None, "gw", 22)),
+    ("ops@10.0.0.1:2222", ("ops", "10.0.0.1", 2222)),
+    ("u@[fd00::1]:2022", ("u", "fd00::1", 2022)),
+    ("[fd00::1]", (None, "fd00::1", 22)),
+])  # fmt: skip
+def test_one_jump_hop_grammar_for_specs_and_ssh_configs(hop: str, parsed: tuple[str | None, str, int]) -> None:
+    assert parse_jump(hop) == parsed
+
+
+@pytest.mark.parametrize("hop", ["", "bad hop", "fd00::1", "gw:0", "gw:65536", "@gw", "u@", "a@b@c", "gw:22x"])
+def test_what_is_not_a_jump_hop_is_refused_by_both_readers(hop: str) -> None:
+    with pytest.raises(ValueError, match=r"is not \[user@\]host\[:port\]"):
+        parse_jump(hop)
+    with pytest.raises(ConfigError, match=r"proxy jump of host h: .* is not"):  # as resolve() reads a hop
+        resolve(HostSpec(name="h", address="10.0.0.9", proxy_jump=f"10.0.0.8,{hop}"), ssh_config=None)

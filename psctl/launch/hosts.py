@@ -28,7 +28,7 @@ from pathlib import Path
 
 import paramiko
 
-from psctl.spec.model import HostSpec
+from psctl.spec.model import HostSpec, parse_jump
 
 DEFAULT_SSH_CONFIG = Path("~/.ssh/config")
 DEFAULT_KNOWN_HOSTS = Path("~/.ssh/known_hosts")
@@ -72,21 +72,6 @@ class ConfigError(ValueError):
     """An ssh_config or proxy_jump setting psctl cannot follow."""
 
 
-def parse_jump(hop: str) -> tuple[str | None, str, int]:
-    """``[user@]host[:port]`` (also ``[v6addr]:port``) as (user, host, port)."""
-    user, _, rest = hop.rpartition("@")
-    if rest.startswith("["):
-        host, _, port_text = rest[1:].partition("]")
-        port_text = port_text.removeprefix(":")
-    elif rest.count(":") == 1:
-        host, _, port_text = rest.partition(":")
-    else:
-        host, port_text = rest, ""
-    if not host or (port_text and not (port_text.isdigit() and 1 <= int(port_text) <= 65535)):
-        raise ConfigError(f"proxy jump {hop!r} is not [user@]host[:port] (port 1-65535)")
-    return user or None, host, int(port_text) if port_text else 22
-
-
 def resolve(host: HostSpec, *, ssh_config: Path | None = DEFAULT_SSH_CONFIG,
             known_hosts: Path | None = None, _depth: int = 0) -> Target:
     """The connection target for ``host``; reads ``ssh_config`` (None: none) if the file exists.
@@ -124,7 +109,10 @@ def resolve(host: HostSpec, *, ssh_config: Path | None = DEFAULT_SSH_CONFIG,
             hop = replace(named, proxy_jump=",".join(before) if before else named.proxy_jump,
                           jump_hosts=(*named.jump_hosts, *host.jump_hosts))  # fmt: skip
         else:
-            jump_user, jump_host, jump_port = parse_jump(last)
+            try:
+                jump_user, jump_host, jump_port = parse_jump(last)
+            except ValueError as exc:
+                raise ConfigError(f"proxy jump of host {host.name}: {exc}") from None
             hop = HostSpec(name=f"{host.name} jump", address=jump_host, user=jump_user, port=jump_port,
                            identity_file=None, host_key_policy=host.host_key_policy,
                            proxy_jump=",".join(before) if before else None, jump_hosts=host.jump_hosts)

@@ -6,6 +6,7 @@ instances, ports picked at launch — is a :class:`~psctl.spec.plan.Plan`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +18,21 @@ ROLE_NAMES: tuple[str, ...] = ("chief", "ps", "worker", "evaluator")
 
 HostKeyPolicy = Literal["reject", "accept-new"]
 RestartMode = Literal["never", "on-failure", "always"]
+
+
+_JUMP_HOP = re.compile(
+    r"(?:(?P<user>[A-Za-z0-9_.-]+)@)?(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.-]+))(?::(?P<port>[0-9]{1,5}))?"
+)
+
+
+def parse_jump(hop: str) -> tuple[str | None, str, int]:
+    """One ProxyJump hop, ``[user@]host[:port]`` (``[v6addr]:port`` for IPv6), as (user, host, port): the one
+    grammar for hops written in a spec and hops read from an ssh config. ValueError if it is not one."""
+    match = _JUMP_HOP.fullmatch(hop)
+    port = int(match["port"] or 22) if match else 0
+    if match is None or not 1 <= port <= 65535:
+        raise ValueError(f"{hop!r} is not [user@]host[:port] (port 1-65535)")
+    return match["user"], match["v6"] or match["host"], port
 
 
 @dataclass(frozen=True)

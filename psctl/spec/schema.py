@@ -24,6 +24,7 @@ from psctl.spec.model import (
     RoleSpec,
     SecuritySpec,
     SupervisionSpec,
+    parse_jump,
 )
 from psctl.spec.plan import LOCAL_HOST, conflict_error, layout, port_conflict
 from psctl.spec.training import check_confined, normalise_training
@@ -46,7 +47,6 @@ _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _ADDRESS = re.compile(r"[A-Za-z0-9:][A-Za-z0-9_.:%-]{0,252}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: One ProxyJump hop, as OpenSSH writes it: [user@]host[:port], an IPv6 address in brackets.
-_JUMP_HOP = re.compile(r"(?:[A-Za-z0-9_.-]+@)?(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(?::(?P<port>[0-9]{1,5}))?")
 _PORT_FIX = "use a port number such as 7000"
 
 
@@ -224,8 +224,9 @@ def _with_jumps(c: Checker, hosts: list[HostSpec]) -> list[HostSpec]:
                            "remove proxy_jump from one of these hosts")  # fmt: skip
                 named.append(with_jumps(by_name[hop], (*path, host.name)))
                 continue
-            match = _JUMP_HOP.fullmatch(hop)
-            if match is None or not 1 <= int(match["port"] or 22) <= 65535:
+            try:
+                parse_jump(hop)
+            except ValueError:
                 c.fail(where, f"{hop!r} is not a host of the spec nor [user@]host[:port]",
                        "write e.g. proxy_jump: bastion, or user@10.0.0.1:22 (hops separated by commas)")
         hops = hops_of(host)
