@@ -7,7 +7,6 @@ temporary folder and verified like a local one; the newest that verifies wins, a
 from __future__ import annotations
 
 import json
-import logging
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
@@ -20,14 +19,13 @@ from psctl.runtime.checkpoint import (
     CheckpointError,
     Snapshot,
     checkpoint_step,
+    first_that_loads,
     latest_checkpoint,
     load_checkpoint,
     step_of,
 )
 from psctl.spec.plan import LOCAL_HOST
 from psctl.supervisor.state import ClusterRecord
-
-log = logging.getLogger("psctl.checkpoints")
 
 
 def split_location(text: str, hosts: Mapping[str, object]) -> tuple[str, str]:
@@ -98,13 +96,11 @@ def fetch_newest(runner: SSHRunner, folder: str, into: Path) -> tuple[str, Snaps
         except FileNotFoundError:
             raise ClusterNotFound(f"no checkpoint folder {folder} on {runner.host}") from None
         candidates = sorted((remote / n for n in names if checkpoint_step(n) is not None), key=step_of, reverse=True)
-    for path in candidates:
-        where = f"{runner.host}:{path}"
-        try:
-            return where, load_checkpoint(_copy(runner, path, into / path.name))
-        except (CheckpointError, FileNotFoundError) as exc:
-            log.warning("skipping checkpoint %s: %s", where, exc)
-    raise ClusterNotFound(f"no valid checkpoint in {folder} on {runner.host}")
+    found = first_that_loads(candidates, lambda path: load_checkpoint(_copy(runner, path, into / path.name)),
+                             skip=(CheckpointError, FileNotFoundError), where=lambda path: f"{runner.host}:{path}")
+    if found is None:
+        raise ClusterNotFound(f"no valid checkpoint in {folder} on {runner.host}")
+    return f"{runner.host}:{found[0]}", found[1]
 
 
 def _copy(runner: SSHRunner, remote: PurePosixPath, local: Path) -> Path:

@@ -21,10 +21,10 @@ import shutil
 import threading
 import time
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from psctl.runtime.ps_client import PsClient
 from psctl.runtime.wire import DENSE, SLOT, Entry
 
 log = logging.getLogger("psctl.checkpoint")
+P = TypeVar("P", bound=PurePath)
 
 PREFIX = "ckpt-"
 _NAME = re.compile(r"ckpt-(\d+)")
@@ -218,11 +219,23 @@ def load_checkpoint(path: str | Path, *, verify: bool = True) -> Snapshot:
 
 def latest_checkpoint(directory: str | Path) -> tuple[Path, Snapshot] | None:
     """The newest checkpoint that verifies; a corrupt newer one is skipped with a warning."""
-    for path in reversed(list_checkpoints(directory)):
+    return first_that_loads(reversed(list_checkpoints(directory)), load_checkpoint)
+
+
+def first_that_loads(
+    newest_first: Iterable[P],
+    load: Callable[[P], Snapshot],
+    *,
+    skip: tuple[type[Exception], ...] = (CheckpointError,),
+    where: Callable[[P], str] = str,
+) -> tuple[P, Snapshot] | None:
+    """The first of ``newest_first`` that ``load`` loads; one that fails with ``skip`` is skipped with a warning
+    (a checkpoint cut short by a crash, or corrupted, must not stop a restore from the one before it)."""
+    for path in newest_first:
         try:
-            return path, load_checkpoint(path)
-        except CheckpointError as exc:
-            log.warning("skipping checkpoint: %s", exc)
+            return path, load(path)
+        except skip as exc:
+            log.warning("skipping checkpoint %s: %s", where(path), exc)
     return None
 
 
