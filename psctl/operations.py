@@ -101,9 +101,17 @@ def ssh_runners(spec: ClusterSpec, plan: Plan) -> dict[str, SSHRunner]:
 def check_hosts(spec: ClusterSpec, plan: Plan, runners: Mapping[str, SSHRunner]) -> dict[str, HostReport]:
     """The preflight on every host at once; PreflightError lists every problem found, one line each."""
     def check(runner: SSHRunner) -> HostReport:
-        on_host = [i for i in plan.instances if i.host == runner.host]
-        ports = {i.port: i.name for i in on_host}
-        keys = {i.port: _port_key(spec, i.role, i.index) for i in on_host}
+        # The ports of the roles planned here, then those of roles that may move here (a spare host of a pool):
+        # a port taken there would fail the move when a restart needs it.
+        ports: dict[int, str] = {}
+        keys: dict[int, str] = {}
+        movers = [i for i in plan.instances if i.host != runner.host
+                  and runner.host in hosts_for(i.role, i.host, spec.roles[i.role].hosts)]  # fmt: skip
+        for instance in [i for i in plan.instances if i.host == runner.host] + movers:
+            if instance.port not in ports:
+                moves = instance.host != runner.host
+                ports[instance.port] = f"{instance.name}, should it move here" if moves else instance.name
+                keys[instance.port] = _port_key(spec, instance.role, instance.index)
         return preflight(runner, ports, keys)
 
     results = run_on_all(list(runners.values()), check)

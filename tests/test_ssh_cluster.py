@@ -325,6 +325,30 @@ def test_port_taken_on_one_host_and_a_bad_python_on_another_are_both_reported(re
         remote.bed.exec("h2", f"kill {holder}")
 
 
+def test_a_port_taken_on_a_spare_host_of_a_pool_is_reported(remote: Remote) -> None:
+    """ps-0 runs on h2 and may move to h3: its port must be free on h3 too, or a move there would fail."""
+    hold = ("import socket, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+            "s.bind(('0.0.0.0', 7110)); s.listen(); time.sleep(120)")
+    holder = remote.bed.exec("h3", f"nohup {sys.executable} -c \"{hold}\" > /dev/null 2>&1 & echo $!").stdout.strip()
+    roles = textwrap.dedent("""\
+        chief: {host: h1, port: 7100}
+        ps: {replicas: 1, hosts: [h2, h3], port: 7110}
+        worker: {replicas: 1, host: h1, port: 7120}
+        """)
+    try:
+        wait_until(lambda: "7110" in remote.bed.exec("h3", "ss -ltnH").stdout, timeout=10, what="the port holder")
+        spec, _ = write_spec(remote.bed, remote.folder, remote.name, steps=100, roles=roles)
+        done = remote.psctl("up", str(spec), check=1, timeout=120)
+        assert [line.strip() for line in done.stderr.strip().splitlines()] == [
+            "error: preflight failed on 1 of 3 hosts:",
+            "host h3: port 7110 (ps-0, should it move here) is already in use (Address already in use); pick "
+            "another port or stop what holds it (roles.ps.port)",
+        ]
+        nothing_started(remote)
+    finally:
+        remote.bed.exec("h3", f"kill {holder}")
+
+
 def test_check_reports_every_host(remote: Remote) -> None:
     done = remote.psctl("check", str(remote.spec))
     out = " ".join(done.stdout.split())
