@@ -37,7 +37,6 @@ from psctl.launch.ssh import SSHRunner
 from psctl.pki import create_cluster_pki
 from psctl.spec import ClusterSpec, Plan, load_spec, make_plan
 from psctl.spec.plan import LOCAL_HOST, RoleInstance
-from psctl.supervisor.hosts import hosts_for
 from psctl.supervisor.state import (
     ClusterRecord,
     ClusterState,
@@ -94,7 +93,7 @@ def resolve_cluster(name: str | None) -> ClusterDir:
 def ssh_runners(spec: ClusterSpec, plan: Plan) -> dict[str, SSHRunner]:
     """A runner for every host the plan puts a role on or a worker may move to (hosts defined but unused are
     left alone)."""
-    used = {h for i in plan.instances for h in hosts_for(i.role, i.host, spec.roles[i.role].hosts)} - {LOCAL_HOST}
+    used = {h for i in plan.instances for h in plan.hosts_of(i)} - {LOCAL_HOST}
     return {h.name: SSHRunner(h) for h in spec.hosts if h.name in used}
 
 
@@ -105,8 +104,7 @@ def check_hosts(spec: ClusterSpec, plan: Plan, runners: Mapping[str, SSHRunner])
         # a port taken there would fail the move when a restart needs it.
         ports: dict[int, str] = {}
         keys: dict[int, str] = {}
-        movers = [i for i in plan.instances if i.host != runner.host
-                  and runner.host in hosts_for(i.role, i.host, spec.roles[i.role].hosts)]  # fmt: skip
+        movers = [i for i in plan.may_run_on(runner.host) if i.host != runner.host]
         for instance in [i for i in plan.instances if i.host == runner.host] + movers:
             if instance.port not in ports:
                 moves = instance.host != runner.host
@@ -158,8 +156,7 @@ def prepare_hosts(
         tls: dict[str, Path] = {}
         if spec.security.tls:
             tls["ca.pem"] = cdir.tls_dir / "ca.pem"
-            for inst in (i for i in plan.instances if runner.host in hosts_for(i.role, i.host,
-                                                                            spec.roles[i.role].hosts)):
+            for inst in plan.may_run_on(runner.host):
                 tls[f"{inst.name}.pem"] = cdir.tls_dir / f"{inst.name}.pem"
                 tls[f"{inst.name}.key"] = cdir.tls_dir / f"{inst.name}.key"
         pythonpath = prepare_host(
@@ -234,7 +231,7 @@ def _start(
         addresses = {h.name: h.address for h in spec.hosts}
 
         def where(i: RoleInstance) -> list[str]:  # the addresses of every host the instance may run on
-            return [addresses.get(h, i.address) for h in hosts_for(i.role, i.host, spec.roles[i.role].hosts)]
+            return [addresses.get(h, i.address) for h in plan.hosts_of(i)]
 
         members = [(i.name, where(i)) for i in plan.instances] + [("supervisor", ["127.0.0.1"])]
         create_cluster_pki(cdir.tls_dir, record.cluster_id, members)

@@ -24,7 +24,7 @@ from psctl.proto import psctl_pb2 as pb
 from psctl.render import status_view
 from psctl.spec import load_spec_text, make_plan
 from psctl.supervisor.daemon import HeartbeatServicer, Supervisor
-from psctl.supervisor.hosts import HostBench, Occupant, hosts_for, restart_host
+from psctl.supervisor.hosts import HostBench, Occupant, restart_host
 from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, save_state
 
 SPEC = """\
@@ -44,13 +44,19 @@ supervision: {heartbeat_interval: 1s, heartbeat_timeout: 5s, startup_grace: 20s,
 """
 
 
+#: The chief gets a pool: its checkpoints are on storage every host shares.
+SHARED_CHECKPOINTS = SPEC.replace("chief: {host: h1, port: 7000}", "chief: {hosts: [h1, h2], port: 7000}").replace(
+    "steps: 10}", "steps: 10, checkpoint: {dir: shared-checkpoints}}")
+
+
 @pytest.fixture
 def sup(tmp_path: Path) -> Supervisor:
     return supervisor_of(SPEC, tmp_path)
 
 
-def supervisor_of(text: str, tmp_path: Path) -> Supervisor:
-    """A supervisor of the spec ``text`` over fake hosts h1..h3, every role started."""
+def supervisor_of(text: str, tmp_path: Path, *, own_folders: bool = False) -> Supervisor:
+    """A supervisor of the spec ``text`` over fake hosts h1..h3, every role started (``own_folders``: each host
+    has a cluster folder of its own, as SSH hosts do; else they share the local one)."""
     spec = load_spec_text(text, filename=str(tmp_path / "pools.yaml"))
     plan = make_plan(spec, check_ports=False)
     record = ClusterRecord(
@@ -59,8 +65,11 @@ def supervisor_of(text: str, tmp_path: Path) -> Supervisor:
     )
     cdir = ClusterDir(tmp_path / "home" / "pools")
     cdir.create()
+    folders = {h.name: ClusterDir(tmp_path / "hosts" / h.name / "pools") if own_folders else cdir for h in spec.hosts}
+    for folder in folders.values():
+        folder.create()
     places = {
-        h.name: Placement(h.name, FakeRunner(h.name), "python3", cdir, str(tmp_path), {}, 2, remote=True,
+        h.name: Placement(h.name, FakeRunner(h.name), "python3", folders[h.name], str(tmp_path), {}, 2, remote=True,
                           address=h.address)
         for h in spec.hosts
     }
@@ -211,23 +220,53 @@ def test_a_ps_with_a_pool_moves_and_the_chief_and_workers_are_told(tmp_path: Pat
     assert dict(ps_reply.addresses) == {}  # a ps talks to no other role
 
 
-def test_roles_that_cannot_move_stay_on_their_host() -> None:
+def test_a_chief_with_a_pool_moves_off_a_cut_off_host_and_its_metrics_and_checkpoints_follow(tmp_path: Path) -> None:
+    sup = supervisor_of(SHARED_CHECKPOINTS, tmp_path, own_folders=True)
+    step(sup, 1)
+    folder = sup.spec.training["checkpoint"]["dir"]
+    assert sup.record.checkpoint_dir == f"h1:{folder}"
+    first_incarnation = sup.record.role("chief-0").incarnation
+    (sup.places["h1"].dirs.run_dir / "metrics.jsonl").write_text('{"global_step": 5}\n')
+    sup.mirror_metrics()
+    host(sup, "h1").last_error = "host h1: timed out"
+    step(sup, 6, silent=("chief-0", "worker-0"))
+    step(sup, 2.5)  # past the chief's backoff
+    chief = sup.record.role("chief-0")
+    assert (chief.host, chief.address, chief.attempt) == ("h2", "10.9.0.2", 2)
+    assert sup.live["chief-0"].handle is not None and sup.live["chief-0"].handle.host == "h2"
+    assert any(e["role"] == "chief-0" and e["reason"] == "moves from h1 to h2 (host h1: timed out)"
+               for e in events(sup))
+    assert sup.record.checkpoint_dir == f"h2:{folder}"  # where export and restores find them now
+    # The ps and the workers are told of the new chief, so that they refuse the old one (see fencing).
+    for task in ("ps:0", "worker-1"):
+        role = sup.record.role(task.replace(":", "-"))
+        reply = HeartbeatServicer(sup).Heartbeat(
+            pb.HeartbeatRequest(task=f"{role.role}:{role.index}", incarnation=role.incarnation), None)  # type: ignore[arg-type]
+        assert reply.chief_incarnation == chief.incarnation > first_incarnation
+    # What the chief writes on h2 is mirrored from the start of that host's file.
+    (sup.places["h2"].dirs.run_dir / "metrics.jsonl").write_text('{"global_step": 6}\n')
+    sup.mirror_metrics()
+    mirrored = (sup.cdir.run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["global_step"] for line in mirrored] == [5, 6]
+
+
+def test_a_role_stays_on_its_host_when_its_pool_has_no_other_usable_one() -> None:
     def up(h: str) -> bool:
         return h != "h3"
 
     occupants = [Occupant("ps-0", "h3", 7010)]
-    assert restart_host("ps", "ps-0", "h3", 7010, ("h3",), occupants, up) == "h3"
-    assert restart_host("chief", "chief-0", "h3", 7000, ("h1", "h2", "h3"), occupants, up) == "h3"
-    assert restart_host("evaluator", "evaluator-0", "h3", 7030, ("h1", "h3"), occupants, up) == "h3"
-    assert restart_host("worker", "worker-0", "h3", 7020, ("h3",), occupants, up) == "h3"  # no other host
+    assert restart_host("ps-0", "h3", 7010, ("h3",), occupants, up) == "h3"
+    assert restart_host("worker-0", "h3", 7020, ("h3",), occupants, up) == "h3"  # no other host
+    assert restart_host("chief-0", "h3", 7000, ("h3", "h4"), occupants, lambda h: False) == "h3"  # none usable
+    assert restart_host("chief-0", "h3", 7000, ("h3", "h1"), occupants, up) == "h1"  # a chief with a pool moves
 
 
 def test_a_move_avoids_hosts_where_the_port_is_taken_and_breaks_ties_by_pool_order() -> None:
     occupants = [Occupant("worker-0", "h1", 7020), Occupant("evaluator-0", "h2", 7022),
                  Occupant("worker-2", "h3", 7022)]
-    assert restart_host("worker", "worker-2", "h3", 7022, ("h1", "h2", "h3"), occupants, lambda h: h != "h3") == "h1"
-    assert restart_host("worker", "worker-2", "h3", 7022, ("h2", "h4", "h3"), [], lambda h: h != "h3") == "h2"
-    assert restart_host("worker", "worker-2", "h3", 7022, ("h1", "h2", "h3"), occupants, lambda h: True) == "h3"
+    assert restart_host("worker-2", "h3", 7022, ("h1", "h2", "h3"), occupants, lambda h: h != "h3") == "h1"
+    assert restart_host("worker-2", "h3", 7022, ("h2", "h4", "h3"), [], lambda h: h != "h3") == "h2"
+    assert restart_host("worker-2", "h3", 7022, ("h1", "h2", "h3"), occupants, lambda h: True) == "h3"
 
 
 def test_failures_spread_wider_than_the_window_do_not_bench() -> None:
@@ -240,10 +279,13 @@ def test_failures_spread_wider_than_the_window_do_not_bench() -> None:
     assert not any(never.record_failure("h1", t) for t in range(10))
 
 
-def test_workers_and_ps_may_run_on_their_whole_pool_other_roles_on_their_host() -> None:
-    assert hosts_for("worker", "h2", ("h1", "h2", "h3")) == ("h2", "h1", "h3")
-    assert hosts_for("ps", "h2", ("h1", "h2")) == ("h2", "h1")
-    assert hosts_for("chief", "h2", ("h1", "h2")) == ("h2",)
+def test_a_role_may_run_on_its_planned_host_then_the_rest_of_its_pool(tmp_path: Path) -> None:
+    plan = make_plan(load_spec_text(SHARED_CHECKPOINTS, filename=str(tmp_path / "pools.yaml")), check_ports=False)
+    assert [(i.name, plan.hosts_of(i)) for i in plan.instances] == [
+        ("chief-0", ("h1", "h2")), ("ps-0", ("h3",)),
+        ("worker-0", ("h1", "h2", "h3")), ("worker-1", ("h2", "h1", "h3")), ("worker-2", ("h3", "h1", "h2")),
+    ]
+    assert [i.name for i in plan.may_run_on("h2")] == ["chief-0", "worker-0", "worker-1", "worker-2"]
 
 
 class SilentHost(FakeRunner):

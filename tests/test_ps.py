@@ -22,6 +22,7 @@ from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime import ps as ps_module
 from psctl.runtime import wire
+from psctl.runtime.fencing import ChiefReplaced
 from psctl.runtime.initializers import initialize
 from psctl.runtime.optimizers import make_optimizer
 from psctl.runtime.ps import ParameterServerServicer, VariableStore, add_to_server
@@ -877,3 +878,27 @@ def test_a_gradient_given_whole_and_in_pieces_is_refused() -> None:
     with pytest.raises(WireError, match="given twice"):
         store.push(header, [Entry("v", DENSE, g)], {"v": _split(g, [4])})
     assert store.applied_updates == 0
+
+
+def test_a_replaced_chief_cannot_init_restore_or_flush_and_changes_nothing(ps: Ps) -> None:
+    """Fencing: once a ps has heard of chief incarnation 2, the old chief's Init, Assign (a restore from its
+    checkpoints) and SyncFlush are refused with ABORTED, which its client raises as ChiefReplaced."""
+    new = PsClient([ps.address], timeout=30, chief_incarnation=2)
+    old = PsClient([ps.address], timeout=30, chief_incarnation=1)
+    try:
+        new.init({0: list(SPECS)}, SGD, CLUSTER)
+        assert push(ps, 1, [GOOD_W]).applied
+        before = snapshot(ps)
+        restore = {0: [Entry(spec.name, DENSE, initial_value(spec)) for spec in SPECS]}
+        for refused in (lambda: old.init({0: list(SPECS)}, SGD, CLUSTER, reset=True),
+                        lambda: old.assign(restore, 0, []),
+                        lambda: old.sync_flush(1, 1)):  # fmt: skip
+            with pytest.raises(ChiefReplaced, match="chief incarnation 1 was replaced by incarnation 2"):
+                refused()
+        after = snapshot(ps)
+        assert (after.state, after.values, after.slots) == (before.state, before.values, before.slots)
+        new.assign(restore, 7, [])  # the current chief still can
+        assert state(ps).global_step == 7
+    finally:
+        new.close()
+        old.close()

@@ -151,6 +151,9 @@ class HeartbeatRecorder:
     def addresses(self, job: str) -> dict[str, str]:
         return {}
 
+    def chief_incarnation(self) -> int:
+        return 0
+
 
 @dataclass
 class Target:

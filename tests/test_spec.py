@@ -300,7 +300,7 @@ MISTAKES = [
         "write e.g. proxy_jump: bastion, or user@10.0.0.1:22 (hops separated by commas)",
     ),
     (
-        "a pool for the chief, which never moves",
+        "a pool for the chief without shared checkpoints",
         """\
         hosts: [{name: a, address: 10.0.0.11}, {name: b, address: 10.0.0.12}]
         roles:
@@ -309,8 +309,24 @@ MISTAKES = [
           worker: {host: b, port: 7100}
         training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
         """,
-        "cluster.yaml:3: roles.chief.hosts: the chief always restarts on its own host (its checkpoints are "
-        "there), so a pool of several hosts would go unused; give it one host, e.g. host: a",
+        "cluster.yaml:3: roles.chief.hosts: the chief moves to another host of its pool only if the checkpoints "
+        "it writes are on storage every host of the pool shares; set training.checkpoint.dir to a folder on "
+        "shared storage, or give it one host, e.g. host: a",
+    ),
+    (
+        "a pool for the evaluator without shared checkpoints",
+        """\
+        hosts: [{name: a, address: 10.0.0.11}, {name: b, address: 10.0.0.12}]
+        roles:
+          chief: {host: a, port: 7000}
+          ps: {host: a, port: 7010}
+          worker: {host: b, port: 7100}
+          evaluator: {hosts: [b, a], port: 7200}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:6: roles.evaluator.hosts: the evaluator moves to another host of its pool only if the "
+        "checkpoints it reads are on storage every host of the pool shares; set training.checkpoint.dir to a "
+        "folder on shared storage, or give it one host, e.g. host: b",
     ),
     (
         "pipelined outside asynchronous training",
@@ -951,3 +967,22 @@ def test_what_is_not_a_jump_hop_is_refused_by_both_readers(hop: str) -> None:
         parse_jump(hop)
     with pytest.raises(ConfigError, match=r"proxy jump of host h: .* is not"):  # as resolve() reads a hop
         resolve(HostSpec(name="h", address="10.0.0.9", proxy_jump=f"10.0.0.8,{hop}"), ssh_config=None)
+
+
+def test_the_chief_and_the_evaluator_get_pools_when_the_checkpoints_are_shared(tmp_path: Path) -> None:
+    spec = load_spec(write(tmp_path, """\
+        hosts: [{name: a, address: 10.0.0.11}, {name: b, address: 10.0.0.12}]
+        roles:
+          chief: {hosts: [a, b], port: 7000}
+          ps: {host: a, port: 7010}
+          worker: {host: b, port: 7100}
+          evaluator: {hosts: [b, a], port: 7200}
+        training:
+          program: psctl.models.mlp
+          data: {name: digits}
+          steps: 10
+          checkpoint: {dir: shared/ckpt}
+        """))
+    assert (spec.roles["chief"].hosts, spec.roles["evaluator"].hosts) == (("a", "b"), ("b", "a"))
+    assert [(i.name, i.host) for i in make_plan(spec).instances if i.role in ("chief", "evaluator")] == [
+        ("chief-0", "a"), ("evaluator-0", "b")]

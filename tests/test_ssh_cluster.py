@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import sysconfig
 import textwrap
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -499,3 +500,69 @@ def test_a_cut_off_hosts_ps_and_worker_move_to_other_hosts_of_their_pools(remote
             channel.close()
     wait_until(lambda: worker(remote.status())["state"] == "running", timeout=30, what="worker-1 to run",
                detail=remote.supervisor_log)
+
+
+CHIEF_POOL_ROLES = """\
+chief: {hosts: [h3, h2], port: 7100, restart: {backoff_seconds: 0.5, max_backoff_seconds: 2}}
+ps: {host: h1, port: 7110}
+worker: {replicas: 2, hosts: [h1, h2], port: 7120}
+"""
+
+
+def test_a_chief_on_a_cut_off_host_moves_and_training_finishes_without_losing_steps(remote: Remote) -> None:
+    """The chief's checkpoints are on storage its pool shares (the test hosts share this machine's file
+    system): cut off with its host, it restarts on the other host of its pool, reads the global step from the
+    ps and finishes the training; the old process, once its host answers again, cannot act and is stopped."""
+    steps = 3000
+    spec, _ = write_spec(remote.bed, remote.folder, remote.name, steps=steps, roles=CHIEF_POOL_ROLES)
+    text = spec.read_text().replace("heartbeat_timeout: 10s", "heartbeat_timeout: 3s")
+    spec.write_text(text.replace("checkpoint: {every_steps: 100}", "checkpoint: {every_steps: 100, dir: shared}"))
+    remote.psctl("up", str(spec), "--detach")
+    events_file = Path(remote.env["PSCTL_HOME"]) / remote.name / "events.jsonl"
+
+    def chief(status: dict[str, Any]) -> dict[str, Any]:
+        return next(r for r in status["roles"] if r["name"] == "chief-0")
+
+    def explain() -> str:
+        return f"events:\n{events_file.read_text()[-4000:]}\n{remote.supervisor_log()[-3000:]}"
+
+    def status_once(ok: Callable[[dict[str, Any]], bool]) -> Callable[[], dict[str, Any] | None]:
+        def look() -> dict[str, Any] | None:
+            status = remote.status()
+            return status if ok(status) else None
+
+        return look
+
+    before = wait_until(status_once(lambda s: chief(s)["global_step"] >= 200), timeout=120,
+                        what="training to pass step 200", detail=explain)
+    assert chief(before)["host"] == "h3"
+    remote.bed.partition("h3")
+    step_at_cut = chief(remote.status())["global_step"]
+    try:
+        moved = wait_until(status_once(lambda s: chief(s)["host"] == "h2"), timeout=60,
+                           what="the chief to move to h2", detail=explain)
+        assert chief(moved)["incarnation"] > chief(before)["incarnation"]
+    finally:
+        remote.bed.heal("h3")  # the old chief can reach the ps and workers again: they refuse it
+    done = wait_until(status_once(lambda s: s["state"] in ("succeeded", "failed")), timeout=180,
+                      what="training to finish on h2", detail=explain)
+    assert done["state"] == "succeeded", explain()
+    result = done["result"]
+    assert result["global_step"] == steps and result["ps_restores"] == 0, result  # no rollback to a checkpoint
+    assert result["checkpoint"].startswith(f"h2:{remote.folder / 'shared'}/"), result
+    reasons = [e["reason"] for e in map(json.loads, events_file.read_text().splitlines()) if e["role"] == "chief-0"]
+    assert any(r.startswith("moves from h3 to h2 (") for r in reasons), reasons
+    # The new chief carried on from the ps' global step (the steps before the cut were not lost)...
+    log = remote.psctl("logs", "chief-0", remote.name, "--attempt", str(chief(done)["attempt"])).stdout
+    resumed = re.search(r"every ps holds the variables: resuming at global step (\d+)", log)
+    assert resumed is not None and int(resumed[1]) >= step_at_cut, log[-3000:]
+    # ...its metrics reached this machine from h2...
+    metrics = Path(remote.env["PSCTL_HOME"]) / remote.name / "run" / "metrics.jsonl"
+    assert any(json.loads(line).get("global_step") == steps for line in metrics.read_text().splitlines())
+
+    # ...and the old chief, on h3 again, is gone (fenced off, or stopped by the supervisor once h3 answered).
+    def gone_from_h3() -> bool:
+        out = remote.bed.exec("h3", "ps axeww -o pid=,args=").stdout
+        return not any(f"PSCTL_CLUSTER_ID={done['cluster_id']}" in line.split() for line in out.splitlines())
+
+    wait_until(gone_from_h3, timeout=30, what="the old chief to be stopped on h3")

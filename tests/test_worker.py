@@ -12,9 +12,11 @@ from inprocess_cluster import MakeCluster, cluster_factory
 
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
+from psctl.runtime.cluster import ClusterInfo
 from psctl.runtime.coordinator import ClusterCoordinator
 from psctl.runtime.evaluation import evaluate_batch
-from psctl.runtime.heartbeat import ClusterAddresses, Progress, tasks_of
+from psctl.runtime.fencing import ChiefFence, ChiefReplaced
+from psctl.runtime.heartbeat import ClusterAddresses, Heartbeater, Progress, tasks_of
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import ProgramRef
 from psctl.runtime.ps import ParameterServerServicer, VariableStore, add_to_server
@@ -207,3 +209,66 @@ def test_a_retried_call_of_several_steps_applies_only_the_steps_not_yet_applied(
         stub.RunStep(pb.StepRequest(step_id=900, function="train", steps=3, sync_step=5), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert ps.state(0).global_step == 4
+
+
+def test_a_replaced_chiefs_steps_are_refused_and_its_coordinator_stops(make_cluster: MakeCluster) -> None:
+    """Fencing: a chief that moved away leaves its old process behind; once the worker has heard of the new
+    chief (here from its probe), the old one's steps are refused, applied nowhere, and its join() raises."""
+    made = make_cluster(MLP, num_ps=1, batch_size=BATCH)
+    old = ClusterCoordinator([made.worker_address], probe_interval=0.05, chief_incarnation=1)
+    new = None
+    try:
+        for _ in range(3):
+            old.schedule("train")
+        old.join(timeout=30)
+        assert made.chief.state(0).global_step == 3
+        new = ClusterCoordinator([made.worker_address], probe_interval=0.05, chief_incarnation=2,
+                                 step_id_base=1 << 20, cursors={0: 3})  # fmt: skip
+        assert new.wait_for_workers(10) == 1  # its probe tells the worker of incarnation 2
+        assert made.worker.chief_fence.newest == 2
+        refused = old.schedule("train")
+        with pytest.raises(ChiefReplaced, match="chief incarnation 1 was replaced by incarnation 2"):
+            old.join(timeout=30)
+        with pytest.raises(ChiefReplaced):
+            refused.fetch(timeout=5)
+        state = made.chief.state(0)
+        assert (state.global_step, list(state.shard_positions)) == (3, [2])  # the refused step took nothing
+        for _ in range(2):
+            new.schedule("train")
+        new.join(timeout=30)
+        assert made.chief.state(0).global_step == 5
+    finally:
+        old.shutdown()
+        if new is not None:
+            new.shutdown()
+
+
+class ChiefIncarnationSupervisor(pb_grpc.SupervisorServicer):
+    """A supervisor that answers every heartbeat with the current chief's incarnation."""
+
+    def __init__(self, chief_incarnation: int) -> None:
+        self.chief_incarnation = chief_incarnation
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        return pb.HeartbeatResponse(chief_incarnation=self.chief_incarnation)
+
+
+def test_a_heartbeat_reply_tells_the_role_which_chief_is_current() -> None:
+    server, port = make_server("127.0.0.1:0")
+    pb_grpc.add_SupervisorServicer_to_server(ChiefIncarnationSupervisor(3), server)
+    server.start()
+    fence = ChiefFence()
+    info = ClusterInfo({"worker": ["127.0.0.1:1"]}, "worker", 0, supervisor=f"127.0.0.1:{port}")
+    heartbeater = Heartbeater(info, interval=0.05, progress=Progress(), chief_fence=fence)
+    heartbeater.start()
+    try:
+        deadline = time.monotonic() + 10
+        while fence.newest != 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert fence.newest == 3
+        with pytest.raises(ChiefReplaced):
+            fence.admit(2)
+        fence.admit(3)
+    finally:
+        heartbeater.stop()
+        server.stop(grace=None).wait()

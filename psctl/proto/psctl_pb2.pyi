@@ -80,20 +80,22 @@ class OptimizerConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., params: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class InitRequest(_message.Message):
-    __slots__ = ("variables", "optimizer", "cluster_id", "reset", "replicas_to_aggregate", "distinct_replicas")
+    __slots__ = ("variables", "optimizer", "cluster_id", "reset", "replicas_to_aggregate", "distinct_replicas", "chief_incarnation")
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_TO_AGGREGATE_FIELD_NUMBER: _ClassVar[int]
     DISTINCT_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     variables: _containers.RepeatedCompositeFieldContainer[VariableSpec]
     optimizer: OptimizerConfig
     cluster_id: str
     reset: bool
     replicas_to_aggregate: int
     distinct_replicas: bool
-    def __init__(self, variables: _Optional[_Iterable[_Union[VariableSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., cluster_id: _Optional[str] = ..., reset: _Optional[bool] = ..., replicas_to_aggregate: _Optional[int] = ..., distinct_replicas: _Optional[bool] = ...) -> None: ...
+    chief_incarnation: int
+    def __init__(self, variables: _Optional[_Iterable[_Union[VariableSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., cluster_id: _Optional[str] = ..., reset: _Optional[bool] = ..., replicas_to_aggregate: _Optional[int] = ..., distinct_replicas: _Optional[bool] = ..., chief_incarnation: _Optional[int] = ...) -> None: ...
 
 class InitResponse(_message.Message):
     __slots__ = ("already_initialized", "global_step")
@@ -166,14 +168,16 @@ class PullChunk(_message.Message):
     def __init__(self, part: _Optional[_Union[PullResponse, _Mapping]] = ...) -> None: ...
 
 class AssignRequest(_message.Message):
-    __slots__ = ("entries", "global_step", "shard_positions")
+    __slots__ = ("entries", "global_step", "shard_positions", "chief_incarnation")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     SHARD_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[NamedTensor]
     global_step: int
     shard_positions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, entries: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., global_step: _Optional[int] = ..., shard_positions: _Optional[_Iterable[int]] = ...) -> None: ...
+    chief_incarnation: int
+    def __init__(self, entries: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., global_step: _Optional[int] = ..., shard_positions: _Optional[_Iterable[int]] = ..., chief_incarnation: _Optional[int] = ...) -> None: ...
 
 class AssignChunk(_message.Message):
     __slots__ = ("part",)
@@ -238,12 +242,14 @@ class AssignResponse(_message.Message):
     def __init__(self, global_step: _Optional[int] = ...) -> None: ...
 
 class SyncFlushRequest(_message.Message):
-    __slots__ = ("step", "min_replicas")
+    __slots__ = ("step", "min_replicas", "chief_incarnation")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     step: int
     min_replicas: int
-    def __init__(self, step: _Optional[int] = ..., min_replicas: _Optional[int] = ...) -> None: ...
+    chief_incarnation: int
+    def __init__(self, step: _Optional[int] = ..., min_replicas: _Optional[int] = ..., chief_incarnation: _Optional[int] = ...) -> None: ...
 
 class SyncFlushResponse(_message.Message):
     __slots__ = ("applied", "replicas", "global_step")
@@ -302,7 +308,7 @@ class StateResponse(_message.Message):
     def __init__(self, global_step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., applied_updates: _Optional[int] = ..., duplicate_updates: _Optional[int] = ..., fenced_updates: _Optional[int] = ..., initialized: _Optional[bool] = ..., applied_step_ids: _Optional[_Iterable[int]] = ..., shard_positions: _Optional[_Iterable[int]] = ..., newest_step_id: _Optional[int] = ..., sync_gradients_applied: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., timed_out_steps: _Optional[int] = ..., pending_replicas: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "shard", "position", "function", "sync_step", "params_epoch", "steps")
+    __slots__ = ("step_id", "shard", "position", "function", "sync_step", "params_epoch", "steps", "chief_incarnation")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +316,7 @@ class StepRequest(_message.Message):
     SYNC_STEP_FIELD_NUMBER: _ClassVar[int]
     PARAMS_EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     shard: int
     position: int
@@ -317,7 +324,8 @@ class StepRequest(_message.Message):
     sync_step: int
     params_epoch: int
     steps: int
-    def __init__(self, step_id: _Optional[int] = ..., shard: _Optional[int] = ..., position: _Optional[int] = ..., function: _Optional[str] = ..., sync_step: _Optional[int] = ..., params_epoch: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+    chief_incarnation: int
+    def __init__(self, step_id: _Optional[int] = ..., shard: _Optional[int] = ..., position: _Optional[int] = ..., function: _Optional[str] = ..., sync_step: _Optional[int] = ..., params_epoch: _Optional[int] = ..., steps: _Optional[int] = ..., chief_incarnation: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("loss", "examples", "metrics", "compute_seconds", "step_seconds", "global_step", "applied", "ps_global_steps", "steps")
@@ -349,8 +357,10 @@ class StepResponse(_message.Message):
     def __init__(self, loss: _Optional[float] = ..., examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., compute_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., global_step: _Optional[int] = ..., applied: _Optional[bool] = ..., ps_global_steps: _Optional[_Iterable[int]] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("chief_incarnation",)
+    CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    chief_incarnation: int
+    def __init__(self, chief_incarnation: _Optional[int] = ...) -> None: ...
 
 class PingResponse(_message.Message):
     __slots__ = ("incarnation", "task")
@@ -392,7 +402,7 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, task: _Optional[str] = ..., incarnation: _Optional[int] = ..., pid: _Optional[int] = ..., global_step: _Optional[int] = ..., local_step: _Optional[int] = ..., loss: _Optional[float] = ..., steps_per_second: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., status: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("fenced", "addresses")
+    __slots__ = ("fenced", "addresses", "chief_incarnation")
     class AddressesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -402,6 +412,8 @@ class HeartbeatResponse(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     FENCED_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     fenced: bool
     addresses: _containers.ScalarMap[str, str]
-    def __init__(self, fenced: _Optional[bool] = ..., addresses: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    chief_incarnation: int
+    def __init__(self, fenced: _Optional[bool] = ..., addresses: _Optional[_Mapping[str, str]] = ..., chief_incarnation: _Optional[int] = ...) -> None: ...

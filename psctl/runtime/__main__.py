@@ -22,13 +22,15 @@ EXIT_TRAINING_FAILED = 3
 
 
 def _serve(info: ClusterInfo, stop: threading.Event) -> int:
+    from psctl.runtime.fencing import CHIEF_FENCE  # also fed by this process's heartbeat replies
     from psctl.runtime.rpc import make_server
 
     server, _port = make_server(info.bind_address(), info.tls)
     if info.task_type == "ps":
         from psctl.runtime.ps import ParameterServerServicer, VariableStore, add_to_server
 
-        add_to_server(ParameterServerServicer(VariableStore(cluster_id=info.cluster_id)), server)
+        add_to_server(ParameterServerServicer(VariableStore(cluster_id=info.cluster_id), chief_fence=CHIEF_FENCE),
+                      server)
     else:
         from psctl.proto import psctl_pb2_grpc as pb_grpc
         from psctl.runtime.config import TrainingConfig
@@ -50,6 +52,7 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
             incarnation=info.incarnation or int(time.time() * 1000),
             batch_size=cfg.batch_size,
             num_shards=len(info.workers),
+            chief_fence=CHIEF_FENCE,
         )
         servicer.dataset("train", info.task_index)  # load its data before serving: not during its first step
         pb_grpc.add_WorkerServicer_to_server(servicer, server)
@@ -64,11 +67,15 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
 def _chief(info: ClusterInfo, stop: threading.Event) -> int:
     from psctl.runtime.chief import Chief, Interrupted
     from psctl.runtime.coordinator import CancelledError, StepError
+    from psctl.runtime.fencing import ChiefReplaced
     from psctl.runtime.ps_client import PsUnavailable
 
     chief = Chief(info, stop=stop)
     try:
         chief.run()
+    except ChiefReplaced as exc:
+        logging.warning("%s: a newer chief runs the training: stopping", exc)
+        return EXIT_OK
     except StepError as exc:
         logging.error("training failed: %s", exc)
         return EXIT_TRAINING_FAILED

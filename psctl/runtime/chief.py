@@ -53,7 +53,7 @@ class Chief:
         cfg = self.config
         self.program = load_program(ProgramRef(cfg.program, cfg.args, cfg.data, cfg.seed))
         self.model = ShardedModel(self.program, len(info.ps), cfg.partitioner)
-        self.ps = PsClient(info.ps, tls=info.tls)
+        self.ps = PsClient(info.ps, tls=info.tls, chief_incarnation=info.incarnation)
         self._unfollow_ps = ADDRESSES.subscribe(self.ps.follow)  # a ps restarted on another host: go there
         self.meter = TrainingMeter()
         run_dir = Path(info.run_dir)
@@ -94,6 +94,7 @@ class Chief:
             staleness=cfg.staleness if cfg.mode == "bounded" else None,
             one_per_round=cfg.mode == "sync" and bool(cfg.distinct_replicas),
             steps_in_flight=2 if cfg.mode == "async" and cfg.pipelined else 1,
+            chief_incarnation=self.info.incarnation,
         )
         unsubscribe = ADDRESSES.subscribe(lambda addresses: _follow_moves(coordinator, addresses))
         coordinator.wait_for_workers(self.ready_timeout)

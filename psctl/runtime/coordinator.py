@@ -33,6 +33,7 @@ import grpc
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.cluster import TlsFiles
+from psctl.runtime.fencing import replaced
 from psctl.runtime.rpc import close_later, make_channel
 
 log = logging.getLogger("psctl.coordinator")
@@ -135,9 +136,13 @@ class ClusterCoordinator:
         staleness: int | None = None,
         one_per_round: bool = False,
         steps_in_flight: int = 1,
+        chief_incarnation: int = 0,
     ) -> None:
         """``steps_in_flight``: steps each worker is given at once (pipelined asynchronous training: 2, so that
-        a worker computes its next step while its last one's push travels; 1 in every other mode)."""
+        a worker computes its next step while its last one's push travels; 1 in every other mode).
+        ``chief_incarnation``: stamped on every probe and step; a worker that knows a newer chief refuses them,
+        and this coordinator then fails with ChiefReplaced (see fencing)."""
+        self.chief_incarnation = chief_incarnation
         # Every worker is probed before its first step: its incarnation is known from the start (so a restart
         # is recognised), and one still starting is waited for rather than counted as lost.
         self.workers = [WorkerState(i, a, alive=False) for i, a in enumerate(workers)]
@@ -374,7 +379,8 @@ class ClusterCoordinator:
 
     def _probe(self, worker: WorkerState) -> bool:
         try:
-            reply = self._stubs[worker.index].Ping(pb.PingRequest(), timeout=max(1.0, self.probe_interval * 2))
+            reply = self._stubs[worker.index].Ping(pb.PingRequest(chief_incarnation=self.chief_incarnation),
+                                                   timeout=max(1.0, self.probe_interval * 2))
         except grpc.RpcError:
             return False
         if worker.incarnation is not None and reply.incarnation != worker.incarnation:
@@ -424,6 +430,7 @@ class ClusterCoordinator:
                 sync_step=0 if closure.sync_step is None else closure.sync_step + 1,
                 params_epoch=self.params_epoch,
                 steps=closure.steps,
+                chief_incarnation=self.chief_incarnation,
             )
             try:
                 response = self._stubs[worker.index].RunStep(request, timeout=self.step_timeout)
@@ -440,6 +447,10 @@ class ClusterCoordinator:
 
     def _on_rpc_error(self, worker: WorkerState, closure: Closure, exc: grpc.RpcError) -> None:
         code, details = exc.code(), exc.details() or ""  # type: ignore[attr-defined]
+        refused = replaced(exc)
+        if refused is not None:  # a newer chief runs: this one must stop, and its step is not retried
+            self._finish(closure, error=refused)
+            return
         if code in _WORKER_LOST:
             worker.alive = False
             worker.failures += 1

@@ -17,6 +17,7 @@ import grpc
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.cluster import ClusterInfo
+from psctl.runtime.fencing import CHIEF_FENCE, ChiefFence
 from psctl.runtime.rpc import make_channel
 
 log = logging.getLogger("psctl.heartbeat")
@@ -116,6 +117,7 @@ class Heartbeater:
         progress: Progress = PROGRESS,
         on_fenced: Callable[[], None] | None = None,
         addresses: ClusterAddresses = ADDRESSES,
+        chief_fence: ChiefFence = CHIEF_FENCE,
     ) -> None:
         self.info = info
         # the launcher passes supervision.heartbeat_interval in the environment
@@ -123,6 +125,7 @@ class Heartbeater:
         self.progress = progress
         self.on_fenced = on_fenced or (lambda: os._exit(0))
         self.addresses = addresses
+        self.chief_fence = chief_fence
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -158,6 +161,8 @@ class Heartbeater:
                     self.on_fenced()
                 if reply.addresses:
                     self.addresses.update(dict(reply.addresses))
+                if reply.chief_incarnation:
+                    self.chief_fence.learn(reply.chief_incarnation)
             except grpc.RpcError:
                 pass
             self._stop.wait(self.interval)

@@ -28,6 +28,7 @@ from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime import wire
 from psctl.runtime.accumulator import StepAccumulator
+from psctl.runtime.fencing import ChiefFence
 from psctl.runtime.initializers import initialize
 from psctl.runtime.optimizers import Optimizer, make_optimizer
 from psctl.runtime.wire import DENSE, IDS, ROWS, SLOT, Entry, SplitArray, WireError
@@ -519,7 +520,8 @@ def _push_header(p: pb.PushRequest) -> pb.PushRequest:
 
 
 def _assign_header(p: pb.AssignRequest) -> pb.AssignRequest:
-    return pb.AssignRequest(global_step=p.global_step, shard_positions=list(p.shard_positions))
+    return pb.AssignRequest(global_step=p.global_step, shard_positions=list(p.shard_positions),
+                            chief_incarnation=p.chief_incarnation)
 
 
 def _plain_parts(chunks: Iterator[Any]) -> Iterator[tuple[Any, list[tuple[pb.NamedTensor, bytes]]]]:
@@ -536,8 +538,10 @@ def _framed_parts(frames: Iterator[bytes], header_type: Any) -> Iterator[tuple[A
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     """gRPC front of a VariableStore: decodes, maps errors to status codes, encodes."""
 
-    def __init__(self, store: VariableStore) -> None:
+    def __init__(self, store: VariableStore, *, chief_fence: ChiefFence | None = None) -> None:
         self.store = store
+        #: The newest chief heard of: Init, Assign and SyncFlush from an older (replaced) chief are refused.
+        self.chief_fence = chief_fence or ChiefFence()
 
     def _abort(self, context: grpc.ServicerContext, exc: Exception) -> None:
         if isinstance(exc, FencedError):
@@ -552,6 +556,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"this PS belongs to cluster {self.store.cluster_id!r}, not {request.cluster_id!r}",
             )
+        self.chief_fence.check(request.chief_incarnation, context)
         try:
             already = self.store.init(
                 list(request.variables),
@@ -629,6 +634,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def _assign(
         self, request: pb.AssignRequest, entries: list[Entry], context: grpc.ServicerContext
     ) -> pb.AssignResponse:
+        self.chief_fence.check(request.chief_incarnation, context)
         try:
             self.store.assign(entries, request.global_step, list(request.shard_positions))
         except (ValueError, NotInitializedError) as exc:
@@ -739,6 +745,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return self._assign(request, entries, context)
 
     def SyncFlush(self, request: pb.SyncFlushRequest, context: grpc.ServicerContext) -> pb.SyncFlushResponse:
+        self.chief_fence.check(request.chief_incarnation, context)
         try:
             applied, arrived = self.store.sync_flush(request.step, request.min_replicas)
         except ValueError as exc:

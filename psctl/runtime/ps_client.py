@@ -21,6 +21,7 @@ from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime import wire
 from psctl.runtime.cluster import TlsFiles
+from psctl.runtime.fencing import replaced
 from psctl.runtime.heartbeat import tasks_of
 from psctl.runtime.rpc import close_later, make_channel
 from psctl.runtime.wire import Entry
@@ -71,9 +72,12 @@ def _push_reply(frame: bytes) -> tuple[pb.PushResponse, list[Entry]]:
 
 
 class PsClient:
-    def __init__(self, addresses: Sequence[str], *, tls: TlsFiles | None = None, timeout: float = 60.0) -> None:
+    def __init__(self, addresses: Sequence[str], *, tls: TlsFiles | None = None, timeout: float = 60.0,
+                 chief_incarnation: int = 0) -> None:
+        """``chief_incarnation``: a chief's client stamps it on Init, Assign and SyncFlush (see fencing)."""
         self.addresses = list(addresses)
         self.timeout = timeout
+        self.chief_incarnation = chief_incarnation
         self._tls = tls
         self._lock = threading.Lock()
         self._channels = [make_channel(a, tls) for a in self.addresses]
@@ -114,7 +118,7 @@ class PsClient:
             return PsUnavailable(ps, self.addresses[ps], details or str(code))
         if code == grpc.StatusCode.FAILED_PRECONDITION and "no variables" in details:
             return PsUnavailable(ps, self.addresses[ps], "it restarted and lost its variables")
-        return exc
+        return replaced(exc) or exc
 
     def _on_every_ps(self, calls: Mapping[int, Call]) -> dict[int, Any]:
         """Make every call, all in flight at once, and return their results. The first runs in this thread: a
@@ -238,8 +242,9 @@ class PsClient:
         """Replace every PS's variables and slots (restore), all PS in parallel, streamed."""
 
         def one(ps: int) -> bytes:
-            frames = wire.frames(per_ps.get(ps, []), pb.AssignRequest(global_step=global_step,
-                                                                      shard_positions=list(positions)))
+            header = pb.AssignRequest(global_step=global_step, shard_positions=list(positions),
+                                      chief_incarnation=self.chief_incarnation)
+            frames = wire.frames(per_ps.get(ps, []), header)
             return self._framed[ps].assign_stream(frames, timeout=self.timeout)  # type: ignore[no-any-return]
 
         self._on_every_ps({ps: partial(one, ps) for ps in range(len(self._framed))})
@@ -253,6 +258,7 @@ class PsClient:
                 pb.InitRequest(
                     variables=list(specs.get(ps, [])), optimizer=optimizer, cluster_id=cluster_id, reset=reset,
                     replicas_to_aggregate=replicas_to_aggregate, distinct_replicas=distinct_replicas,
+                    chief_incarnation=self.chief_incarnation,
                 ),
                 timeout=self.timeout,
             )
@@ -279,8 +285,9 @@ class PsClient:
         out = []
         for ps, stub in enumerate(self.stubs):
             try:
-                out.append(stub.SyncFlush(pb.SyncFlushRequest(step=step, min_replicas=min_replicas),
-                                          timeout=self.timeout))
+                request = pb.SyncFlushRequest(step=step, min_replicas=min_replicas,
+                                              chief_incarnation=self.chief_incarnation)
+                out.append(stub.SyncFlush(request, timeout=self.timeout))
             except grpc.RpcError as exc:
                 raise self._wrap(ps, exc) from None
         return out

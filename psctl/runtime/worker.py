@@ -30,6 +30,7 @@ import grpc
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.evaluation import evaluate_batch
+from psctl.runtime.fencing import ChiefFence
 from psctl.runtime.heartbeat import PROGRESS, Progress
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import Dataset
@@ -58,6 +59,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         num_shards: int,
         on_fenced: threading.Event | None = None,
         progress: Progress = PROGRESS,
+        chief_fence: ChiefFence | None = None,
     ) -> None:
         self.model = model
         self.ps = ps
@@ -67,6 +69,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.num_shards = num_shards
         self.progress = progress
         self.fenced = on_fenced or threading.Event()
+        #: The newest chief heard of: a step or probe from an older (replaced) chief is refused.
+        self.chief_fence = chief_fence or ChiefFence()
         self._datasets: dict[tuple[str, int], Dataset] = {}
         #: A step failed because a PS was unavailable: before the next, wait for the channels to reconnect
         #: (the chief resends work only after the PS is back and restored).
@@ -82,11 +86,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return self._datasets[key]
 
     def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
+        self.chief_fence.learn(request.chief_incarnation)  # a probe only teaches: anyone may ask if it is up
         return pb.PingResponse(incarnation=self.incarnation, task=self.task)
 
     def RunStep(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
         if self.fenced.is_set():
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{self.task} incarnation {self.incarnation} is fenced")
+        self.chief_fence.check(request.chief_incarnation, context)
         if not 0 <= request.shard < self.num_shards:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"shard {request.shard} out of range 0..{self.num_shards - 1}"

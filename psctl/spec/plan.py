@@ -64,6 +64,15 @@ class Plan:
         fix = f"{hint} ({valid})" if hint.startswith("did") else valid
         raise SpecError(f"unknown role instance {name!r}; {fix}")
 
+    def hosts_of(self, inst: RoleInstance) -> tuple[str, ...]:
+        """Every host ``inst`` may run on: its planned one, then the rest of its role's pool (it restarts on
+        another host of the pool when its own is cut off or benched). ``up`` prepares and checks each."""
+        return tuple(dict.fromkeys((inst.host, *self.spec.roles[inst.role].hosts)))
+
+    def may_run_on(self, host: str) -> list[RoleInstance]:
+        """The instances ``host`` may run: those planned there, and those that may move there."""
+        return [inst for inst in self.instances if host in self.hosts_of(inst)]
+
     def cluster_addresses(self) -> dict[str, list[str]]:
         """``{"chief": ["127.0.0.1:7000"], "ps": [...], ...}``: the cluster as every role sees it."""
         out: dict[str, list[str]] = {}

@@ -84,6 +84,7 @@ def build_spec(data: Any, source: SourceMap, *, path: Path | None, base_dir: Pat
         for i, item in enumerate(c.items(("setup",), top.get("setup") or [], fix="list shell commands"))
     )
     if hosts:
+        _check_single_role_pools(c, roles, training)
         _check_evaluator_host(c, roles, training, top["roles"].get("evaluator") or {})
     return ClusterSpec(name, path, hosts, roles, training, supervision, security, source, files=files, setup=setup)
 
@@ -100,6 +101,21 @@ def _files(c: Checker, value: object, base_dir: Path, allowed: tuple[Path, ...])
         check_confined(c, ("files", i), str(path), base_dir, allowed, what="file")
         files.append(str(path))
     return tuple(files)
+
+
+def _check_single_role_pools(c: Checker, roles: dict[str, RoleSpec], training: dict[str, Any]) -> None:
+    """The chief writes the checkpoints and the evaluator reads them: either may move to another host of a pool
+    only where they are on storage every host of it shares (training.checkpoint.dir)."""
+    if (training.get("checkpoint") or {}).get("dir"):
+        return
+    for role, does in (("chief", "writes"), ("evaluator", "reads")):
+        spec = roles.get(role)
+        if spec is not None and len(set(spec.hosts)) > 1:
+            c.fail(("roles", role, "hosts"),
+                   f"the {role} moves to another host of its pool only if the checkpoints it {does} are on storage "
+                   "every host of the pool shares",
+                   f"set training.checkpoint.dir to a folder on shared storage, or give it one host, e.g. host: "
+                   f"{spec.hosts[0]}")
 
 
 def _check_evaluator_host(
@@ -271,9 +287,6 @@ def _role(c: Checker, role: str, value: object, hosts: tuple[HostSpec, ...]) -> 
                 "use fewer replicas",
             )
     pool = _pool(c, p, d, hosts)
-    if role in SINGLE_ROLES and len(set(pool)) > 1:
-        c.fail((*p, "hosts"), f"the {role} always restarts on its own host (its checkpoints are there), so a "
-               "pool of several hosts would go unused", f"give it one host, e.g. host: {pool[0]}")
     port, ports = _ports(c, p, d, replicas)
     if pool and port is None and ports is None:
         c.fail(

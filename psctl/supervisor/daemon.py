@@ -36,7 +36,7 @@ from psctl.runtime.cluster import tf_config
 from psctl.runtime.rpc import make_server
 from psctl.spec import ClusterSpec
 from psctl.spec.plan import LOCAL_HOST
-from psctl.supervisor.hosts import MOVABLE_ROLES, HostBench, Occupant, restart_host
+from psctl.supervisor.hosts import DIALED_ROLES, HostBench, Occupant, restart_host
 from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, save_state
 
 log = logging.getLogger("psctl.supervisor")
@@ -109,7 +109,10 @@ class HeartbeatServicer(pb_grpc.SupervisorServicer):
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         response = pb.HeartbeatResponse(fenced=self.supervisor.on_heartbeat(request))
         if not response.fenced:  # the chief follows moved ps and workers, a worker moved ps, a ps nobody
-            response.addresses.update(self.supervisor.addresses(request.task.partition(":")[0]))
+            job = request.task.partition(":")[0]
+            response.addresses.update(self.supervisor.addresses(job))
+            if job in DIALED_ROLES:  # they refuse a replaced chief that still runs somewhere (see fencing)
+                response.chief_incarnation = self.supervisor.chief_incarnation()
         return response
 
 
@@ -135,7 +138,9 @@ class Supervisor:
         self.places: dict[str, Placement] = dict(runner)
         self.runners: dict[str, Runner] = {name: p.runner for name, p in self.places.items()}
         self._heartbeat_port: int | None = None
-        self._mirror_offset = 0
+        #: How much of each host's metrics.jsonl is mirrored: a chief that moved appends to the file on its new
+        #: host, and one that comes back to a host appends to that host's file after what was mirrored of it.
+        self._mirror_offsets: dict[str, int] = {}
         self._mirrored_at = float("-inf")
         #: The loop mirrors outside the main lock, and finish() (from any thread) once more: one at a time.
         self._mirror_lock = threading.Lock()
@@ -203,17 +208,22 @@ class Supervisor:
             role.metrics = dict(hb.metrics)
             return False
 
+    def chief_incarnation(self) -> int:
+        """The current chief's incarnation (0: no chief yet)."""
+        chief = next((r for r in self.record.roles if r.role == "chief"), None)
+        return chief.incarnation if chief is not None else 0
+
     def addresses(self, job: str) -> dict[str, str]:
         """The addresses a role of ``job`` follows in its heartbeat replies (``"worker:2" -> "host:port"``): every
         ps's and worker's for the chief, every ps's for a worker (it talks to no other worker: a reply stays
-        O(ps), not O(workers)), none for others; none at all where no role can move."""
+        O(ps), not O(workers)), none for others; none at all where no ps or worker can move."""
         return self._addresses.get(job, {})
 
     def _address_map(self) -> dict[str, dict[str, str]]:
         """Rebuilt when a role moves (heartbeats read it without the lock: it is replaced, never changed)."""
-        if not any(len(set(self.spec.roles[r.role].hosts)) > 1 and r.role in MOVABLE_ROLES for r in self.record.roles):
+        if not any(len(set(self.spec.roles[r.role].hosts)) > 1 and r.role in DIALED_ROLES for r in self.record.roles):
             return {}
-        chief = {f"{r.role}:{r.index}": r.endpoint for r in self.record.roles if r.role in MOVABLE_ROLES}
+        chief = {f"{r.role}:{r.index}": r.endpoint for r in self.record.roles if r.role in DIALED_ROLES}
         return {"chief": chief, "worker": {task: at for task, at in chief.items() if task.startswith("ps:")}}
 
     # -- starting roles -------------------------------------------------------------------------------
@@ -319,7 +329,7 @@ class Supervisor:
             return  # the first start goes where the plan put it
         occupants = [Occupant(r.name, r.host, r.port) for r in self.record.roles if not r.state.terminal]
         pool = self.spec.roles[role.role].hosts
-        target = restart_host(role.role, role.name, role.host, role.port, pool, occupants, self.usable)
+        target = restart_host(role.name, role.host, role.port, pool, occupants, self.usable)
         if target == role.host:
             return
         old = role.host
@@ -458,17 +468,19 @@ class Supervisor:
         chief = next((r for r in self.record.roles if r.role == "chief"), None)
         if chief is None or not self.places[chief.host].remote:
             return
-        place = self.places[chief.host]
+        host = chief.host
+        place = self.places[host]
         with self._mirror_lock:
             try:
-                data = place.runner.read_file(str(place.dirs.run_dir / "metrics.jsonl"), self._mirror_offset)
+                offset = self._mirror_offsets.get(host, 0)
+                data = place.runner.read_file(str(place.dirs.run_dir / "metrics.jsonl"), offset)
             except (OSError, PsctlError):
                 return
             complete = data[: data.rfind(b"\n") + 1]  # whole lines only: the rest is read next time
             if complete:
                 with open(self.cdir.run_dir / "metrics.jsonl", "ab") as f:
                     f.write(complete)
-                self._mirror_offset += len(complete)
+                self._mirror_offsets[host] = offset + len(complete)
 
     def save(self, *, force: bool = False) -> None:
         now = self.time()

@@ -1,10 +1,11 @@
-"""Which host a role restarts on: hosts that keep failing are benched for a while, and a worker or ps whose
-host is benched or cannot be reached moves to another host of its pool.
+"""Which host a role restarts on: hosts that keep failing are benched for a while, and a role whose host is
+benched or cannot be reached moves to another host of its pool.
 
 Pure logic on an injected clock (the supervisor passes ``now``), so that it is tested without processes.
 Workers and ps move: the chief and the workers follow their new addresses through their heartbeat replies (a
-moved ps is restored from the latest checkpoint, as a restarted one is). The chief and the evaluator stay on
-their host: the checkpoints they write and read live there unless ``training.checkpoint.dir`` is shared.
+moved ps is restored from the latest checkpoint, as a restarted one is). The chief and the evaluator have a
+pool only where the spec puts the checkpoints on shared storage (``training.checkpoint.dir``): a moved chief
+reads the global step from the ps and carries on, and no role dials either of them.
 """
 
 from __future__ import annotations
@@ -13,14 +14,8 @@ import collections
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-#: The roles that may restart on another host of their pool.
-MOVABLE_ROLES = frozenset({"worker", "ps"})
-
-
-def hosts_for(role: str, planned: str, pool: Sequence[str]) -> tuple[str, ...]:
-    """Every host an instance of ``role`` planned on ``planned`` may run on: its pool when it can move, else
-    its own host. ``up`` prepares (keys, files) and checks each of them."""
-    return tuple(dict.fromkeys((planned, *pool))) if role in MOVABLE_ROLES else (planned,)
+#: The roles other roles dial, whose moves they are told of in their heartbeat replies.
+DIALED_ROLES = ("ps", "worker")
 
 
 @dataclass
@@ -81,7 +76,6 @@ class Occupant:
 
 
 def restart_host(
-    role: str,
     name: str,
     current: str,
     port: int,
@@ -89,13 +83,13 @@ def restart_host(
     occupants: Iterable[Occupant],
     usable: Callable[[str], bool],
 ) -> str:
-    """The host role instance ``name`` (of kind ``role``, listening on ``port``) should restart on.
+    """The host role instance ``name`` (listening on ``port``) should restart on.
 
-    Its current host while that is ``usable`` (reachable and not benched), or when the role cannot move. Else
+    Its current host while that is ``usable`` (reachable and not benched), or when its pool has no other. Else
     the usable host of its pool with the fewest roles of the cluster whose ``port`` no other role already
     uses there (ties: pool order); its current host when there is none.
     """
-    if role not in MOVABLE_ROLES or usable(current):
+    if usable(current):
         return current
     others = [o for o in occupants if o.name != name]
     load: Mapping[str, int] = collections.Counter(o.host for o in others)
