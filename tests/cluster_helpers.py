@@ -108,6 +108,8 @@ class LocalCluster:
             "ps": [self._address() for _ in range(num_ps)],
             "worker": [self._address() for _ in range(num_workers)],
         }
+        #: Extra keys of PSCTL_CLUSTER for the roles started from now on (e.g. the current chief_incarnation).
+        self.extra_config: dict[str, Any] = {}
         #: Every process ever started, in start order (restarted roles keep their dead predecessors here).
         self.started: list[Role] = []
         self.current: dict[tuple[str, int], Role] = {}
@@ -127,6 +129,7 @@ class LocalCluster:
             "incarnation": incarnation,
             "training": self.training,
             "run_dir": str(self.run_dir),
+            **self.extra_config,
         }
         env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "PSCTL_CLUSTER")}
         env.update(

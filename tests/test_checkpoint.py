@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,6 +209,24 @@ def test_latest_is_none_when_every_checkpoint_is_corrupt_and_ignores_temporaries
     with caplog.at_level(logging.WARNING, logger="psctl.checkpoint"):
         assert latest_checkpoint(directory) is None
     assert only.name in caplog.text
+
+
+def test_a_write_removes_only_this_hosts_abandoned_temporaries(tmp_path: Path) -> None:
+    """On storage several hosts share, another host's chief (or a live process here) may be writing: only
+    temporaries of this host's dead processes are abandoned."""
+    directory = tmp_path / "ckpts"
+    directory.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
+    host = socket.gethostname().replace("-", "_")
+    abandoned = directory / f".tmp-{PREFIX}000000000020-{host}-{dead}-1"
+    writing_here = directory / f".tmp-{PREFIX}000000000030-{host}-{os.getpid()}-1"
+    writing_elsewhere = directory / f".tmp-{PREFIX}000000000030-otherhost-{dead}-1"
+    for folder in (abandoned, writing_here, writing_elsewhere):
+        folder.mkdir()
+    write_checkpoint(directory, sample_snapshot(40))
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        [checkpoint_path(directory, 40).name, writing_here.name, writing_elsewhere.name])
 
 
 def test_prune_keeps_the_newest(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from cluster_helpers import LocalCluster, Role, wait_until
 
-from psctl.runtime.checkpoint import Snapshot, write_checkpoint
+from psctl.runtime.checkpoint import Snapshot, mark_finished, write_checkpoint
 from psctl.runtime.evaluator import evaluate_snapshot
 from psctl.runtime.metrics import read_metrics
 from psctl.runtime.program import Program, ProgramRef, load_program
@@ -166,6 +166,25 @@ def test_follows_new_checkpoints_until_training_is_done(
     assert set(steps) <= set(STEPS)  # 200 may have been skipped: the evaluator keeps up with the newest
     for record in run.evaluations():
         assert_metrics_of(record, program, snapshots[record["global_step"]])
+
+
+def test_an_evaluator_away_from_the_chief_stops_on_its_word_beside_the_shared_checkpoints(
+    tmp_path: Path, evaluators: list[LocalCluster], program: Program
+) -> None:
+    """Without the chief's result.json on its host (the chief runs or moved elsewhere), the evaluator stops on
+    the finished.json the chief leaves in the shared checkpoint folder, and only on its own cluster's."""
+    run = EvalRun(tmp_path, evaluators)
+    run.write(make_snapshot(program, 100))
+    mark_finished(run.ckpt_dir, "another-cluster", 100)  # an earlier cluster that used the same folder
+    role = run.start()
+    wait_until(lambda: 100 in run.evaluated_steps(), timeout=START_TIMEOUT, what="the evaluation of step 100",
+               detail=run.log)
+    assert role.popen.poll() is None, "the evaluator stopped on another cluster's word"
+    run.write(make_snapshot(program, 200))
+    mark_finished(run.ckpt_dir, "eval-test", 200)
+    assert run.wait_for_exit(timeout=30) == 0, run.log()
+    assert run.evaluated_steps()[-1] == 200  # the last checkpoint is evaluated before it stops
+    assert not (run.run_dir / "result.json").exists()
 
 
 @pytest.mark.parametrize("damage", ["flip-byte", "no-manifest"])

@@ -9,6 +9,7 @@ raw stubs the plain protobuf rpcs, and malformed frames go in as raw bytes.
 from __future__ import annotations
 
 import itertools
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -880,9 +881,9 @@ def test_a_gradient_given_whole_and_in_pieces_is_refused() -> None:
     assert store.applied_updates == 0
 
 
-def test_a_replaced_chief_cannot_init_restore_or_flush_and_changes_nothing(ps: Ps) -> None:
+def test_a_replaced_chief_cannot_init_restore_flush_or_checkpoint_and_changes_nothing(ps: Ps) -> None:
     """Fencing: once a ps has heard of chief incarnation 2, the old chief's Init, Assign (a restore from its
-    checkpoints) and SyncFlush are refused with ABORTED, which its client raises as ChiefReplaced."""
+    checkpoints), SyncFlush and GetState are refused with ABORTED, which its client raises as ChiefReplaced."""
     new = PsClient([ps.address], timeout=30, chief_incarnation=2)
     old = PsClient([ps.address], timeout=30, chief_incarnation=1)
     try:
@@ -892,13 +893,30 @@ def test_a_replaced_chief_cannot_init_restore_or_flush_and_changes_nothing(ps: P
         restore = {0: [Entry(spec.name, DENSE, initial_value(spec)) for spec in SPECS]}
         for refused in (lambda: old.init({0: list(SPECS)}, SGD, CLUSTER, reset=True),
                         lambda: old.assign(restore, 0, []),
-                        lambda: old.sync_flush(1, 1)):  # fmt: skip
+                        lambda: old.sync_flush(1, 1),
+                        lambda: old.state(0)):  # (a checkpoint's snapshot reads the state)  # fmt: skip
             with pytest.raises(ChiefReplaced, match="chief incarnation 1 was replaced by incarnation 2"):
                 refused()
-        after = snapshot(ps)
+        after = snapshot(ps)  # (GetState without a chief incarnation: anyone may ask)
         assert (after.state, after.values, after.slots) == (before.state, before.values, before.slots)
         new.assign(restore, 7, [])  # the current chief still can
         assert state(ps).global_step == 7
     finally:
         new.close()
         old.close()
+
+
+def test_a_replaced_chief_learns_it_even_when_another_ps_is_down(ps: Ps) -> None:
+    """The replaced chief must stop, not retry its restore while ps 0 (listed first) is unreachable."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        down = f"127.0.0.1:{unused.getsockname()[1]}"  # bound, not listening: connections are refused
+        new = PsClient([ps.address], timeout=10, chief_incarnation=2)
+        old = PsClient([down, ps.address], timeout=10, chief_incarnation=1)
+        try:
+            new.state(0)  # ps learns of chief incarnation 2
+            with pytest.raises(ChiefReplaced):
+                old.init({0: [], 1: list(SPECS)}, SGD, CLUSTER)
+        finally:
+            new.close()
+            old.close()

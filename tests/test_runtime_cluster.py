@@ -20,7 +20,9 @@ from cluster_helpers import LocalCluster, wait_until
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime import wire
+from psctl.runtime.fencing import ChiefReplaced
 from psctl.runtime.initializers import initialize
+from psctl.runtime.ps_client import PsClient
 from psctl.runtime.rpc import make_channel
 
 pytestmark = pytest.mark.slow
@@ -300,3 +302,25 @@ def test_worker_killed_mid_training_is_replaced_without_losing_or_repeating_a_st
         f"{position(killed_at, 1)} -> {position(states[0], 1)}; "
         f"duplicate pushes per ps {[s.duplicate_updates for s in states]}"
     )
+
+
+def test_a_ps_and_a_worker_started_after_a_chief_restart_refuse_the_older_chief(make_cluster: MakeCluster) -> None:
+    """A ps or worker the launcher starts knows the current chief's incarnation from its environment, before
+    any heartbeat: a replaced chief still running elsewhere is refused from the first request."""
+    cluster = make_cluster(mlp_training(10), num_ps=1, num_workers=1)
+    cluster.extra_config["chief_incarnation"] = 5
+    cluster.start_servers()
+    cluster.wait_serving()
+    old = PsClient(cluster.jobs["ps"], timeout=10, chief_incarnation=3)
+    channel = make_channel(cluster.jobs["worker"][0])
+    try:
+        with pytest.raises(ChiefReplaced, match="chief incarnation 3 was replaced by incarnation 5"):
+            old.init({0: []}, pb.OptimizerConfig(name="sgd", learning_rate=0.1), cluster.cluster_id)
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.WorkerStub(channel).RunStep(
+                pb.StepRequest(step_id=1, function="train", chief_incarnation=3), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.ABORTED, refused.value  # type: ignore[attr-defined]
+        assert cluster.ps_state(0).applied_updates == 0
+    finally:
+        channel.close()
+        old.close()

@@ -262,10 +262,12 @@ class SyncFlushResponse(_message.Message):
     def __init__(self, applied: _Optional[bool] = ..., replicas: _Optional[int] = ..., global_step: _Optional[int] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("include_step_ids",)
+    __slots__ = ("include_step_ids", "chief_incarnation")
     INCLUDE_STEP_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     include_step_ids: bool
-    def __init__(self, include_step_ids: _Optional[bool] = ...) -> None: ...
+    chief_incarnation: int
+    def __init__(self, include_step_ids: _Optional[bool] = ..., chief_incarnation: _Optional[int] = ...) -> None: ...
 
 class VariableInfo(_message.Message):
     __slots__ = ("name", "dtype", "shape")

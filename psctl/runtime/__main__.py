@@ -25,6 +25,8 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
     from psctl.runtime.fencing import CHIEF_FENCE  # also fed by this process's heartbeat replies
     from psctl.runtime.rpc import make_server
 
+    CHIEF_FENCE.learn(info.chief_incarnation)  # before serving: a replaced chief may already be calling
+
     server, _port = make_server(info.bind_address(), info.tls)
     if info.task_type == "ps":
         from psctl.runtime.ps import ParameterServerServicer, VariableStore, add_to_server

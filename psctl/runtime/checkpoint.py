@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import threading
 import time
 import zipfile
@@ -36,7 +37,12 @@ log = logging.getLogger("psctl.checkpoint")
 P = TypeVar("P", bound=PurePath)
 
 PREFIX = "ckpt-"
+#: Beside the checkpoints: which cluster last finished training into this folder (see mark_finished).
+FINISHED = "finished.json"
 _NAME = re.compile(r"ckpt-(\d+)")
+#: A checkpoint being written: ``.tmp-ckpt-<step>-<host>-<pid>-<thread>`` (host names have no dashes here).
+_HOST = socket.gethostname().replace("-", "_")
+_TMP_OWNER = re.compile(r"\.tmp-ckpt-\d+-(?P<host>[^-]*)-(?P<pid>\d+)-\d+")
 
 
 class CheckpointError(Exception):
@@ -132,9 +138,8 @@ def write_checkpoint(directory: str | Path, snapshot: Snapshot) -> Path:
     final = checkpoint_path(directory, snapshot.global_step)
     if final.exists():
         return final  # the same global step is already saved: never overwrite
-    for stale in directory.glob(f".tmp-{PREFIX}*"):  # left by a crash mid-write (only one writer runs)
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = directory / f".tmp-{final.name}-{os.getpid()}-{threading.get_ident()}"
+    _remove_abandoned_writes(directory)
+    tmp = directory / f".tmp-{final.name}-{_HOST}-{os.getpid()}-{threading.get_ident()}"
     tmp.mkdir()
     arrays = {f"var:{k}": v for k, v in snapshot.variables.items()}
     for name, slots in snapshot.slots.items():
@@ -158,6 +163,39 @@ def write_checkpoint(directory: str | Path, snapshot: Snapshot) -> Path:
     os.rename(tmp, final)
     _fsync_dir(directory)
     return final
+
+
+def _remove_abandoned_writes(directory: Path) -> None:
+    """Delete the temporary folders that writers on this host left when they died mid-write. Only this host's,
+    and only those of processes that are gone: on shared storage the chief of another host (a chief that moved,
+    or its predecessor) may be writing one right now."""
+    for tmp in directory.glob(f".tmp-{PREFIX}*"):
+        match = _TMP_OWNER.fullmatch(tmp.name)
+        if match is None or match["host"] != _HOST:
+            continue
+        try:
+            os.kill(int(match["pid"]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except PermissionError:  # alive, someone else's
+            pass
+
+
+def mark_finished(directory: str | Path, cluster_id: str, global_step: int) -> None:
+    """Leave word beside the checkpoints that cluster ``cluster_id`` finished training (its last checkpoint is
+    written): an evaluator on another host, which cannot see the chief's result.json, stops on it."""
+    path = Path(directory).expanduser() / FINISHED
+    tmp = path.with_name(f".{FINISHED}.{_HOST}.{os.getpid()}")
+    tmp.write_text(json.dumps({"cluster_id": cluster_id, "global_step": global_step, "time": time.time()}))
+    os.replace(tmp, path)
+
+
+def finished(directory: str | Path, cluster_id: str) -> bool:
+    """Whether cluster ``cluster_id`` left word in ``directory`` that it finished (see mark_finished)."""
+    try:
+        return bool(json.loads((Path(directory).expanduser() / FINISHED).read_text())["cluster_id"] == cluster_id)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:

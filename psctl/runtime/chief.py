@@ -15,7 +15,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from psctl.runtime.checkpoint import Checkpointer, latest_checkpoint, restore_snapshot, take_snapshot
+from psctl.runtime.checkpoint import (
+    Checkpointer,
+    latest_checkpoint,
+    mark_finished,
+    restore_snapshot,
+    take_snapshot,
+)
 from psctl.runtime.cluster import ClusterInfo
 from psctl.runtime.config import TrainingConfig
 from psctl.runtime.coordinator import Closure, ClusterCoordinator, PsFailure, StepError
@@ -148,6 +154,8 @@ class Chief:
         tmp = self.result_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(result, indent=2))
         os.replace(tmp, self.result_path)
+        if self.checkpointer is not None:
+            mark_finished(self.checkpointer.directory, self.info.cluster_id, global_step)
         log.info(
             "training done: global step %d, %s",
             global_step,

@@ -7,7 +7,7 @@ that tools expecting it work unchanged). ``PSCTL_CLUSTER`` wins when both are se
      "task": {"type": "worker", "index": 0},
      "cluster_id": "digits-1f2e", "incarnation": 3,
      "training": {...}, "run_dir": "/path", "supervisor": "host:port" | null,
-     "tls": {"ca": path, "cert": path, "key": path} | null}
+     "tls": {"ca": path, "cert": path, "key": path} | null, "chief_incarnation": 7}
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ class ClusterInfo:
     run_dir: str = "."
     supervisor: str | None = None
     tls: TlsFiles | None = None
+    #: The current chief's incarnation when this role started (see fencing): a ps or worker refuses an older
+    #: chief from its first request on, before any heartbeat reply could have told it.
+    chief_incarnation: int = 0
 
     @property
     def task(self) -> str:
@@ -109,6 +112,7 @@ def from_env(env: Mapping[str, str] | None = None) -> ClusterInfo:
             run_dir=str(data.get("run_dir", ".")),
             supervisor=data.get("supervisor"),
             tls=TlsFiles(**tls) if tls else None,
+            chief_incarnation=int(data.get("chief_incarnation", 0)),
         )
     raw = env.get("TF_CONFIG")
     if raw:

@@ -15,7 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
-from psctl.runtime.checkpoint import CheckpointError, Snapshot, list_checkpoints, load_checkpoint, step_of
+from psctl.runtime.checkpoint import (
+    CheckpointError,
+    Snapshot,
+    finished,
+    list_checkpoints,
+    load_checkpoint,
+    step_of,
+)
 from psctl.runtime.cluster import ClusterInfo
 from psctl.runtime.config import TrainingConfig
 from psctl.runtime.heartbeat import PROGRESS
@@ -47,6 +54,7 @@ class Evaluator:
         self.program = load_program(ProgramRef(cfg.program, cfg.args, cfg.data, cfg.seed))
         self.max_evaluations = cfg.max_evaluations
         self.run_dir = Path(info.run_dir)
+        self.cluster_id = info.cluster_id
         self.stop = stop
         self.poll_seconds = poll_seconds
         self.metrics = MetricsFile(self.run_dir / "eval.jsonl")
@@ -55,7 +63,9 @@ class Evaluator:
         self._bad: set[str] = set()
 
     def training_done(self) -> bool:
-        return (self.run_dir / "result.json").is_file()
+        """The chief's result.json (it runs on this host), or its word beside the checkpoints (it runs or
+        moved elsewhere: the checkpoint folder is then shared)."""
+        return (self.run_dir / "result.json").is_file() or finished(self.directory, self.cluster_id)
 
     def run(self) -> int:
         PROGRESS.status = "waiting for a checkpoint"

@@ -754,6 +754,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return pb.SyncFlushResponse(applied=applied, replicas=arrived, global_step=self.store.global_step)
 
     def GetState(self, request: pb.StateRequest, context: grpc.ServicerContext) -> pb.StateResponse:
+        if request.chief_incarnation:
+            self.chief_fence.check(request.chief_incarnation, context)
         return self.store.state(include_step_ids=request.include_step_ids)
 
 

@@ -21,7 +21,7 @@ from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime import wire
 from psctl.runtime.cluster import TlsFiles
-from psctl.runtime.fencing import replaced
+from psctl.runtime.fencing import ChiefReplaced, replaced
 from psctl.runtime.heartbeat import tasks_of
 from psctl.runtime.rpc import close_later, make_channel
 from psctl.runtime.wire import Entry
@@ -69,6 +69,22 @@ def _push_reply(frame: bytes) -> tuple[pb.PushResponse, list[Entry]]:
     response, entries = wire.read_frame(frame, pb.PushResponse)
     del response.entries[:]  # they are the entries returned beside it
     return response, entries
+
+
+def _all_or_raise(guard: Callable[[int, Callable[[], Any]], Any], runs: Sequence[tuple[int, Callable[[], Any]]]
+                  ) -> dict[int, Any]:
+    """Every ps's result (``guard(ps, run)``), waiting for all of them; if any failed, the failure to act on:
+    ChiefReplaced before any other (a replaced chief must stop, not retry a ps that is merely down)."""
+    out: dict[int, Any] = {}
+    errors: list[Exception] = []
+    for ps, run in runs:
+        try:
+            out[ps] = guard(ps, run)
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise next((e for e in errors if isinstance(e, ChiefReplaced)), errors[0])
+    return out
 
 
 class PsClient:
@@ -129,10 +145,9 @@ class PsClient:
             call = calls[ps]
             pending[ps] = self._pool.submit(call) if callable(call) else call[0].future(call[1], timeout=self.timeout)
         call = calls[first]
-        out = {first: self._guard(first, call if callable(call) else lambda: call[0](call[1], timeout=self.timeout))}
-        for ps, future in pending.items():
-            out[ps] = self._guard(ps, future.result)
-        return out
+        runs = [(first, call if callable(call) else lambda: call[0](call[1], timeout=self.timeout)),
+                *((ps, future.result) for ps, future in pending.items())]  # fmt: skip
+        return _all_or_raise(self._guard, runs)
 
     def _guard(self, ps: int, run: Callable[[], Any]) -> Any:
         try:
@@ -264,18 +279,14 @@ class PsClient:
             )
             for ps in range(len(self.stubs))
         ]
-        out = []
-        for ps, call in enumerate(calls):
-            try:
-                out.append(call.result())
-            except grpc.RpcError as exc:
-                raise self._wrap(ps, exc) from None
-        return out
+        done = _all_or_raise(self._guard, [(ps, call.result) for ps, call in enumerate(calls)])
+        return [done[ps] for ps in range(len(calls))]
 
     def state(self, ps: int = 0, *, include_step_ids: bool = False, timeout: float | None = None) -> pb.StateResponse:
         try:
             return self.stubs[ps].GetState(  # type: ignore[no-any-return]
-                pb.StateRequest(include_step_ids=include_step_ids), timeout=timeout or self.timeout
+                pb.StateRequest(include_step_ids=include_step_ids, chief_incarnation=self.chief_incarnation),
+                timeout=timeout or self.timeout,
             )
         except grpc.RpcError as exc:
             raise self._wrap(ps, exc) from None

@@ -250,6 +250,7 @@ class Supervisor:
             "run_dir": str(place.dirs.run_dir),
             "supervisor": self.supervisor_address_for(place),
             "tls": asdict(member_files(place.dirs.tls_dir, role.name)) if self.record.tls else None,
+            "chief_incarnation": self.chief_incarnation(),
         }
         spec_role = self.spec.roles[role.role]
         on_host = sum(1 for r in self.record.roles if r.host == role.host)
