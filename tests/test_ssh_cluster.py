@@ -514,7 +514,7 @@ def test_a_chief_cut_off_from_the_supervisor_moves_and_the_old_one_is_fenced(rem
     system). h3, the chief's host, stops answering the supervisor but still reaches the ps and the workers:
     the chief restarts on h2, reads the global step from the ps and finishes the training, while the old chief,
     still running and connected, is refused by the workers (fencing) and stops by itself."""
-    steps = 3000
+    steps = 15_000  # ~30 s of training here: the old chief must still be training when the new one starts
     spec, _ = write_spec(remote.bed, remote.folder, remote.name, steps=steps, roles=CHIEF_POOL_ROLES)
     text = spec.read_text().replace("heartbeat_timeout: 10s", "heartbeat_timeout: 3s")
     spec.write_text(text.replace("checkpoint: {every_steps: 100}", "checkpoint: {every_steps: 100, dir: shared}"))
