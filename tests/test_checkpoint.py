@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ import pytest
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.checkpoint import (
+    ABANDONED_AFTER,
     PREFIX,
     Checkpointer,
     CheckpointError,
@@ -222,11 +224,23 @@ def test_a_write_removes_only_this_hosts_abandoned_temporaries(tmp_path: Path) -
     abandoned = directory / f".tmp-{PREFIX}000000000020-{host}-{dead}-1"
     writing_here = directory / f".tmp-{PREFIX}000000000030-{host}-{os.getpid()}-1"
     writing_elsewhere = directory / f".tmp-{PREFIX}000000000030-otherhost-{dead}-1"
-    for folder in (abandoned, writing_here, writing_elsewhere):
+    abandoned_elsewhere = directory / f".tmp-{PREFIX}000000000010-otherhost-{dead}-1"
+    for folder in (abandoned, writing_here, writing_elsewhere, abandoned_elsewhere):
         folder.mkdir()
+    day_ago = time.time() - ABANDONED_AFTER - 60
+    os.utime(abandoned_elsewhere, (day_ago, day_ago))  # its host crashed long ago
     write_checkpoint(directory, sample_snapshot(40))
     assert sorted(p.name for p in directory.iterdir()) == sorted(
         [checkpoint_path(directory, 40).name, writing_here.name, writing_elsewhere.name])
+
+
+def test_a_failed_write_leaves_no_temporary_behind(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpts"
+    broken = sample_snapshot(50)
+    broken.meta = {"not json": object()}  # fails after the arrays are on disk
+    with pytest.raises(TypeError):
+        write_checkpoint(directory, broken)
+    assert leftover_temporaries(directory) == [] and list_checkpoints(directory) == []
 
 
 def test_prune_keeps_the_newest(tmp_path: Path) -> None:

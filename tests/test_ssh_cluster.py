@@ -514,20 +514,20 @@ def test_a_chief_cut_off_from_the_supervisor_moves_and_the_old_one_is_fenced(rem
     system). h3, the chief's host, stops answering the supervisor but still reaches the ps and the workers:
     the chief restarts on h2, reads the global step from the ps and finishes the training, while the old chief,
     still running and connected, is refused by the workers (fencing) and stops by itself."""
-    steps = 15_000  # ~30 s of training here: the old chief must still be training when the new one starts
+    steps = 6000
     spec, _ = write_spec(remote.bed, remote.folder, remote.name, steps=steps, roles=CHIEF_POOL_ROLES)
     text = spec.read_text().replace("heartbeat_timeout: 10s", "heartbeat_timeout: 3s")
     spec.write_text(text.replace("checkpoint: {every_steps: 100}", "checkpoint: {every_steps: 100, dir: shared}"))
     remote.psctl("up", str(spec), "--detach")
     events_file = Path(remote.env["PSCTL_HOME"]) / remote.name / "events.jsonl"
-    old_log = remote.workdirs["h3"] / remote.name / "logs" / "chief-0.1.log"
+    logs_on_h3 = remote.workdirs["h3"] / remote.name / "logs"  # the hosts share this machine's file system
 
     def chief(status: dict[str, Any]) -> dict[str, Any]:
         return next(r for r in status["roles"] if r["name"] == "chief-0")
 
     def explain() -> str:
-        tail = old_log.read_text(errors="replace")[-2000:] if old_log.exists() else "(none)"
-        return f"events:\n{events_file.read_text()[-4000:]}\nold chief's log:\n{tail}"
+        tails = {p.name: p.read_text(errors="replace")[-1500:] for p in sorted(logs_on_h3.glob("chief-0.*.log"))}
+        return f"events:\n{events_file.read_text()[-4000:]}\nchief logs on h3: {tails}"
 
     def status_once(ok: Callable[[dict[str, Any]], bool]) -> Callable[[], dict[str, Any] | None]:
         def look() -> dict[str, Any] | None:
@@ -536,23 +536,30 @@ def test_a_chief_cut_off_from_the_supervisor_moves_and_the_old_one_is_fenced(rem
 
         return look
 
+    before = wait_until(status_once(lambda s: chief(s)["global_step"] >= 200), timeout=120,
+                        what="training to pass step 200", detail=explain)
+    assert chief(before)["host"] == "h3"
+    old_log = logs_on_h3 / f"chief-0.{chief(before)['attempt']}.log"
+
     def old_chief_runs() -> bool:
         out = remote.bed.exec("h3", "ps axeww -o pid=,args=").stdout
         return any(f"PSCTL_CLUSTER_ID={before['cluster_id']}" in line.split() for line in out.splitlines())
 
-    before = wait_until(status_once(lambda s: chief(s)["global_step"] >= 200), timeout=120,
-                        what="training to pass step 200", detail=explain)
-    assert chief(before)["host"] == "h3"
-    remote.bed.ssh_only_from_hosts("h3")  # the supervisor loses h3 (and its heartbeats); the hosts do not
+    # The supervisor loses h3 (and its heartbeats); the hosts do not. h3 is frozen until the chief has moved,
+    # so that the old chief cannot finish the training meanwhile, however fast this machine is.
+    remote.bed.ssh_only_from_hosts("h3")
+    remote.bed.freeze("h3")
     step_at_cut = chief(remote.status())["global_step"]
     try:
         moved = wait_until(status_once(lambda s: chief(s)["host"] == "h2"), timeout=60,
                            what="the chief to move to h2", detail=explain)
         assert chief(moved)["incarnation"] > chief(before)["incarnation"]
-        # The supervisor cannot reach h3 to stop the old chief: the workers' refusal is what stops it.
+        remote.bed.thaw("h3")
+        # The supervisor still cannot reach h3 to stop the old chief: the workers' refusal is what stops it.
         wait_until(lambda: not old_chief_runs(), timeout=60, what="the old chief to stop by itself", detail=explain)
         assert "a newer chief runs the training: stopping" in old_log.read_text(), explain()
     finally:
+        remote.bed.thaw("h3")
         remote.bed.heal("h3")
     done = wait_until(status_once(lambda s: s["state"] in ("succeeded", "failed")), timeout=180,
                       what="training to finish on h2", detail=explain)

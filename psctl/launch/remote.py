@@ -267,7 +267,10 @@ def prepare_host(
     PYTHONPATH entry of the psctl copy, or None when the host's own psctl is used."""
     dirs = " ".join(sh_path(d) for d in (hostdir.root, hostdir.logs, hostdir.run_dir, hostdir.tls_dir,
                                           hostdir.files, hostdir.checkpoints))
-    code, _, err = runner.run(f"mkdir -p -m 700 {dirs} && chmod 700 {dirs}")
+    # A new cluster of the same name starts with no logs, metrics or results of the last one (as locally):
+    # an evaluator would read an old result.json as "training is done".
+    stale = f"{sh_path(hostdir.logs)} {sh_path(hostdir.run_dir)}"
+    code, _, err = runner.run(f"rm -rf {stale} && mkdir -p -m 700 {dirs} && chmod 700 {dirs}")
     if code != 0:
         raise LaunchError(f"host {runner.host}: cannot create {hostdir.root}: {err.strip() or code}; "
                           "set hosts[].workdir to a folder the user can write")

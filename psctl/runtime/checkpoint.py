@@ -40,6 +40,8 @@ PREFIX = "ckpt-"
 #: Beside the checkpoints: which cluster last finished training into this folder (see mark_finished).
 FINISHED = "finished.json"
 _NAME = re.compile(r"ckpt-(\d+)")
+#: Another host's temporary checkpoint folder untouched this long was abandoned (its writer died).
+ABANDONED_AFTER = 24 * 3600.0
 #: A checkpoint being written: ``.tmp-ckpt-<step>-<host>-<pid>-<thread>`` (host names have no dashes here).
 _HOST = socket.gethostname().replace("-", "_")
 _TMP_OWNER = re.compile(r"\.tmp-ckpt-\d+-(?P<host>[^-]*)-(?P<pid>\d+)-\d+")
@@ -141,6 +143,18 @@ def write_checkpoint(directory: str | Path, snapshot: Snapshot) -> Path:
     _remove_abandoned_writes(directory)
     tmp = directory / f".tmp-{final.name}-{_HOST}-{os.getpid()}-{threading.get_ident()}"
     tmp.mkdir()
+    try:
+        _write_into(tmp, snapshot)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed write (disk full, say) leaves nothing behind
+        raise
+    _fsync_dir(directory)
+    return final
+
+
+def _write_into(tmp: Path, snapshot: Snapshot) -> None:
+    """The checkpoint's files in ``tmp``, each flushed to disk, then the folder itself."""
     arrays = {f"var:{k}": v for k, v in snapshot.variables.items()}
     for name, slots in snapshot.slots.items():
         arrays.update({f"slot:{name}#{slot}": v for slot, v in slots.items()})
@@ -160,25 +174,30 @@ def write_checkpoint(directory: str | Path, snapshot: Snapshot) -> Path:
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
-    os.rename(tmp, final)
-    _fsync_dir(directory)
-    return final
 
 
 def _remove_abandoned_writes(directory: Path) -> None:
-    """Delete the temporary folders that writers on this host left when they died mid-write. Only this host's,
-    and only those of processes that are gone: on shared storage the chief of another host (a chief that moved,
-    or its predecessor) may be writing one right now."""
+    """Delete the temporary folders of writers that died mid-write: on this host, those of processes that are
+    gone; of other hosts (on shared storage the chief of another host may be writing one right now), those
+    untouched for ABANDONED_AFTER seconds (no write takes that long; a host that crashed never comes back to
+    clean its own)."""
     for tmp in directory.glob(f".tmp-{PREFIX}*"):
         match = _TMP_OWNER.fullmatch(tmp.name)
-        if match is None or match["host"] != _HOST:
-            continue
-        try:
-            os.kill(int(match["pid"]), 0)
-        except ProcessLookupError:
-            shutil.rmtree(tmp, ignore_errors=True)
-        except PermissionError:  # alive, someone else's
-            pass
+        if match is not None and match["host"] == _HOST:
+            try:
+                os.kill(int(match["pid"]), 0)
+                continue
+            except ProcessLookupError:
+                pass
+            except PermissionError:  # alive, someone else's
+                continue
+        else:
+            try:
+                if time.time() - tmp.stat().st_mtime < ABANDONED_AFTER:
+                    continue
+            except OSError:
+                continue
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def mark_finished(directory: str | Path, cluster_id: str, global_step: int) -> None:
@@ -190,12 +209,14 @@ def mark_finished(directory: str | Path, cluster_id: str, global_step: int) -> N
     os.replace(tmp, path)
 
 
-def finished(directory: str | Path, cluster_id: str) -> bool:
-    """Whether cluster ``cluster_id`` left word in ``directory`` that it finished (see mark_finished)."""
+def finished_at(directory: str | Path, cluster_id: str) -> int | None:
+    """The global step cluster ``cluster_id`` finished training at, if it left word in ``directory`` (see
+    mark_finished); None otherwise."""
     try:
-        return bool(json.loads((Path(directory).expanduser() / FINISHED).read_text())["cluster_id"] == cluster_id)
+        word = json.loads((Path(directory).expanduser() / FINISHED).read_text())
+        return int(word["global_step"]) if word["cluster_id"] == cluster_id else None
     except (OSError, ValueError, KeyError, TypeError):
-        return False
+        return None
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:

@@ -155,7 +155,10 @@ class Chief:
         tmp.write_text(json.dumps(result, indent=2))
         os.replace(tmp, self.result_path)
         if self.checkpointer is not None:
-            mark_finished(self.checkpointer.directory, self.info.cluster_id, global_step)
+            try:
+                mark_finished(self.checkpointer.directory, self.info.cluster_id, global_step)
+            except OSError as exc:  # training is done: an evaluator elsewhere then stops after its grace
+                log.error("cannot leave word beside the checkpoints that training finished: %s", exc)
         log.info(
             "training done: global step %d, %s",
             global_step,

@@ -18,7 +18,7 @@ import numpy as np
 from psctl.runtime.checkpoint import (
     CheckpointError,
     Snapshot,
-    finished,
+    finished_at,
     list_checkpoints,
     load_checkpoint,
     step_of,
@@ -64,8 +64,12 @@ class Evaluator:
 
     def training_done(self) -> bool:
         """The chief's result.json (it runs on this host), or its word beside the checkpoints (it runs or
-        moved elsewhere: the checkpoint folder is then shared)."""
-        return (self.run_dir / "result.json").is_file() or finished(self.directory, self.cluster_id)
+        moved elsewhere: the checkpoint folder is then shared) once the checkpoint of the step it names was
+        evaluated (a shared folder's listing may show that checkpoint later than the word)."""
+        if (self.run_dir / "result.json").is_file():
+            return True
+        step = finished_at(self.directory, self.cluster_id)
+        return step is not None and self.last_step >= step
 
     def run(self) -> int:
         PROGRESS.status = "waiting for a checkpoint"

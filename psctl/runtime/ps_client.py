@@ -71,16 +71,19 @@ def _push_reply(frame: bytes) -> tuple[pb.PushResponse, list[Entry]]:
     return response, entries
 
 
-def _all_or_raise(guard: Callable[[int, Callable[[], Any]], Any], runs: Sequence[tuple[int, Callable[[], Any]]]
-                  ) -> dict[int, Any]:
-    """Every ps's result (``guard(ps, run)``), waiting for all of them; if any failed, the failure to act on:
-    ChiefReplaced before any other (a replaced chief must stop, not retry a ps that is merely down)."""
+def _all_or_raise(guard: Callable[[int, Callable[[], Any]], Any], runs: Sequence[tuple[int, Callable[[], Any]]],
+                  *, wait_all: bool) -> dict[int, Any]:
+    """Every ps's result (``guard(ps, run)``). A worker's client raises the first failure at once; a chief's
+    (``wait_all``) waits for every answer and raises ChiefReplaced before any other failure: a replaced chief
+    must stop, not retry a ps that is merely down (only chief requests are fenced)."""
     out: dict[int, Any] = {}
     errors: list[Exception] = []
     for ps, run in runs:
         try:
             out[ps] = guard(ps, run)
         except Exception as exc:
+            if not wait_all:
+                raise
             errors.append(exc)
     if errors:
         raise next((e for e in errors if isinstance(e, ChiefReplaced)), errors[0])
@@ -147,7 +150,7 @@ class PsClient:
         call = calls[first]
         runs = [(first, call if callable(call) else lambda: call[0](call[1], timeout=self.timeout)),
                 *((ps, future.result) for ps, future in pending.items())]  # fmt: skip
-        return _all_or_raise(self._guard, runs)
+        return _all_or_raise(self._guard, runs, wait_all=bool(self.chief_incarnation))
 
     def _guard(self, ps: int, run: Callable[[], Any]) -> Any:
         try:
@@ -279,7 +282,8 @@ class PsClient:
             )
             for ps in range(len(self.stubs))
         ]
-        done = _all_or_raise(self._guard, [(ps, call.result) for ps, call in enumerate(calls)])
+        done = _all_or_raise(self._guard, [(ps, call.result) for ps, call in enumerate(calls)],
+                             wait_all=bool(self.chief_incarnation))
         return [done[ps] for ps in range(len(calls))]
 
     def state(self, ps: int = 0, *, include_step_ids: bool = False, timeout: float | None = None) -> pb.StateResponse:
@@ -293,15 +297,10 @@ class PsClient:
 
     def sync_flush(self, step: int, min_replicas: int) -> list[pb.SyncFlushResponse]:
         """Ask every PS to apply ``step`` with the gradients that arrived (replica timeout)."""
-        out = []
-        for ps, stub in enumerate(self.stubs):
-            try:
-                request = pb.SyncFlushRequest(step=step, min_replicas=min_replicas,
-                                              chief_incarnation=self.chief_incarnation)
-                out.append(stub.SyncFlush(request, timeout=self.timeout))
-            except grpc.RpcError as exc:
-                raise self._wrap(ps, exc) from None
-        return out
+        request = pb.SyncFlushRequest(step=step, min_replicas=min_replicas, chief_incarnation=self.chief_incarnation)
+        runs = [(ps, partial(stub.SyncFlush, request, timeout=self.timeout)) for ps, stub in enumerate(self.stubs)]
+        done = _all_or_raise(self._guard, runs, wait_all=bool(self.chief_incarnation))
+        return [done[ps] for ps in range(len(self.stubs))]
 
     def wait_ready(self, timeout: float) -> None:
         """Block until every PS channel is connected (roles start in any order). A PS that moves meanwhile is
