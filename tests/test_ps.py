@@ -920,3 +920,21 @@ def test_a_replaced_chief_learns_it_even_when_another_ps_is_down(ps: Ps) -> None
         finally:
             new.close()
             old.close()
+
+
+def test_a_push_of_a_replaced_chiefs_step_is_refused_and_changes_nothing(ps: Ps) -> None:
+    init(ps)
+    new = PsClient([ps.address], timeout=30, chief_incarnation=2)
+    try:
+        new.state(0)  # the ps hears of chief incarnation 2
+    finally:
+        new.close()
+    before = snapshot(ps)
+    header = PushHeader(step_id=5, task="worker:0", incarnation=1, chief_incarnation=1)
+    with pytest.raises(ChiefReplaced):
+        ps.client.push(header, {0: [GOOD_W]})
+    after = snapshot(ps)
+    assert (after.state, after.values, after.slots) == (before.state, before.values, before.slots)
+    for chief in (2, 0):  # the current chief's step, and one whose chief is not known, land
+        assert ps.client.push(PushHeader(step_id=6 + chief, task="worker:0", incarnation=1, chief_incarnation=chief),
+                              {0: [GOOD_W]})[0].applied  # fmt: skip

@@ -272,3 +272,25 @@ def test_a_heartbeat_reply_tells_the_role_which_chief_is_current() -> None:
     finally:
         heartbeater.stop()
         server.stop(grace=None).wait()
+
+
+def test_a_step_of_a_replaced_chief_does_not_land_once_the_ps_knows_the_new_one(make_cluster: MakeCluster) -> None:
+    """The new chief's Init reaches every PS before it reads where each worker's input stands: from then on
+    the old chief's steps are refused at the PS, even by a worker that has not heard of the new chief yet."""
+    made = make_cluster(MLP, num_ps=1, batch_size=BATCH)
+    old = ClusterCoordinator([made.worker_address], probe_interval=0.05, chief_incarnation=1)
+    new = PsClient(made.chief.addresses, timeout=30, chief_incarnation=2)
+    try:
+        old.schedule("train")
+        old.join(timeout=30)
+        before = made.chief.state(0)
+        new.state(0)  # the PS hears of chief incarnation 2; the worker has not
+        assert made.worker.chief_fence.newest == 1
+        old.schedule("train")
+        with pytest.raises(ChiefReplaced, match="chief incarnation 1 was replaced by incarnation 2"):
+            old.join(timeout=30)
+        after = made.chief.state(0)
+        assert (after.global_step, list(after.shard_positions)) == (before.global_step, list(before.shard_positions))
+    finally:
+        old.shutdown()
+        new.close()

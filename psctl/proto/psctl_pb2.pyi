@@ -122,7 +122,7 @@ class PullResponse(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., global_step: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("step_id", "task", "incarnation", "entries", "increment_global_step", "local_step", "shard", "position", "pull_dense")
+    __slots__ = ("step_id", "task", "incarnation", "entries", "increment_global_step", "local_step", "shard", "position", "pull_dense", "chief_incarnation")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class PushRequest(_message.Message):
     SHARD_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     PULL_DENSE_FIELD_NUMBER: _ClassVar[int]
+    CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     task: str
     incarnation: int
@@ -141,7 +142,8 @@ class PushRequest(_message.Message):
     shard: int
     position: int
     pull_dense: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., task: _Optional[str] = ..., incarnation: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., increment_global_step: _Optional[bool] = ..., local_step: _Optional[int] = ..., shard: _Optional[int] = ..., position: _Optional[int] = ..., pull_dense: _Optional[_Iterable[str]] = ...) -> None: ...
+    chief_incarnation: int
+    def __init__(self, step_id: _Optional[int] = ..., task: _Optional[str] = ..., incarnation: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., increment_global_step: _Optional[bool] = ..., local_step: _Optional[int] = ..., shard: _Optional[int] = ..., position: _Optional[int] = ..., pull_dense: _Optional[_Iterable[str]] = ..., chief_incarnation: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("applied", "global_step", "stale", "entries")

@@ -515,7 +515,7 @@ def _push_header(p: pb.PushRequest) -> pb.PushRequest:
     return pb.PushRequest(
         step_id=p.step_id, task=p.task, incarnation=p.incarnation, local_step=p.local_step,
         increment_global_step=p.increment_global_step, shard=p.shard, position=p.position,
-        pull_dense=list(p.pull_dense),
+        pull_dense=list(p.pull_dense), chief_incarnation=p.chief_incarnation,
     )
 
 
@@ -593,6 +593,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         split: Mapping[str, SplitArray] | None = None,
     ) -> tuple[pb.PushResponse, list[Entry]]:
         """Apply a push; the response, and the shards its pull_dense names as they are after it."""
+        if request.chief_incarnation:  # a step of a replaced chief must not land (see fencing)
+            self.chief_fence.check(request.chief_incarnation, context)
         try:
             outcome = self.store.push(request, entries, split)
             pulled = self.store.pull([Entry(name, DENSE, _EMPTY) for name in request.pull_dense])

@@ -46,6 +46,8 @@ class PushHeader:
     local_steps: Mapping[int, int] | None = None
     shard: int = -1
     position: int = -1
+    #: The chief whose step this is (fenced on the PS; 0: not known).
+    chief_incarnation: int = 0
 
 
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
@@ -246,6 +248,7 @@ class PsClient:
                 shard=header.shard,
                 position=header.position,
                 pull_dense=list(pull.get(ps, ())),
+                chief_incarnation=header.chief_incarnation,
             )
             if wire.payload_bytes(entries) <= wire.UNARY_MAX_BYTES:
                 calls[ps] = (self._framed[ps].push, wire.encode_frame(request, entries))

@@ -30,7 +30,7 @@ import grpc
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.evaluation import evaluate_batch
-from psctl.runtime.fencing import ChiefFence
+from psctl.runtime.fencing import ChiefFence, ChiefReplaced
 from psctl.runtime.heartbeat import PROGRESS, Progress
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import Dataset
@@ -111,6 +111,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             if request.function == "evaluate":
                 return self._evaluate(request)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown step function {request.function!r}")
+        except ChiefReplaced as exc:  # a PS refused this step's chief: tell that chief so, in the same words
+            context.abort(grpc.StatusCode.ABORTED, str(exc))
         except PsUnavailable as exc:
             self._ps_was_down = True
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"ps unavailable: {exc}")
@@ -169,6 +171,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             local_steps={ps: request.sync_step - 1 for ps in steps} if request.sync_step else steps,
             shard=request.shard,
             position=position,
+            chief_incarnation=request.chief_incarnation,
         )
         responses = self._push(request, header, self.model.push_plan(grads), plan if reuse else None)
         first = responses[0]
