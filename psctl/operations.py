@@ -35,6 +35,7 @@ from psctl.launch.remote import (
 )
 from psctl.launch.ssh import SSHRunner
 from psctl.pki import create_cluster_pki
+from psctl.runtime.atomic import write_json_atomic
 from psctl.spec import ClusterSpec, Plan, load_spec, make_plan
 from psctl.spec.plan import LOCAL_HOST, RoleInstance
 from psctl.supervisor.state import (
@@ -44,7 +45,6 @@ from psctl.supervisor.state import (
     RoleState,
     load_state,
     save_state,
-    write_json_atomic,
 )
 
 

@@ -31,7 +31,7 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
     if info.task_type == "ps":
         from psctl.runtime.ps import ParameterServerServicer, VariableStore, add_to_server
 
-        add_to_server(ParameterServerServicer(VariableStore(cluster_id=info.cluster_id), chief_fence=CHIEF_FENCE),
+        add_to_server(ParameterServerServicer(VariableStore(cluster_id=info.cluster_id, chief_fence=CHIEF_FENCE)),
                       server)
     else:
         from psctl.proto import psctl_pb2_grpc as pb_grpc

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from psctl.runtime.atomic import write_json_atomic
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.ps_client import PsClient
 from psctl.runtime.wire import DENSE, SLOT, Entry
@@ -203,10 +204,8 @@ def _remove_abandoned_writes(directory: Path) -> None:
 def mark_finished(directory: str | Path, cluster_id: str, global_step: int) -> None:
     """Leave word beside the checkpoints that cluster ``cluster_id`` finished training (its last checkpoint is
     written): an evaluator on another host, which cannot see the chief's result.json, stops on it."""
-    path = Path(directory).expanduser() / FINISHED
-    tmp = path.with_name(f".{FINISHED}.{_HOST}.{os.getpid()}")
-    tmp.write_text(json.dumps({"cluster_id": cluster_id, "global_step": global_step, "time": time.time()}))
-    os.replace(tmp, path)
+    write_json_atomic(Path(directory).expanduser() / FINISHED,
+                      {"cluster_id": cluster_id, "global_step": global_step, "time": time.time()})
 
 
 def finished_at(directory: str | Path, cluster_id: str) -> int | None:

@@ -6,15 +6,14 @@ on ps 0, so a restarted chief reads them back and carries on without losing or r
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from psctl.runtime.atomic import write_json_atomic
 from psctl.runtime.checkpoint import (
     Checkpointer,
     latest_checkpoint,
@@ -151,9 +150,7 @@ class Chief:
         }
         self._report(final=True)
         self.metrics.write({"time": time.time(), "event": "final", **result})
-        tmp = self.result_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        os.replace(tmp, self.result_path)
+        write_json_atomic(self.result_path, result)
         if self.checkpointer is not None:
             try:
                 mark_finished(self.checkpointer.directory, self.info.cluster_id, global_step)

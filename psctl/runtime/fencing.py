@@ -33,8 +33,11 @@ class ChiefFence:
 
     def admit(self, incarnation: int) -> None:
         """Accept a request from chief ``incarnation`` (and remember it if it is the newest), or raise
-        ChiefReplaced if a newer chief is known."""
+        ChiefReplaced if a newer chief is known. 0 is no chief's (a worker, a tool, a chief started by hand
+        without a launcher): always accepted, never remembered."""
         with self._lock:
+            if incarnation == 0:
+                return
             if incarnation < self._newest:
                 raise ChiefReplaced(f"{REPLACED} {incarnation} was replaced by incarnation {self._newest}")
             self._newest = incarnation
@@ -44,12 +47,6 @@ class ChiefFence:
         with self._lock:
             self._newest = max(self._newest, incarnation)
 
-    def check(self, incarnation: int, context: grpc.ServicerContext) -> None:
-        """``admit`` for a servicer: a refused request ends with ABORTED."""
-        try:
-            self.admit(incarnation)
-        except ChiefReplaced as exc:
-            context.abort(grpc.StatusCode.ABORTED, str(exc))
 
 
 def replaced(error: grpc.RpcError) -> ChiefReplaced | None:

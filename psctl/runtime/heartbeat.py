@@ -161,8 +161,7 @@ class Heartbeater:
                     self.on_fenced()
                 if reply.addresses:
                     self.addresses.update(dict(reply.addresses))
-                if reply.chief_incarnation:
-                    self.chief_fence.learn(reply.chief_incarnation)
+                self.chief_fence.learn(reply.chief_incarnation)
             except grpc.RpcError:
                 pass
             self._stop.wait(self.interval)

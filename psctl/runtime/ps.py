@@ -28,7 +28,7 @@ from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime import wire
 from psctl.runtime.accumulator import StepAccumulator
-from psctl.runtime.fencing import ChiefFence
+from psctl.runtime.fencing import ChiefFence, ChiefReplaced
 from psctl.runtime.initializers import initialize
 from psctl.runtime.optimizers import Optimizer, make_optimizer
 from psctl.runtime.wire import DENSE, IDS, ROWS, SLOT, Entry, SplitArray, WireError
@@ -87,8 +87,12 @@ def _spec_key(spec: pb.VariableSpec) -> tuple[object, ...]:
 class VariableStore:
     """The state of one PS. Thread-safe; every public method validates before it mutates."""
 
-    def __init__(self, *, cluster_id: str = "psctl") -> None:
+    def __init__(self, *, cluster_id: str = "psctl", chief_fence: ChiefFence | None = None) -> None:
         self.cluster_id = cluster_id
+        #: The newest chief heard of: its requests, and the pushes of its steps, are admitted under the lock
+        #: that also orders Init and GetState, so that once a new chief has read where each worker's input
+        #: stands, nothing of the replaced one lands (see fencing).
+        self.chief_fence = chief_fence or ChiefFence()
         self._shards: dict[str, Shard] = {}
         self._optimizer: Optimizer | None = None
         self._lock = threading.Lock()  # guards step ids, counters, incarnations, init
@@ -120,6 +124,7 @@ class VariableStore:
         reset: bool = False,
         replicas_to_aggregate: int = 0,
         distinct_replicas: bool = False,
+        chief_incarnation: int = 0,
     ) -> bool:
         """Create the shards; True if exactly these already existed (a restarted chief).
 
@@ -127,6 +132,7 @@ class VariableStore:
         checkpoint); step ids already applied stay remembered.
         """
         with self._lock:
+            self.chief_fence.admit(chief_incarnation)
             if self._optimizer is not None and not reset:
                 if sorted(map(_spec_key, specs)) != sorted(map(_spec_key, (s.spec for s in self._shards.values()))):
                     raise ValueError("this PS already holds different variables; restart it to re-create them")
@@ -203,6 +209,7 @@ class VariableStore:
                 raise FencedError(
                     f"{request.task} incarnation {request.incarnation} was replaced by incarnation {seen}"
                 )
+            self.chief_fence.admit(request.chief_incarnation)
             self._incarnations[request.task] = request.incarnation
             step = int(request.step_id)
             if step in self._applied or step <= self._newest_step - DEDUPE_WINDOW:
@@ -211,15 +218,20 @@ class VariableStore:
             if self._sync is not None:
                 return self._push_sync(request, step, updates)
             self._record_applied(step)
+            # Recorded with the fence check: a chief reading the positions after this sees the batch as taken.
+            self._record_position(request)
         self._apply(updates)
         with self._lock:
             self.applied_updates += 1
             if request.increment_global_step:
                 self.global_step += 1
-            if request.position >= 0 and request.shard >= 0:
-                prev = self.shard_positions.get(request.shard, -1)
-                self.shard_positions[request.shard] = max(prev, int(request.position))
             return PushOutcome(True, self.global_step)
+
+    def _record_position(self, request: pb.PushRequest) -> None:
+        """The highest batch position applied per data shard (caller holds the lock)."""
+        if request.position >= 0 and request.shard >= 0:
+            self.shard_positions[request.shard] = max(self.shard_positions.get(request.shard, -1),
+                                                      int(request.position))
 
     def _check_pull_dense(self, names: Sequence[str]) -> None:
         """What a push asks back must exist and fit its one-message answer, before anything changes."""
@@ -238,9 +250,7 @@ class VariableStore:
             raise WireError(f"gradient for step {request.local_step}, but this PS is at step {acc.step}")
         self._record_applied(step_id)
         acc.add(request.task, [(s, r, g.join() if isinstance(g, SplitArray) else g) for s, r, g in updates])
-        if request.position >= 0 and request.shard >= 0:
-            self.shard_positions[request.shard] = max(self.shard_positions.get(request.shard, -1),
-                                                      int(request.position))
+        self._record_position(request)
         if acc.ready():
             self._apply_sync()
         return PushOutcome(True, self.global_step)
@@ -267,9 +277,10 @@ class VariableStore:
                     assert isinstance(grad, np.ndarray)  # only dense gradients arrive split
                     optimizer.apply_sparse(shard.value, rows, grad, shard.slots)
 
-    def sync_flush(self, step: int, min_replicas: int) -> tuple[bool, int]:
+    def sync_flush(self, step: int, min_replicas: int, *, chief_incarnation: int = 0) -> tuple[bool, int]:
         """Apply ``step`` with what arrived if at least ``min_replicas`` did (replica timeout)."""
         with self._lock:
+            self.chief_fence.admit(chief_incarnation)
             acc = self._sync
             if acc is None:
                 raise WireError("this PS trains asynchronously: there is nothing to flush")
@@ -322,7 +333,9 @@ class VariableStore:
             updates.append((shard, local, rows[name].array))
         return updates
 
-    def assign(self, entries: Sequence[Entry], global_step: int, positions: Sequence[int]) -> None:
+    def assign(
+        self, entries: Sequence[Entry], global_step: int, positions: Sequence[int], *, chief_incarnation: int = 0
+    ) -> None:
         """Replace every shard's value and slots (restoring a checkpoint). Validates all, then applies all."""
         values: dict[str, np.ndarray] = {}
         slots: dict[str, dict[str, np.ndarray]] = {}
@@ -353,6 +366,7 @@ class VariableStore:
             if lacking:
                 raise WireError(f"assign must give every slot of {name!r}; missing {lacking}")
         with self._lock:
+            self.chief_fence.admit(chief_incarnation)
             for name, shard in self._shards.items():
                 with shard.lock:
                     shard.value[...] = values[name]
@@ -364,8 +378,9 @@ class VariableStore:
                 self._sync.reset(self.global_step)
 
     # -- inspection -----------------------------------------------------------------------------------
-    def state(self, *, include_step_ids: bool = False) -> pb.StateResponse:
+    def state(self, *, include_step_ids: bool = False, chief_incarnation: int = 0) -> pb.StateResponse:
         with self._lock:
+            self.chief_fence.admit(chief_incarnation)
             positions = [self.shard_positions.get(i, -1) for i in range(max(self.shard_positions, default=-1) + 1)]
             return pb.StateResponse(
                 global_step=self.global_step,
@@ -538,12 +553,12 @@ def _framed_parts(frames: Iterator[bytes], header_type: Any) -> Iterator[tuple[A
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     """gRPC front of a VariableStore: decodes, maps errors to status codes, encodes."""
 
-    def __init__(self, store: VariableStore, *, chief_fence: ChiefFence | None = None) -> None:
+    def __init__(self, store: VariableStore) -> None:
         self.store = store
-        #: The newest chief heard of: Init, Assign and SyncFlush from an older (replaced) chief are refused.
-        self.chief_fence = chief_fence or ChiefFence()
 
     def _abort(self, context: grpc.ServicerContext, exc: Exception) -> None:
+        if isinstance(exc, ChiefReplaced):
+            context.abort(grpc.StatusCode.ABORTED, str(exc))
         if isinstance(exc, FencedError):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         if isinstance(exc, NotInitializedError):
@@ -556,7 +571,6 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"this PS belongs to cluster {self.store.cluster_id!r}, not {request.cluster_id!r}",
             )
-        self.chief_fence.check(request.chief_incarnation, context)
         try:
             already = self.store.init(
                 list(request.variables),
@@ -564,7 +578,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 reset=request.reset,
                 replicas_to_aggregate=request.replicas_to_aggregate,
                 distinct_replicas=request.distinct_replicas,
+                chief_incarnation=request.chief_incarnation,
             )
+        except ChiefReplaced as exc:
+            self._abort(context, exc)
+            raise
         except ValueError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION if "already" in str(exc) else
                           grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -593,12 +611,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         split: Mapping[str, SplitArray] | None = None,
     ) -> tuple[pb.PushResponse, list[Entry]]:
         """Apply a push; the response, and the shards its pull_dense names as they are after it."""
-        if request.chief_incarnation:  # a step of a replaced chief must not land (see fencing)
-            self.chief_fence.check(request.chief_incarnation, context)
         try:
             outcome = self.store.push(request, entries, split)
             pulled = self.store.pull([Entry(name, DENSE, _EMPTY) for name in request.pull_dense])
-        except (ValueError, FencedError, NotInitializedError) as exc:
+        except (ValueError, FencedError, NotInitializedError, ChiefReplaced) as exc:
             self._abort(context, exc)
             raise
         response = pb.PushResponse(applied=outcome.applied, global_step=outcome.global_step, stale=outcome.stale)
@@ -636,10 +652,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def _assign(
         self, request: pb.AssignRequest, entries: list[Entry], context: grpc.ServicerContext
     ) -> pb.AssignResponse:
-        self.chief_fence.check(request.chief_incarnation, context)
         try:
-            self.store.assign(entries, request.global_step, list(request.shard_positions))
-        except (ValueError, NotInitializedError) as exc:
+            self.store.assign(entries, request.global_step, list(request.shard_positions),
+                              chief_incarnation=request.chief_incarnation)
+        except (ValueError, NotInitializedError, ChiefReplaced) as exc:
             self._abort(context, exc)
             raise
         return pb.AssignResponse(global_step=self.store.global_step)
@@ -747,18 +763,21 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return self._assign(request, entries, context)
 
     def SyncFlush(self, request: pb.SyncFlushRequest, context: grpc.ServicerContext) -> pb.SyncFlushResponse:
-        self.chief_fence.check(request.chief_incarnation, context)
         try:
-            applied, arrived = self.store.sync_flush(request.step, request.min_replicas)
-        except ValueError as exc:
+            applied, arrived = self.store.sync_flush(request.step, request.min_replicas,
+                                                     chief_incarnation=request.chief_incarnation)
+        except (ValueError, ChiefReplaced) as exc:
             self._abort(context, exc)
             raise
         return pb.SyncFlushResponse(applied=applied, replicas=arrived, global_step=self.store.global_step)
 
     def GetState(self, request: pb.StateRequest, context: grpc.ServicerContext) -> pb.StateResponse:
-        if request.chief_incarnation:
-            self.chief_fence.check(request.chief_incarnation, context)
-        return self.store.state(include_step_ids=request.include_step_ids)
+        try:
+            return self.store.state(include_step_ids=request.include_step_ids,
+                                    chief_incarnation=request.chief_incarnation)
+        except ChiefReplaced as exc:
+            self._abort(context, exc)
+            raise
 
 
 class _Registrations:

@@ -274,20 +274,16 @@ class PsClient:
     def init(self, specs: Mapping[int, Sequence[pb.VariableSpec]], optimizer: pb.OptimizerConfig,
              cluster_id: str, *, reset: bool = False, replicas_to_aggregate: int = 0,
              distinct_replicas: bool = False) -> list[pb.InitResponse]:
-        calls = [
-            self.stubs[ps].Init.future(
-                pb.InitRequest(
-                    variables=list(specs.get(ps, [])), optimizer=optimizer, cluster_id=cluster_id, reset=reset,
-                    replicas_to_aggregate=replicas_to_aggregate, distinct_replicas=distinct_replicas,
-                    chief_incarnation=self.chief_incarnation,
-                ),
-                timeout=self.timeout,
-            )
+        calls: dict[int, Call] = {
+            ps: (self.stubs[ps].Init, pb.InitRequest(
+                variables=list(specs.get(ps, [])), optimizer=optimizer, cluster_id=cluster_id, reset=reset,
+                replicas_to_aggregate=replicas_to_aggregate, distinct_replicas=distinct_replicas,
+                chief_incarnation=self.chief_incarnation,
+            ))
             for ps in range(len(self.stubs))
-        ]
-        done = _all_or_raise(self._guard, [(ps, call.result) for ps, call in enumerate(calls)],
-                             wait_all=bool(self.chief_incarnation))
-        return [done[ps] for ps in range(len(calls))]
+        }
+        done = self._on_every_ps(calls)
+        return [done[ps] for ps in range(len(self.stubs))]
 
     def state(self, ps: int = 0, *, include_step_ids: bool = False, timeout: float | None = None) -> pb.StateResponse:
         try:
@@ -301,8 +297,7 @@ class PsClient:
     def sync_flush(self, step: int, min_replicas: int) -> list[pb.SyncFlushResponse]:
         """Ask every PS to apply ``step`` with the gradients that arrived (replica timeout)."""
         request = pb.SyncFlushRequest(step=step, min_replicas=min_replicas, chief_incarnation=self.chief_incarnation)
-        runs = [(ps, partial(stub.SyncFlush, request, timeout=self.timeout)) for ps, stub in enumerate(self.stubs)]
-        done = _all_or_raise(self._guard, runs, wait_all=bool(self.chief_incarnation))
+        done = self._on_every_ps({ps: (stub.SyncFlush, request) for ps, stub in enumerate(self.stubs)})
         return [done[ps] for ps in range(len(self.stubs))]
 
     def wait_ready(self, timeout: float) -> None:

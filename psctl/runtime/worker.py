@@ -92,7 +92,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def RunStep(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
         if self.fenced.is_set():
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{self.task} incarnation {self.incarnation} is fenced")
-        self.chief_fence.check(request.chief_incarnation, context)
         if not 0 <= request.shard < self.num_shards:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"shard {request.shard} out of range 0..{self.num_shards - 1}"
@@ -101,6 +100,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "several steps in one call are for asynchronous training steps only")  # fmt: skip
         try:
+            self.chief_fence.admit(request.chief_incarnation)
             if request.function == "train":
                 try:
                     return self._train(request)

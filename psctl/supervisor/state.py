@@ -16,13 +16,13 @@ STOPPING → STOPPED on ``psctl down``.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from psctl.runtime.atomic import write_json_atomic
 from psctl.spec.plan import endpoint
 
 
@@ -152,17 +152,6 @@ class ClusterRecord:
         data["state"] = ClusterState(data.get("state", "starting"))
         data["roles"] = [RoleRecord.from_dict(r) for r in data.get("roles", [])]
         return cls(**data)
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Temporary file, fsync, rename: a reader sees the old state or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
 
 
 def save_state(path: Path, record: ClusterRecord) -> None:
