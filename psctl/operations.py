@@ -205,12 +205,24 @@ def refuse_if_up(spec: ClusterSpec) -> None:
         )
 
 
+def _refuse_if_left_on_hosts(name: str, old: ClusterRecord, runners: Mapping[str, SSHRunner]) -> None:
+    """A UsageError if processes of the last cluster of this name still run on the hosts about to be prepared
+    (its supervisor died, or `down` could not reach a host): `up` would clear their logs and results under
+    them, and no later `down` would look for their cluster id."""
+    found, _ = _cluster_processes(runners, old.cluster_id)
+    if found:
+        where = ", ".join(f"{h.host}:{h.pid}" for h in found)
+        raise UsageError(f"cluster {name!r} from its last run still has processes on its hosts ({where})",
+                         hint=f"stop them with `psctl down {name}`, then run up again")
+
+
 def _start(
     spec: ClusterSpec, plan: Plan, runners: Mapping[str, SSHRunner], reports: Mapping[str, HostReport], *,
     wait_started: float,
 ) -> ClusterDir:
     cdir = ClusterDir.named(spec.name)
     if cdir.state_file.is_file():
+        _refuse_if_left_on_hosts(spec.name, load_state(cdir.state_file), runners)
         for stale in (cdir.logs, cdir.run_dir):
             shutil.rmtree(stale, ignore_errors=True)
         cdir.events_file.unlink(missing_ok=True)

@@ -145,6 +145,9 @@ def remote(sshbed: SSHBed, tmp_path: Path) -> Iterator[Remote]:
     try:
         yield r
     finally:
+        for host in sshbed.hosts:  # a test that failed while a host was cut off or frozen must not leave it so
+            sshbed.thaw(host)
+            sshbed.heal(host)
         state = Path(env["PSCTL_HOME"]) / name / "state.json"
         cluster_id = json.loads(state.read_text())["cluster_id"] if state.exists() else None
         r.psctl("down", name, check=None, timeout=120)
@@ -541,22 +544,19 @@ def test_a_chief_cut_off_from_the_supervisor_moves_and_the_old_one_is_fenced(rem
     assert chief(before)["host"] == "h3"
     old_log = logs_on_h3 / f"chief-0.{chief(before)['attempt']}.log"
 
-    def old_chief_runs() -> bool:
-        out = remote.bed.exec("h3", "ps axeww -o pid=,args=").stdout
-        return any(f"PSCTL_CLUSTER_ID={before['cluster_id']}" in line.split() for line in out.splitlines())
-
     # The supervisor loses h3 (and its heartbeats); the hosts do not. h3 is frozen until the chief has moved,
     # so that the old chief cannot finish the training meanwhile, however fast this machine is.
-    remote.bed.ssh_only_from_hosts("h3")
-    remote.bed.freeze("h3")
-    step_at_cut = chief(remote.status())["global_step"]
     try:
+        remote.bed.ssh_only_from_hosts("h3")
+        remote.bed.freeze("h3")
+        step_at_cut = chief(remote.status())["global_step"]
         moved = wait_until(status_once(lambda s: chief(s)["host"] == "h2"), timeout=60,
                            what="the chief to move to h2", detail=explain)
         assert chief(moved)["incarnation"] > chief(before)["incarnation"]
         remote.bed.thaw("h3")
         # The supervisor still cannot reach h3 to stop the old chief: the workers' refusal is what stops it.
-        wait_until(lambda: not old_chief_runs(), timeout=60, what="the old chief to stop by itself", detail=explain)
+        wait_until(lambda: not remote.processes("h3", before["cluster_id"]), timeout=60,
+                   what="the old chief to stop by itself", detail=explain)
         assert "a newer chief runs the training: stopping" in old_log.read_text(), explain()
     finally:
         remote.bed.thaw("h3")
@@ -576,3 +576,18 @@ def test_a_chief_cut_off_from_the_supervisor_moves_and_the_old_one_is_fenced(rem
     assert resumed is not None and int(resumed[1]) >= step_at_cut, log[-3000:]
     metrics = Path(remote.env["PSCTL_HOME"]) / remote.name / "run" / "metrics.jsonl"
     assert any(json.loads(line).get("global_step") == steps for line in metrics.read_text().splitlines())
+
+
+def test_up_refuses_while_the_last_run_left_processes_on_a_host(remote: Remote) -> None:
+    """A role of the last run still alive on a host (its supervisor died, or `down` could not reach the host):
+    a new `up` of the name refuses, naming it, instead of clearing its folders under it."""
+    remote.psctl("up", str(remote.spec))
+    cluster_id = remote.status()["cluster_id"]
+    left = remote.bed.exec("h3", f"env PSCTL_CLUSTER_ID={cluster_id} nohup sleep 120 > /dev/null 2>&1 & echo $!",
+                           check=True).stdout.strip()
+    wait_until(lambda: remote.processes("h3", cluster_id), timeout=10, what="the left-over process")
+    again = remote.psctl("up", str(remote.spec), check=2)
+    assert f"still has processes on its hosts (h3:{left})" in again.stderr, again.stderr
+    assert f"psctl down {remote.name}" in again.stderr and "Traceback" not in again.stderr
+    assert remote.status()["cluster_id"] == cluster_id  # the last run's state is kept for that `down`
+    assert remote.processes("h3", cluster_id)  # untouched (the fixture's `down` stops it)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from cluster_helpers import wait_until
 from inprocess_cluster import MakeCluster, cluster_factory
 
 from psctl.proto import psctl_pb2 as pb
@@ -256,16 +257,13 @@ class ChiefIncarnationSupervisor(pb_grpc.SupervisorServicer):
 def test_a_heartbeat_reply_tells_the_role_which_chief_is_current() -> None:
     server, port = make_server("127.0.0.1:0")
     pb_grpc.add_SupervisorServicer_to_server(ChiefIncarnationSupervisor(3), server)
-    server.start()
     fence = ChiefFence()
     info = ClusterInfo({"worker": ["127.0.0.1:1"]}, "worker", 0, supervisor=f"127.0.0.1:{port}")
     heartbeater = Heartbeater(info, interval=0.05, progress=Progress(), chief_fence=fence)
-    heartbeater.start()
     try:
-        deadline = time.monotonic() + 10
-        while fence.newest != 3 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert fence.newest == 3
+        server.start()
+        heartbeater.start()
+        wait_until(lambda: fence.newest == 3, timeout=10, what="a heartbeat reply to reach the fence")
         with pytest.raises(ChiefReplaced):
             fence.admit(2)
         fence.admit(3)

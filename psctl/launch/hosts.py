@@ -112,7 +112,9 @@ def resolve(host: HostSpec, *, ssh_config: Path | None = DEFAULT_SSH_CONFIG,
             try:
                 jump_user, jump_host, jump_port = parse_jump(last)
             except ValueError as exc:
-                raise ConfigError(f"proxy jump of host {host.name}: {exc}") from None
+                # (the spec's own hops were checked when it was loaded: this one is from ~/.ssh/config)
+                raise ConfigError(f"proxy jump of host {host.name}: {exc}; fix its ProxyJump in the ssh config "
+                                  "or set proxy_jump: in the spec") from None
             hop = HostSpec(name=f"{host.name} jump", address=jump_host, user=jump_user, port=jump_port,
                            identity_file=None, host_key_policy=host.host_key_policy,
                            proxy_jump=",".join(before) if before else None, jump_hosts=host.jump_hosts)

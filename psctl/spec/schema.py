@@ -46,7 +46,6 @@ _NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _ADDRESS = re.compile(r"[A-Za-z0-9:][A-Za-z0-9_.:%-]{0,252}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-#: One ProxyJump hop, as OpenSSH writes it: [user@]host[:port], an IPv6 address in brackets.
 _PORT_FIX = "use a port number such as 7000"
 
 

@@ -135,6 +135,8 @@ class Supervisor:
         if isinstance(runner, Runner):
             cwd = str(spec.path.parent if spec.path else cdir.root)
             runner = placements(cdir, {}, {LOCAL_HOST: runner}, cwd=cwd, python=python)
+        #: The chief's record (records are changed in place, never replaced): heartbeats read its incarnation.
+        self._chief = next((r for r in record.roles if r.role == "chief"), None)
         self.places: dict[str, Placement] = dict(runner)
         self.runners: dict[str, Runner] = {name: p.runner for name, p in self.places.items()}
         self._heartbeat_port: int | None = None
@@ -210,8 +212,7 @@ class Supervisor:
 
     def chief_incarnation(self) -> int:
         """The current chief's incarnation (0: no chief yet)."""
-        chief = next((r for r in self.record.roles if r.role == "chief"), None)
-        return chief.incarnation if chief is not None else 0
+        return self._chief.incarnation if self._chief is not None else 0
 
     def addresses(self, job: str) -> dict[str, str]:
         """The addresses a role of ``job`` follows in its heartbeat replies (``"worker:2" -> "host:port"``): every
@@ -325,7 +326,7 @@ class Supervisor:
         return True
 
     def place_role(self, role: RoleRecord) -> None:
-        """Move a worker or ps whose host is cut off or benched to another host of its pool (if one is usable)."""
+        """Move a role whose host is cut off or benched to another host of its pool (if one is usable)."""
         if role.attempt == 0:
             return  # the first start goes where the plan put it
         occupants = [Occupant(r.name, r.host, r.port) for r in self.record.roles if not r.state.terminal]
@@ -466,7 +467,7 @@ class Supervisor:
         """Copy what a chief on an SSH host added to its metrics.jsonl into the local run folder, so that
         ``status`` and plots read it here (the chief's own file stays complete on its host)."""
         self._mirrored_at = self.time()
-        chief = next((r for r in self.record.roles if r.role == "chief"), None)
+        chief = self._chief
         if chief is None or not self.places[chief.host].remote:
             return
         host = chief.host

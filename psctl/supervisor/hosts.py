@@ -2,8 +2,8 @@
 benched or cannot be reached moves to another host of its pool.
 
 Pure logic on an injected clock (the supervisor passes ``now``), so that it is tested without processes.
-Workers and ps move: the chief and the workers follow their new addresses through their heartbeat replies (a
-moved ps is restored from the latest checkpoint, as a restarted one is). The chief and the evaluator have a
+Workers and ps move: the chief follows their new addresses, and the workers the ps', through their heartbeat
+replies (a moved ps is restored from the latest checkpoint, as a restarted one is). The chief and the evaluator have a
 pool only where the spec puts the checkpoints on shared storage (``training.checkpoint.dir``): a moved chief
 reads the global step from the ps and carries on, and no role dials either of them.
 """
