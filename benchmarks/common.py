@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -445,7 +446,8 @@ def emit_all(benchmark: str, run: Callable[[], Iterable[dict[str, Any]]]) -> int
     try:
         for line in run():
             emit(line)
-    except Exception as exc:  # any failure of the run is reported on the line, not as a traceback
+    except Exception as exc:  # any failure of the run is reported on the line; its traceback goes to stderr
+        log(traceback.format_exc())
         first_line = (str(exc).splitlines() or [""])[0]
         emit({"benchmark": benchmark, "ok": False, "error": f"{type(exc).__name__}: {first_line}"})
         return 1

@@ -217,8 +217,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             }
             parts = attribution(model, client, cluster.jobs["worker"][0], cluster.jobs["ps"][0], args.repeats,
                                 next(step_id_bases))  # fmt: skip
-            if duplicates(client):
-                raise RuntimeError(f"the PS refused {duplicates(client)} timed pushes as already applied")
+            refused = duplicates(client)
+            if refused:
+                raise RuntimeError(f"the PS refused {refused} timed pushes as already applied")
             cluster.check_alive()
         except BaseException:
             log(cluster.logs())

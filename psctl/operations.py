@@ -104,8 +104,7 @@ def check_hosts(spec: ClusterSpec, plan: Plan, runners: Mapping[str, SSHRunner])
         # a port taken there would fail the move when a restart needs it.
         ports: dict[int, str] = {}
         keys: dict[int, str] = {}
-        movers = [i for i in plan.may_run_on(runner.host) if i.host != runner.host]
-        for instance in [i for i in plan.instances if i.host == runner.host] + movers:
+        for instance in sorted(plan.may_run_on(runner.host), key=lambda i: i.host != runner.host):  # planned first
             if instance.port not in ports:
                 moves = instance.host != runner.host
                 ports[instance.port] = f"{instance.name}, should it move here" if moves else instance.name
@@ -281,8 +280,6 @@ def _start(
 @dataclass(frozen=True)
 class TeardownReport:
     stopped: int
-    survivors: list[ProcessHandle]
-    was_running: bool
     #: Spare pool hosts that did not answer, where no role of the cluster ever ran (nothing to stop there).
     unanswered_spares: tuple[str, ...] = ()
 
@@ -329,7 +326,6 @@ def _running(
 def _tear_down(
     cdir: ClusterDir, record: ClusterRecord, runners: Mapping[str, Runner], *, grace: float, purge: bool
 ) -> TeardownReport:
-    was_running = not record.state.terminal
     if supervisor_alive(record):
         assert record.supervisor_pid is not None
         write_json_atomic(cdir.root / "stop-request.json", {"grace": grace})
@@ -380,7 +376,7 @@ def _tear_down(
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
         if not any(cdir.root.iterdir()):
             cdir.root.rmdir()
-    return TeardownReport(stopped=len(live), survivors=survivors, was_running=was_running, unanswered_spares=spares)
+    return TeardownReport(stopped=len(live), unanswered_spares=spares)
 
 
 # -- logs ---------------------------------------------------------------------------------------------
