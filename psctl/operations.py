@@ -38,6 +38,7 @@ from psctl.pki import create_cluster_pki
 from psctl.runtime.atomic import write_json_atomic
 from psctl.spec import ClusterSpec, Plan, load_spec, make_plan
 from psctl.spec.plan import LOCAL_HOST, RoleInstance
+from psctl.supervisor.agents import agent_member
 from psctl.supervisor.state import (
     ClusterRecord,
     ClusterState,
@@ -153,11 +154,9 @@ def prepare_hosts(
     def prepare(runner: SSHRunner) -> dict[str, Any]:
         hostdir = HostDir.of(runner.spec.workdir, spec.name)
         tls: dict[str, Path] = {}
-        if spec.security.tls:
-            tls["ca.pem"] = cdir.tls_dir / "ca.pem"
-            for inst in plan.may_run_on(runner.host):
-                tls[f"{inst.name}.pem"] = cdir.tls_dir / f"{inst.name}.pem"
-                tls[f"{inst.name}.key"] = cdir.tls_dir / f"{inst.name}.key"
+        if spec.security.tls:  # the host's agent's own; a role's key comes with its start, where it starts
+            agent = agent_member(runner.host)
+            tls = {name: cdir.tls_dir / name for name in ("ca.pem", f"{agent}.pem", f"{agent}.key")}
         pythonpath = prepare_host(
             runner, hostdir, tls_files=tls, staged=archive,
             psctl_copy=bundle if reports[runner.host].copy_psctl else None, setup=spec.setup,
@@ -244,7 +243,9 @@ def _start(
         def where(i: RoleInstance) -> list[str]:  # the addresses of every host the instance may run on
             return [addresses.get(h, i.address) for h in plan.hosts_of(i)]
 
+        hosts = {LOCAL_HOST, *(h.name for h in spec.hosts)}
         members = [(i.name, where(i)) for i in plan.instances] + [("supervisor", ["127.0.0.1"])]
+        members += [(agent_member(h), ["127.0.0.1"]) for h in sorted(hosts)]
         create_cluster_pki(cdir.tls_dir, record.cluster_id, members)
     try:
         record.hosts = prepare_hosts(spec, plan, cdir, runners, reports)

@@ -421,3 +421,135 @@ class HeartbeatResponse(_message.Message):
     addresses: _containers.ScalarMap[str, str]
     chief_incarnation: int
     def __init__(self, fenced: _Optional[bool] = ..., addresses: _Optional[_Mapping[str, str]] = ..., chief_incarnation: _Optional[int] = ...) -> None: ...
+
+class RoleReport(_message.Message):
+    __slots__ = ("name", "incarnation", "attempt", "pid", "create_time", "exited", "exit_code", "log_tail", "start_error", "heartbeat_age", "last")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    EXITED_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    LOG_TAIL_FIELD_NUMBER: _ClassVar[int]
+    START_ERROR_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AGE_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    incarnation: int
+    attempt: int
+    pid: int
+    create_time: float
+    exited: bool
+    exit_code: int
+    log_tail: str
+    start_error: str
+    heartbeat_age: float
+    last: HeartbeatRequest
+    def __init__(self, name: _Optional[str] = ..., incarnation: _Optional[int] = ..., attempt: _Optional[int] = ..., pid: _Optional[int] = ..., create_time: _Optional[float] = ..., exited: _Optional[bool] = ..., exit_code: _Optional[int] = ..., log_tail: _Optional[str] = ..., start_error: _Optional[str] = ..., heartbeat_age: _Optional[float] = ..., last: _Optional[_Union[HeartbeatRequest, _Mapping]] = ...) -> None: ...
+
+class AgentReport(_message.Message):
+    __slots__ = ("host", "agent_pid", "agent_create_time", "heartbeat_address", "hello", "roles")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    AGENT_PID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    ROLES_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    agent_pid: int
+    agent_create_time: float
+    heartbeat_address: str
+    hello: bool
+    roles: _containers.RepeatedCompositeFieldContainer[RoleReport]
+    def __init__(self, host: _Optional[str] = ..., agent_pid: _Optional[int] = ..., agent_create_time: _Optional[float] = ..., heartbeat_address: _Optional[str] = ..., hello: _Optional[bool] = ..., roles: _Optional[_Iterable[_Union[RoleReport, _Mapping]]] = ...) -> None: ...
+
+class StartRole(_message.Message):
+    __slots__ = ("name", "incarnation", "attempt", "argv", "env", "cwd", "log_path", "files")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    ARGV_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    CWD_FIELD_NUMBER: _ClassVar[int]
+    LOG_PATH_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    incarnation: int
+    attempt: int
+    argv: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.ScalarMap[str, str]
+    cwd: str
+    log_path: str
+    files: _containers.ScalarMap[str, bytes]
+    def __init__(self, name: _Optional[str] = ..., incarnation: _Optional[int] = ..., attempt: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., log_path: _Optional[str] = ..., files: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+
+class StopRole(_message.Message):
+    __slots__ = ("name", "incarnation", "grace_seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    incarnation: int
+    grace_seconds: float
+    def __init__(self, name: _Optional[str] = ..., incarnation: _Optional[int] = ..., grace_seconds: _Optional[float] = ...) -> None: ...
+
+class AddressMap(_message.Message):
+    __slots__ = ("addresses",)
+    class AddressesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    addresses: _containers.ScalarMap[str, str]
+    def __init__(self, addresses: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ClusterView(_message.Message):
+    __slots__ = ("addresses", "chief_incarnation")
+    class AddressesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: AddressMap
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[AddressMap, _Mapping]] = ...) -> None: ...
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    addresses: _containers.MessageMap[str, AddressMap]
+    chief_incarnation: int
+    def __init__(self, addresses: _Optional[_Mapping[str, AddressMap]] = ..., chief_incarnation: _Optional[int] = ...) -> None: ...
+
+class Shutdown(_message.Message):
+    __slots__ = ("grace_seconds",)
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    grace_seconds: float
+    def __init__(self, grace_seconds: _Optional[float] = ...) -> None: ...
+
+class AgentCommand(_message.Message):
+    __slots__ = ("start", "stop", "view", "shutdown")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    start: StartRole
+    stop: StopRole
+    view: ClusterView
+    shutdown: Shutdown
+    def __init__(self, start: _Optional[_Union[StartRole, _Mapping]] = ..., stop: _Optional[_Union[StopRole, _Mapping]] = ..., view: _Optional[_Union[ClusterView, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...

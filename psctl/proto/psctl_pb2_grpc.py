@@ -864,3 +864,78 @@ class Supervisor:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AgentLinkStub:
+    """The supervisor's endpoint that agents attach to.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Attach = channel.stream_stream(
+                '/psctl.AgentLink/Attach',
+                request_serializer=psctl_dot_proto_dot_psctl__pb2.AgentReport.SerializeToString,
+                response_deserializer=psctl_dot_proto_dot_psctl__pb2.AgentCommand.FromString,
+                _registered_method=True)
+
+
+class AgentLinkServicer:
+    """The supervisor's endpoint that agents attach to.
+    """
+
+    def Attach(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AgentLinkServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Attach': grpc.stream_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=psctl_dot_proto_dot_psctl__pb2.AgentReport.FromString,
+                    response_serializer=psctl_dot_proto_dot_psctl__pb2.AgentCommand.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'psctl.AgentLink', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('psctl.AgentLink', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class AgentLink:
+    """The supervisor's endpoint that agents attach to.
+    """
+
+    @staticmethod
+    def Attach(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/psctl.AgentLink/Attach',
+            psctl_dot_proto_dot_psctl__pb2.AgentReport.SerializeToString,
+            psctl_dot_proto_dot_psctl__pb2.AgentCommand.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -131,6 +131,9 @@ class ClusterRecord:
     #: Where the chief writes its checkpoints: a folder here, or ``host:folder`` on an SSH host ("" until the
     #: chief is started, or when training does not checkpoint), for ``psctl export`` while it trains.
     checkpoint_dir: str = ""
+    #: The agent of every host: ``{"pid", "create_time", "forward_port"}`` (the port on an SSH host that
+    #: forwards to the supervisor), so that a restarted supervisor finds them and listens where they dial.
+    agents: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def role(self, name: str) -> RoleRecord:
         for record in self.roles:

@@ -1,0 +1,418 @@
+"""The per-host agent: runs the roles of one host on the supervisor's word and reports on them.
+
+It starts each role as its own child (a session and process group of its own, output appended to its log),
+watches it with ``waitpid`` (``Popen.poll``: a system call, no remote command), signals its group, answers its
+heartbeats (a replaced incarnation is told it is fenced; moved peers' addresses are passed on), and sends the
+supervisor ONE report per heartbeat interval for all of them over ONE long-lived gRPC stream (mutual TLS), at
+once when a role exits. It never restarts a role by itself: restarts are the supervisor's decision.
+
+When the supervisor goes away the agent keeps its roles running and dials again until one answers; the new
+supervisor adopts them from the agent's hello (nothing restarted, nothing lost).
+
+Needs only what a role needs (the runtime's dependencies): it imports nothing of the launcher side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+
+from psctl.proto import psctl_pb2 as pb
+from psctl.proto import psctl_pb2_grpc as pb_grpc
+from psctl.runtime.cluster import TlsFiles
+from psctl.runtime.rpc import make_channel, make_server
+
+log = logging.getLogger("psctl.agent")
+
+#: How often children are looked at (``waitpid`` with WNOHANG): an exit is reported within this.
+WATCH_INTERVAL = 0.1
+#: Longest wait between two tries to reach the supervisor.
+MAX_RECONNECT_BACKOFF = 1.0
+#: The last lines of a role's log that go with the report of its exit.
+TAIL_LINES = 5
+#: Roles of the cluster started by an earlier agent of this host carry this variable (see sweep_orphans).
+HOST_VARIABLE = "PSCTL_AGENT_HOST"
+
+
+class Process(Protocol):
+    """What the agent needs of a started role: ``subprocess.Popen`` has it; benchmarks pass fakes."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+
+Spawn = Callable[[pb.StartRole, int], Process]
+"""Starts a role: (the command, the log file's descriptor) -> its process."""
+
+
+def spawn_process(command: pb.StartRole, log_fd: int) -> Process:
+    """Start the role's argv as a child in its own session and process group (signalled as one)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PSCTL_AGENT")}
+    env.update(command.env)
+    return subprocess.Popen(
+        list(command.argv), env=env, cwd=host_path(command.cwd) if command.cwd else None,
+        stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+
+
+def host_path(path: str) -> str:
+    """A path as the launcher writes it for a host: ``~/x`` and relative paths are under the user's home."""
+    path = os.path.expanduser(path)
+    return path if os.path.isabs(path) else os.path.join(os.path.expanduser("~"), path)
+
+
+def create_time(pid: int) -> float:
+    """The process's start time as psutil reports it (boot time + start ticks / CLK_TCK); 0.0 if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])
+        with open("/proc/stat", "rb") as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith(b"btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return 0.0
+
+
+def log_tail(path: str, lines: int = TAIL_LINES) -> str:
+    """The last lines of a log, joined into one line ("" if it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+
+
+@dataclass
+class RoleProcess:
+    """One role the agent started (or failed to start)."""
+
+    name: str
+    incarnation: int
+    attempt: int
+    log_path: str
+    process: Process | None = None
+    create_time: float = 0.0
+    exit_code: int | None = None
+    start_error: str = ""
+    tail: str = ""
+    last: pb.HeartbeatRequest | None = None
+    last_beat: float | None = None
+    #: When a stop's SIGTERM turns into SIGKILL (monotonic); None: no stop in progress.
+    kill_at: float | None = None
+    files: list[str] = field(default_factory=list)
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.exit_code is None
+
+    def signal(self, sig: int) -> None:
+        if not self.running:
+            return
+        assert self.process is not None
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.process.pid, sig)
+
+    def report(self, now: float) -> pb.RoleReport:
+        out = pb.RoleReport(
+            name=self.name, incarnation=self.incarnation, attempt=self.attempt,
+            pid=self.process.pid if self.process is not None else 0, create_time=self.create_time,
+            exited=self.exit_code is not None or bool(self.start_error), exit_code=self.exit_code or 0,
+            log_tail=self.tail, start_error=self.start_error,
+            heartbeat_age=now - self.last_beat if self.last_beat is not None else -1.0,
+        )
+        if self.last is not None:
+            out.last.CopyFrom(self.last)
+        return out
+
+
+class HeartbeatEndpoint(pb_grpc.SupervisorServicer):
+    """The roles' heartbeat endpoint, answered by their host's agent."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        return self.agent.on_heartbeat(request)
+
+
+class Agent:
+    """The agent of one host. ``start()`` serves the roles' heartbeats and dials the supervisor; ``wait()``
+    returns once the supervisor told it to shut down (or ``stop()`` was called)."""
+
+    def __init__(
+        self,
+        host: str,
+        supervisor: str,
+        *,
+        cluster_id: str,
+        tls: TlsFiles | None = None,
+        interval: float = 1.0,
+        spawn: Spawn = spawn_process,
+        serve_heartbeats: bool = True,
+        get_time: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.host = host
+        self.supervisor = supervisor
+        self.cluster_id = cluster_id
+        self.tls = tls
+        self.interval = interval
+        self.spawn = spawn
+        self.time = get_time
+        self._serve = serve_heartbeats
+        self.heartbeat_address = ""
+        self.roles: dict[str, RoleProcess] = {}
+        self.lock = threading.Lock()
+        self.view = pb.ClusterView()
+        self._outbox: queue.SimpleQueue[pb.AgentReport | None] | None = None
+        self._report_now = threading.Event()
+        self._stopping = threading.Event()
+        self._done = threading.Event()
+        self._server: grpc.Server | None = None
+        self._threads: list[threading.Thread] = []
+        self.pid = os.getpid()
+        self.pid_create_time = create_time(self.pid)
+
+    # -- life -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._serve:
+            server, port = make_server("127.0.0.1:0", self.tls, max_workers=4)
+            pb_grpc.add_SupervisorServicer_to_server(HeartbeatEndpoint(self), server)
+            server.start()
+            self._server = server
+            self.heartbeat_address = f"127.0.0.1:{port}"
+        for target, name in ((self._watch, "watch"), (self._link, "link")):
+            thread = threading.Thread(target=target, name=f"psctl-agent-{name}-{self.host}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def stop(self) -> None:
+        """Leave the roles running and stop serving (a test's or a benchmark's end; ``Shutdown`` stops roles)."""
+        self._done.set()
+        outbox = self._outbox
+        if outbox is not None:
+            outbox.put(None)
+        if self._server is not None:
+            self._server.stop(grace=0.2)
+
+    # -- heartbeats -----------------------------------------------------------------------------------
+    def on_heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        """Record a role's heartbeat; fenced if the agent does not run that incarnation of it (replaced)."""
+        job, _, index = request.task.partition(":")
+        with self.lock:
+            role = self.roles.get(f"{job}-{index}")
+            if role is None or role.incarnation != request.incarnation or not role.running:
+                return pb.HeartbeatResponse(fenced=True)
+            role.last, role.last_beat = request, self.time()
+            view = self.view
+        response = pb.HeartbeatResponse()
+        if job in view.addresses:
+            response.addresses.update(view.addresses[job].addresses)
+        if job in ("ps", "worker"):  # they refuse a replaced chief that still runs somewhere (see fencing)
+            response.chief_incarnation = view.chief_incarnation
+        return response
+
+    # -- commands -------------------------------------------------------------------------------------
+    def handle(self, command: pb.AgentCommand) -> None:
+        kind = command.WhichOneof("command")
+        if kind == "start":
+            self._start(command.start)
+        elif kind == "stop":
+            with self.lock:
+                role = self.roles.get(command.stop.name)
+                if role is not None and command.stop.incarnation in (0, role.incarnation):
+                    self._begin_stop(role, command.stop.grace_seconds)
+        elif kind == "view":
+            with self.lock:
+                self.view = command.view
+        elif kind == "shutdown":
+            self.handle_shutdown(command.shutdown.grace_seconds)
+        self._report_now.set()
+
+    def handle_shutdown(self, grace: float) -> None:
+        """Stop every role and end, in a thread of its own (safe from a signal handler; once)."""
+        if not self._stopping.is_set():
+            self._stopping.set()
+            threading.Thread(target=self._shutdown, args=(grace,), daemon=True,
+                             name=f"psctl-agent-shutdown-{self.host}").start()
+
+    def _begin_stop(self, role: RoleProcess, grace: float) -> None:
+        if not role.running:
+            return
+        if grace <= 0:
+            role.signal(signal.SIGKILL)
+        else:
+            role.signal(signal.SIGTERM)
+        deadline = self.time() + max(0.0, grace)
+        role.kill_at = deadline if role.kill_at is None else min(role.kill_at, deadline)
+
+    def _start(self, command: pb.StartRole) -> None:
+        with self.lock:
+            old = self.roles.get(command.name)
+            if old is not None and old.incarnation == command.incarnation:
+                return  # a command sent again after a reconnect
+            if old is not None and old.running:  # replaced here: the old process must not answer on its port
+                old.signal(signal.SIGKILL)
+                self._reap(old, timeout=5.0)
+            role = RoleProcess(command.name, command.incarnation, command.attempt, host_path(command.log_path))
+            self.roles[command.name] = role
+            try:
+                for path, data in command.files.items():
+                    write_private(host_path(path), data)
+                os.makedirs(os.path.dirname(role.log_path), mode=0o700, exist_ok=True)
+                fd = os.open(role.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                try:
+                    role.process = self.spawn(command, fd)
+                finally:
+                    os.close(fd)
+                role.create_time = create_time(role.process.pid)
+                log.info("%s: attempt %d started, pid %d", command.name, command.attempt, role.process.pid)
+            except (OSError, ValueError) as exc:
+                where = command.argv[0] if command.argv else "(empty argv)"
+                role.start_error = f"cannot start {where}: {exc}"
+                log.warning("%s: %s", command.name, role.start_error)
+
+    def _shutdown(self, grace: float) -> None:
+        """Stop every role (SIGTERM, SIGKILL after ``grace``), report their exits, then end."""
+        with self.lock:
+            for role in self.roles.values():
+                self._begin_stop(role, grace)
+        deadline = self.time() + grace + 5.0
+        while self.time() < deadline and any(r.running for r in list(self.roles.values())):
+            time.sleep(WATCH_INTERVAL)
+        self._send(self.report())
+        outbox = self._outbox
+        if outbox is not None:
+            outbox.put(None)  # ends the stream: the supervisor has the last report before the agent goes
+        self._done.set()
+
+    # -- watching -------------------------------------------------------------------------------------
+    def _reap(self, role: RoleProcess, *, timeout: float = 0.0) -> bool:
+        """Collect the role's exit if it has one (waiting up to ``timeout``); True if it exited just now."""
+        if not role.running:
+            return False
+        assert role.process is not None
+        deadline = self.time() + timeout
+        code = role.process.poll()
+        while code is None and self.time() < deadline:
+            time.sleep(0.01)
+            code = role.process.poll()
+        if code is None:
+            return False
+        role.exit_code, role.kill_at = code, None
+        role.tail = log_tail(role.log_path)
+        log.info("%s: attempt %d exited with %d", role.name, role.attempt, code)
+        return True
+
+    def _watch(self) -> None:
+        next_report = self.time()
+        while not self._done.is_set():
+            now = self.time()
+            changed = False
+            with self.lock:
+                for role in self.roles.values():
+                    changed |= self._reap(role)
+                    if role.running and role.kill_at is not None and now >= role.kill_at:
+                        role.signal(signal.SIGKILL)
+                        role.kill_at = now + 1.0  # again, should the group have left a process behind
+            if changed or self._report_now.is_set() or now >= next_report:
+                self._report_now.clear()
+                self._send(self.report())
+                next_report = now + self.interval
+            self._report_now.wait(WATCH_INTERVAL)
+
+    def report(self, *, hello: bool = False) -> pb.AgentReport:
+        now = self.time()
+        with self.lock:
+            roles = [role.report(now) for role in self.roles.values()]
+        return pb.AgentReport(host=self.host, agent_pid=self.pid, agent_create_time=self.pid_create_time,
+                              heartbeat_address=self.heartbeat_address, hello=hello, roles=roles)
+
+    # -- the stream to the supervisor -----------------------------------------------------------------
+    def _send(self, report: pb.AgentReport) -> None:
+        outbox = self._outbox
+        if outbox is not None:
+            outbox.put(report)
+
+    def _link(self) -> None:
+        """Keep one stream to the supervisor: dial, say hello, carry out its commands; dial again when it
+        breaks (the roles go on meanwhile)."""
+        backoff = 0.1
+        while not self._done.is_set():
+            channel = make_channel(self.supervisor, self.tls)
+            outbox: queue.SimpleQueue[pb.AgentReport | None] = queue.SimpleQueue()
+            outbox.put(self.report(hello=True))
+            self._outbox = outbox
+            try:
+                for command in pb_grpc.AgentLinkStub(channel).Attach(_drain(outbox)):
+                    backoff = 0.1
+                    self.handle(command)
+            except grpc.RpcError as exc:
+                if not self._done.is_set():
+                    log.info("supervisor at %s: %s; dialling again", self.supervisor, exc.code().name)
+            finally:
+                self._outbox = None
+                outbox.put(None)
+                channel.close()
+            if self._stopping.is_set():
+                self._done.wait(10.0)  # the shutdown ends the agent
+            self._done.wait(backoff)
+            backoff = min(2 * backoff, MAX_RECONNECT_BACKOFF)
+
+
+def _drain(outbox: queue.SimpleQueue[pb.AgentReport | None]) -> Iterator[pb.AgentReport]:
+    while (item := outbox.get()) is not None:
+        yield item
+
+
+def write_private(path: str, data: bytes) -> None:
+    """Write a file readable by its owner only (the folder is created, mode 0700), replacing it atomically."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    partial = f"{path}.{os.getpid()}.part"
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(partial, path)
+
+
+def sweep_orphans(cluster_id: str, host: str) -> list[int]:
+    """SIGKILL the process groups of roles of this cluster and host that an earlier agent started (it died, so
+    nothing reports on them and they would hold their ports); returns their pids."""
+    me = os.getpid()
+    needles = (f"PSCTL_CLUSTER_ID={cluster_id}".encode(), f"{HOST_VARIABLE}={host}".encode())
+    killed = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if all(n in env for n in needles) and any(v.startswith(b"PSCTL_ROLE=") for v in env):
+            with contextlib.suppress(OSError):
+                os.killpg(int(entry), signal.SIGKILL)
+                killed.append(int(entry))
+    return killed

@@ -1,0 +1,669 @@
+"""The supervisor's rules: ``decide(state, observations, now) -> list[Action]``.
+
+A pure policy: it reads what the agents reported (:class:`Report`, :class:`Detached`, ...), changes the
+cluster's record and its own bookkeeping, and returns what must be done (:class:`StartRole`,
+:class:`StopRole`, :class:`WriteEvent`, ...). It does no I/O, starts no thread and reads no clock: ``now`` (a
+monotonic time) is the only clock, so that tests drive it step by step. The I/O shell
+(:mod:`psctl.supervisor.daemon`) carries the actions out.
+
+Every state change goes through :func:`transition` / :func:`cluster_transition`, which refuse a change the
+tables below do not allow (see :mod:`psctl.supervisor.state` for the diagram).
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from psctl.proto import psctl_pb2 as pb
+from psctl.spec import ClusterSpec
+from psctl.supervisor.hosts import DIALED_ROLES, HostBench, Occupant, restart_host
+from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState
+
+R, C = RoleState, ClusterState
+ROLE_TRANSITIONS: dict[RoleState, frozenset[RoleState]] = {
+    R.PENDING: frozenset({R.STARTING, R.FAILED, R.STOPPED}),
+    R.STARTING: frozenset({R.RUNNING, R.SUCCEEDED, R.LOST, R.FAILED, R.STOPPED}),
+    R.RUNNING: frozenset({R.STALLED, R.SUCCEEDED, R.LOST, R.FAILED, R.STOPPED}),
+    R.STALLED: frozenset({R.RUNNING, R.SUCCEEDED, R.LOST, R.FAILED, R.STOPPED}),
+    R.LOST: frozenset({R.RESTARTING, R.FAILED, R.STOPPED}),
+    R.RESTARTING: frozenset({R.STARTING, R.FAILED, R.STOPPED}),
+    R.SUCCEEDED: frozenset(),
+    R.FAILED: frozenset(),
+    R.STOPPED: frozenset(),
+}
+CLUSTER_TRANSITIONS: dict[ClusterState, frozenset[ClusterState]] = {
+    C.STARTING: frozenset({C.RUNNING, C.SUCCEEDED, C.FAILED, C.STOPPING, C.STOPPED}),
+    C.RUNNING: frozenset({C.SUCCEEDED, C.FAILED, C.STOPPING, C.STOPPED}),
+    C.STOPPING: frozenset({C.STOPPED, C.SUCCEEDED, C.FAILED}),
+    C.SUCCEEDED: frozenset(),
+    C.FAILED: frozenset(),
+    C.STOPPED: frozenset(),
+}
+
+#: Roles whose exit with code 0 means their job is done. ps and workers serve until told to stop, so any
+#: exit of theirs while training runs (preemption sends SIGTERM, which they answer with exit 0) is a loss.
+FINISHING_ROLES = ("chief", "evaluator")
+#: A role running this many times max_backoff_seconds counts as stable: its failures in a row reset.
+STABLE_FACTOR = 10.0
+#: Seconds an evaluator gets, after training finished, to evaluate the final checkpoint.
+EVALUATOR_GRACE = 120.0
+#: How often a role waiting for its host to answer looks again.
+HOST_WAIT = 1.0
+#: How often an agent is started again on a host where none is attached.
+AGENT_RETRY = 3.0
+#: Grace, in seconds, of the stops the policy orders on its own (a replaced or lost process: SIGKILL).
+KILL = 0.0
+
+
+class IllegalTransition(RuntimeError):
+    """A state change the transition tables do not allow: a bug in the policy, never a user's mistake."""
+
+
+# -- observations: what the shell saw ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Report:
+    """An agent's report (its first on a stream is its hello), received at ``at`` (monotonic)."""
+
+    host: str
+    at: float
+    report: pb.AgentReport
+
+
+@dataclass(frozen=True)
+class Detached:
+    """The stream of the agent ``agent_pid`` of ``host`` ended."""
+
+    host: str
+    agent_pid: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class AgentStartFailed:
+    """The shell could not start (or find) an agent on ``host``: the host did not answer, say."""
+
+    host: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class AgentAlive:
+    """An agent of ``host`` from before runs (a restarted supervisor waits for it to dial in)."""
+
+    host: str
+
+
+@dataclass(frozen=True)
+class StopRequested:
+    grace: float
+    reason: str = "stopped by psctl down"
+
+
+Observation = Report | Detached | AgentStartFailed | AgentAlive | StopRequested
+
+
+# -- actions: what the shell must do ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class StartAgent:
+    host: str
+
+
+@dataclass(frozen=True)
+class StartRole:
+    name: str
+    host: str
+    incarnation: int
+    attempt: int
+
+
+@dataclass(frozen=True)
+class StopRole:
+    name: str
+    host: str
+    incarnation: int
+    grace: float
+
+
+@dataclass(frozen=True)
+class SendView:
+    """Tell the agents (of ``host``; None: all) where the dialled roles are and the chief's incarnation."""
+
+    host: str | None = None
+
+
+@dataclass(frozen=True)
+class WriteEvent:
+    subject: str
+    was: str
+    to: str
+    reason: str
+    attempt: int | None = None
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Training is over (or the cluster failed or was stopped): the stops are ordered; the shell collects the
+    result, then calls :func:`conclude`."""
+
+    state: ClusterState
+    reason: str
+    grace: float
+
+
+Action = StartAgent | StartRole | StopRole | SendView | WriteEvent | Finish
+
+
+# -- the state the policy keeps --------------------------------------------------------------------------
+@dataclass
+class RoleLive:
+    """What the policy knows of a role beyond its persisted record (monotonic times)."""
+
+    started: float = 0.0
+    last_heartbeat: float | None = None
+    restart_at: float | None = None
+    #: The role's progress counter (a worker's local step, the chief's global step) and when it last moved.
+    progress: int = -1
+    progressed_at: float = 0.0
+    #: Restarts since the role last ran stably: drives the backoff and the max_restarts limit, so a long job
+    #: whose worker is preempted now and then is not failed for good by its eleventh preemption.
+    failures_in_a_row: int = 0
+    running_since: float | None = None
+
+
+@dataclass
+class HostLive:
+    """One host as its agent's stream shows it."""
+
+    remote: bool
+    address: str
+    attached: bool = False
+    agent_pid: int = 0
+    last_report: float | None = None
+    heartbeat_address: str = ""
+    #: Why no agent is attached (None: one is, or none was asked for yet).
+    error: str | None = None
+    agent_asked_at: float | None = None
+    #: The reachability last written to the events (first attach: "starting" -> "reachable").
+    shown: str = "starting"
+
+
+@dataclass
+class PolicyState:
+    record: ClusterRecord
+    spec: ClusterSpec
+    hosts: dict[str, HostLive]
+    #: ``time.time() - now``: turns the policy's clock into the wall-clock times the record shows.
+    wall_offset: float
+    bench: HostBench = field(init=False)
+    roles: dict[str, RoleLive] = field(init=False)
+    #: job -> the addresses a role of that job follows (see :func:`address_map`).
+    addresses: dict[str, dict[str, str]] = field(init=False)
+    evaluator_deadline: float | None = None
+    finishing: bool = False
+
+    def __post_init__(self) -> None:
+        sup = self.spec.supervision
+        self.bench = HostBench(failures=sup.bench_after_failures, window=sup.bench_window, cooloff=sup.bench_cooloff)
+        self.roles = {r.name: RoleLive() for r in self.record.roles}
+        self.addresses = address_map(self.spec, self.record)
+
+    @property
+    def chief(self) -> RoleRecord | None:
+        return next((r for r in self.record.roles if r.role == "chief"), None)
+
+    def chief_incarnation(self) -> int:
+        chief = self.chief
+        return chief.incarnation if chief is not None else 0
+
+    def adopt(self, now: float) -> None:
+        """A restarted supervisor: the roles the record shows running are given one heartbeat timeout for
+        their agents to dial in and report them (then they are adopted as they are, nothing restarted)."""
+        for role in self.record.roles:
+            if role.state in (R.STARTING, R.RUNNING, R.STALLED):
+                live = self.roles[role.name]
+                live.started = now
+                live.last_heartbeat = now
+                live.running_since = now if role.state != R.STARTING else None
+            elif role.state in (R.LOST, R.RESTARTING):
+                self.roles[role.name].restart_at = now
+
+
+def address_map(spec: ClusterSpec, record: ClusterRecord) -> dict[str, dict[str, str]]:
+    """Every ps's and worker's address for the chief, every ps's for a worker (it talks to no other worker: a
+    reply stays O(ps)), none for others; none at all where no ps or worker can move."""
+    if not any(len(set(spec.roles[r.role].hosts)) > 1 and r.role in DIALED_ROLES for r in record.roles):
+        return {}
+    chief = {f"{r.role}:{r.index}": r.endpoint for r in record.roles if r.role in DIALED_ROLES}
+    return {"chief": chief, "worker": {task: at for task, at in chief.items() if task.startswith("ps:")}}
+
+
+def describe_exit(code: int) -> str:
+    if code == -255:
+        return "exited (code unknown)"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def role_of_task(task: str) -> str:
+    job, _, index = task.partition(":")
+    return f"{job}-{index}"
+
+
+# -- the policy --------------------------------------------------------------------------------------------
+def decide(state: PolicyState, observations: Iterable[Observation], now: float) -> list[Action]:
+    """Apply what was observed, then look at every role and host at ``now``; returns what to do."""
+    decision = _Decision(state, now)
+    for observation in observations:
+        decision.observe(observation)
+    decision.tick()
+    return decision.actions
+
+
+def conclude(state: PolicyState, how: ClusterState, reason: str) -> list[Action]:
+    """The cluster's final transition, once the shell has stopped its roles and read the result."""
+    decision = _Decision(state, 0.0)
+    if not state.record.state.terminal:
+        decision.cluster_transition(how, reason)
+    return decision.actions
+
+
+def transition(role: RoleRecord, to: RoleState, reason: str = "") -> WriteEvent | None:
+    """Change a role's state (a change to itself just updates the reason); the event to write, if any."""
+    if role.state == to and not reason:
+        return None
+    if role.state != to and to not in ROLE_TRANSITIONS[role.state]:
+        raise IllegalTransition(f"{role.name}: {role.state.value} -> {to.value} ({reason})")
+    event = WriteEvent(role.name, role.state.value, to.value, reason, attempt=role.attempt)
+    role.state = to
+    if reason:
+        role.reason = reason
+    return event
+
+
+class _Decision:
+    """One call of :func:`decide`: the state, the time, and the actions gathered so far."""
+
+    def __init__(self, state: PolicyState, now: float) -> None:
+        self.s = state
+        self.now = now
+        self.actions: list[Action] = []
+        self.sup = state.spec.supervision
+
+    @property
+    def record(self) -> ClusterRecord:
+        return self.s.record
+
+    # -- bookkeeping ------------------------------------------------------------------------------------
+    def transition(self, role: RoleRecord, to: RoleState, reason: str = "") -> None:
+        event = transition(role, to, reason)
+        if event is not None:
+            self.actions.append(event)
+
+    def cluster_transition(self, to: ClusterState, reason: str = "") -> None:
+        was = self.record.state
+        if was != to and to not in CLUSTER_TRANSITIONS[was]:
+            raise IllegalTransition(f"cluster: {was.value} -> {to.value} ({reason})")
+        self.actions.append(WriteEvent("cluster", was.value, to.value, reason))
+        self.record.state = to
+        if reason:
+            self.record.reason = reason
+
+    def host_event(self, host: str, was: str, to: str, reason: str) -> None:
+        """Log a host's change, and what is wrong with it now in the record (for status)."""
+        self.actions.append(WriteEvent(f"host {host}", was, to, reason))
+        self.show_host_problems(host)
+
+    def show_host_problems(self, host: str) -> None:
+        h = self.s.hosts[host]
+        problems = []
+        if h.error:
+            problems.append(f"unreachable: {h.error}")
+        until = self.s.bench.benched_until(host)
+        if until is not None and self.s.bench.is_benched(host, self.now):
+            problems.append(f"benched for {until - self.now:.0f}s more (roles that can move start elsewhere)")
+        if problems:
+            self.record.host_problems[host] = "; ".join(problems)
+        else:
+            self.record.host_problems.pop(host, None)
+
+    def usable_now(self, host: str) -> bool:
+        """Whether ``host``'s agent is attached and its reports are not overdue."""
+        h = self.s.hosts.get(host)
+        if h is None or not h.attached or h.last_report is None:
+            return False
+        return self.now - h.last_report <= max(2.5, 2.5 * self.sup.heartbeat_interval)
+
+    def usable(self, host: str) -> bool:
+        return self.usable_now(host) and not self.s.bench.is_benched(host, self.now)
+
+    # -- observations -----------------------------------------------------------------------------------
+    def observe(self, observation: Observation) -> None:
+        if isinstance(observation, Report):
+            self.on_report(observation)
+        elif isinstance(observation, Detached):
+            h = self.s.hosts.get(observation.host)
+            if h is not None and h.attached and h.agent_pid == observation.agent_pid:
+                self.detach(observation.host, observation.reason)
+        elif isinstance(observation, AgentStartFailed):
+            self.on_agent_start_failed(observation.host, observation.reason)
+        elif isinstance(observation, AgentAlive):
+            h = self.s.hosts.get(observation.host)
+            if h is not None:
+                h.agent_asked_at = self.now  # it dials in: no new agent for a while
+        elif isinstance(observation, StopRequested):
+            self.finish(ClusterState.STOPPED, observation.reason, grace=observation.grace)
+
+    def detach(self, host: str, reason: str) -> None:
+        h = self.s.hosts[host]
+        h.attached, h.error = False, reason
+        if h.shown != "unreachable":
+            self.host_event(host, h.shown, "unreachable", reason)
+            h.shown = "unreachable"
+        else:
+            self.show_host_problems(host)
+
+    def on_agent_start_failed(self, host: str, reason: str) -> None:
+        h = self.s.hosts[host]
+        h.error = reason
+        waiting = [r for r in self.record.roles if r.host == host and r.state == R.PENDING]
+        if self.record.state == C.STARTING and waiting:  # the first start goes where the plan put it
+            for role in waiting:
+                self.transition(role, R.FAILED, f"cannot start on {host}: {reason}")
+            self.finish(ClusterState.FAILED, f"{waiting[0].name} failed to start: cannot start on {host}: {reason}")
+            return
+        if h.shown != "unreachable":
+            self.host_event(host, h.shown, "unreachable", reason)
+            h.shown = "unreachable"
+
+    def on_report(self, obs: Report) -> None:
+        h = self.s.hosts.get(obs.host)
+        if h is None:
+            return
+        report = obs.report
+        if report.hello:
+            if h.attached and h.agent_pid not in (0, report.agent_pid):
+                self.actions.append(WriteEvent(f"host {obs.host}", "reachable", "reachable",
+                                               f"agent pid {report.agent_pid} replaces pid {h.agent_pid}"))
+            h.agent_pid = report.agent_pid
+            h.heartbeat_address = report.heartbeat_address
+            self.actions.append(SendView(obs.host))
+        elif report.agent_pid != h.agent_pid:
+            return  # an older agent's stream, not closed yet
+        h.attached, h.last_report, h.error = True, obs.at, None
+        if h.shown != "reachable":
+            self.host_event(obs.host, h.shown, "reachable", "agent attached" if h.shown == "starting"
+                            else "answers again")
+            h.shown = "reachable"
+        reported = set()
+        for rr in report.roles:
+            reported.add(rr.name)
+            self.on_role_report(obs.host, obs.at, rr)
+        if report.hello:  # a role this host should run that its agent does not know: the agent was replaced
+            for role in self.record.roles:
+                if (role.host == obs.host and role.name not in reported
+                        and role.state in (R.STARTING, R.RUNNING, R.STALLED)):
+                    self.on_lost(role, f"{obs.host}'s agent restarted without it")
+
+    def on_role_report(self, host: str, at: float, rr: pb.RoleReport) -> None:
+        try:
+            role = self.record.role(rr.name)
+        except KeyError:
+            role = None
+        current = role is not None and role.host == host and rr.incarnation == role.incarnation
+        if role is None or not current or role.state.terminal or role.state in (R.LOST, R.RESTARTING):
+            # Replaced, moved, lost or given up on: that process must go (a stop sent while its host was cut
+            # off may never have arrived). A role stopped on purpose is left to the stop's grace.
+            if not rr.exited and not (current and role is not None and role.state == R.STOPPED):
+                self.actions.append(StopRole(rr.name, host, rr.incarnation, KILL))
+            return
+        live = self.s.roles[role.name]
+        if rr.start_error:
+            self.start_failed(role, f"cannot start on {host}: {rr.start_error}")
+            return
+        if rr.pid and role.pid != rr.pid:
+            role.pid, role.create_time = rr.pid, rr.create_time
+            role.started_at = live.started + self.s.wall_offset
+            self.transition(role, role.state, f"attempt {role.attempt}, pid {rr.pid}")
+        if rr.exited:
+            role.exit_code = rr.exit_code
+            self.on_exit(role, rr.exit_code, rr.log_tail)
+            return
+        if rr.heartbeat_age >= 0:
+            beat = at - rr.heartbeat_age
+            if live.last_heartbeat is None or beat > live.last_heartbeat:
+                live.last_heartbeat = beat
+                hb = rr.last
+                role.last_heartbeat = beat + self.s.wall_offset
+                role.global_step, role.local_step = hb.global_step, hb.local_step
+                role.loss = hb.loss if hb.loss == hb.loss else None
+                role.steps_per_sec = hb.steps_per_second
+                role.rss_bytes = hb.rss_bytes
+                role.metrics = dict(hb.metrics)
+
+    # -- the look at every host and role ----------------------------------------------------------------
+    def tick(self) -> None:
+        if self.record.state.terminal or self.s.finishing:
+            return
+        self.look_at_hosts()
+        for role in self.record.roles:
+            if self.s.finishing:
+                return
+            self.look_at(role)
+        if self.s.finishing:
+            return
+        if self.s.evaluator_deadline is not None and self.now > self.s.evaluator_deadline:
+            self.finish(ClusterState.SUCCEEDED, "training finished (the evaluator was stopped after its grace)")
+            return
+        if self.record.state == C.STARTING and all(r.state in (R.RUNNING, R.SUCCEEDED) for r in self.record.roles):
+            self.cluster_transition(C.RUNNING, "every role is up")
+
+    def look_at_hosts(self) -> None:
+        timeout = self.sup.heartbeat_timeout
+        for name, h in self.s.hosts.items():
+            if h.attached and h.last_report is not None and self.now - h.last_report > timeout:
+                self.detach(name, f"its agent has been silent for {self.now - h.last_report:.1f}s (host down "
+                                  "or cut off)")
+            if not h.attached and (h.agent_asked_at is None or self.now - h.agent_asked_at >= AGENT_RETRY):
+                h.agent_asked_at = self.now
+                self.actions.append(StartAgent(name))
+        for name in self.s.bench.released(self.now):
+            self.host_event(name, "benched", "available", "cooling-off ended")
+
+    def look_at(self, role: RoleRecord) -> None:
+        live = self.s.roles[role.name]
+        if role.state.terminal:
+            return
+        if role.state == R.PENDING:
+            if self.usable_now(role.host):
+                self.start_role(role)
+            return
+        if role.state == R.RESTARTING:
+            if live.restart_at is not None and self.now >= live.restart_at and not self.waits_for_host(role):
+                self.start_role(role)
+            return
+        if role.state == R.LOST:
+            return
+        if live.last_heartbeat is None:
+            if self.now - live.started > self.sup.startup_grace:
+                self.on_lost(role, f"no heartbeat within the start-up grace of {self.sup.startup_grace:.0f}s")
+            return
+        if role.state == R.STARTING:
+            self.transition(role, R.RUNNING)
+            live.running_since = self.now
+        policy = self.s.spec.roles[role.role].restart
+        if live.running_since is not None and self.now - live.running_since > STABLE_FACTOR * max(
+            policy.max_backoff_seconds, 1.0
+        ):
+            live.failures_in_a_row = 0
+        silent = self.now - live.last_heartbeat
+        if silent > self.sup.heartbeat_timeout:
+            self.on_lost(role, f"no heartbeat for {silent:.1f}s (hung or cut off)")
+        else:
+            self.check_stall(role, live)
+
+    def check_stall(self, role: RoleRecord, live: RoleLive) -> None:
+        """A worker or chief whose heartbeats go on but whose step stopped moving, while other workers' steps
+        move, is reported STALLED (and RUNNING again once it moves). Reported, not restarted: a slow step is
+        the coordinator's to re-schedule, a hang is caught by the heartbeat timeout."""
+        if role.role not in ("worker", "chief"):
+            return
+        progress = role.local_step if role.role == "worker" else role.global_step
+        if progress != live.progress:
+            live.progress, live.progressed_at = progress, self.now
+            if role.state == R.STALLED:
+                self.transition(role, R.RUNNING, "progressing again")
+            return
+        if role.state != R.RUNNING or self.now - live.progressed_at <= self.sup.stall_timeout:
+            return
+        others = [self.s.roles[r.name] for r in self.record.roles if r.role == "worker" and r.name != role.name]
+        if any(o.progressed_at > live.progressed_at for o in others):
+            still = self.now - live.progressed_at
+            reason = f"heartbeats arrive but its step has not moved for {still:.0f}s while others progress"
+            self.transition(role, R.STALLED, reason)
+
+    # -- starting ---------------------------------------------------------------------------------------
+    def start_role(self, role: RoleRecord) -> None:
+        live = self.s.roles[role.name]
+        self.place_role(role)
+        role.attempt += 1
+        if not role.hosts_by_attempt or role.hosts_by_attempt[-1][1] != role.host:
+            role.hosts_by_attempt.append([role.attempt, role.host])
+        was_chief = role.role == "chief"
+        role.incarnation = max(role.incarnation + 1, int((self.now + self.s.wall_offset) * 1000))
+        role.exit_code = None
+        role.last_heartbeat = None
+        role.pid = None
+        live.restart_at, live.started, live.last_heartbeat = None, self.now, None
+        self.transition(role, R.STARTING, f"attempt {role.attempt} on {role.host}")
+        self.actions.append(StartRole(role.name, role.host, role.incarnation, role.attempt))
+        if was_chief:
+            self.actions.append(SendView())  # ps and workers refuse the replaced chief from now on
+
+    def waits_for_host(self, role: RoleRecord) -> bool:
+        """A role due to restart whose host does not answer (and which has no usable host to move to) waits for
+        it, looking again every HOST_WAIT: an outage must not use up its restarts."""
+        self.place_role(role)
+        if self.usable_now(role.host):
+            return False
+        self.s.roles[role.name].restart_at = self.now + HOST_WAIT
+        waiting = f"waiting for {role.host} to answer"
+        if not role.reason.startswith(waiting):
+            self.transition(role, role.state, waiting)
+        return True
+
+    def place_role(self, role: RoleRecord) -> None:
+        """Move a role whose host is cut off or benched to another host of its pool (if one is usable)."""
+        if role.attempt == 0:
+            return  # the first start goes where the plan put it
+        occupants = [Occupant(r.name, r.host, r.port) for r in self.record.roles if not r.state.terminal]
+        pool = self.s.spec.roles[role.role].hosts
+        target = restart_host(role.name, role.host, role.port, pool, occupants, self.usable)
+        if target == role.host:
+            return
+        old = role.host
+        why = self.s.hosts[old].error or ("benched" if self.s.bench.is_benched(old, self.now) else "not usable")
+        self.transition(role, role.state, f"moves from {old} to {target} ({why})")
+        role.host, role.address = target, self.s.hosts[target].address
+        self.s.addresses = address_map(self.s.spec, self.record)
+        self.actions.append(SendView())
+
+    def start_failed(self, role: RoleRecord, reason: str) -> None:
+        if self.record.state == C.STARTING and role.attempt == 1:
+            self.transition(role, R.FAILED, reason)
+            self.finish(ClusterState.FAILED, f"{role.name} failed to start: {reason}")
+            return
+        self.transition(role, R.LOST, reason)
+        self.maybe_restart(role, None)
+
+    # -- losing -----------------------------------------------------------------------------------------
+    def on_exit(self, role: RoleRecord, code: int, tail: str) -> None:
+        what = describe_exit(code)
+        if code == 0 and role.role in FINISHING_ROLES:
+            self.transition(role, R.SUCCEEDED, "finished")
+            if role.role == "chief":
+                self.on_training_done()
+            elif self.s.evaluator_deadline is not None:
+                self.finish(ClusterState.SUCCEEDED, "training finished")
+            return
+        if self.s.evaluator_deadline is not None:  # training is over; nothing is restarted any more
+            self.transition(role, R.FAILED, what)
+            self.finish(ClusterState.SUCCEEDED, "training finished (the evaluator did not finish cleanly)")
+            return
+        reason = what + (f"; last log lines: {tail}" if tail else "")
+        if self.record.state == C.STARTING and role.attempt == 1:
+            self.transition(role, R.FAILED, reason)
+            self.finish(ClusterState.FAILED, f"{role.name} failed to start: {reason}")
+            return
+        self.transition(role, R.LOST, reason)
+        self.maybe_restart(role, code)
+
+    def on_training_done(self) -> None:
+        """Stop ps and workers at once; give a running evaluator time to evaluate the final checkpoint."""
+        evaluators = [r for r in self.record.roles if r.role == "evaluator" and not r.state.terminal]
+        if not evaluators:
+            self.finish(ClusterState.SUCCEEDED, "training finished")
+            return
+        for role in self.record.roles:
+            if role.role in ("ps", "worker") and not role.state.terminal:
+                self.actions.append(StopRole(role.name, role.host, role.incarnation, 5.0))
+                self.transition(role, R.STOPPED, "training finished")
+        self.s.evaluator_deadline = self.now + EVALUATOR_GRACE
+
+    def on_lost(self, role: RoleRecord, reason: str) -> None:
+        self.transition(role, R.LOST, reason)
+        # its host may be cut off: the stop reaches the agent if it can (a returning agent's report of this
+        # incarnation is answered with another stop)
+        self.actions.append(StopRole(role.name, role.host, role.incarnation, KILL))
+        self.maybe_restart(role, None)
+
+    def maybe_restart(self, role: RoleRecord, code: int | None) -> None:
+        policy = self.s.spec.roles[role.role].restart
+        live = self.s.roles[role.name]
+        # A host that does not answer is not benched for it (its roles wait for it, or move); a host that
+        # answers while roles keep failing there is.
+        if (self.s.hosts[role.host].remote and self.usable_now(role.host)
+                and self.s.bench.record_failure(role.host, self.now)):
+            self.host_event(role.host, "available", "benched",
+                            f"{self.sup.bench_after_failures} role failures within {self.sup.bench_window:.0f}s; "
+                            f"no role that can go elsewhere starts there for {self.sup.bench_cooloff:.0f}s")
+        why_not = None
+        if policy.policy == "never":
+            why_not = "restart policy is never"
+        elif code is not None and code in policy.permanent_exit_codes:
+            why_not = f"exit code {code} is permanent (a configuration or program error)"
+        elif live.failures_in_a_row >= policy.max_restarts:
+            why_not = f"restarted {live.failures_in_a_row} times in a row, the limit (max_restarts)"
+        if why_not is not None:
+            self.transition(role, R.FAILED, f"{role.reason}; not restarted: {why_not}")
+            if role.role in ("chief", "ps") or all(
+                r.state == R.FAILED for r in self.record.roles if r.role == "worker"
+            ):
+                self.finish(ClusterState.FAILED, f"{role.name} failed: {role.reason}")
+            return
+        backoff = min(policy.max_backoff_seconds, policy.backoff_seconds * (2**live.failures_in_a_row))
+        backoff *= random.uniform(0.8, 1.2)  # jitter: roles lost together do not restart in lockstep
+        role.restarts += 1
+        live.failures_in_a_row += 1
+        live.running_since = None
+        live.restart_at = self.now + backoff
+        self.transition(role, R.RESTARTING, f"restart {role.restarts} in {backoff:.1f}s")
+
+    def finish(self, how: ClusterState, reason: str, *, grace: float = 5.0) -> None:
+        """Order every running role stopped and hand over to the shell (once)."""
+        if self.record.state.terminal or self.s.finishing:
+            return
+        self.s.finishing = True
+        why = "stopped by psctl down" if how == ClusterState.STOPPED else "cluster finished"
+        for role in self.record.roles:
+            if not role.state.terminal:
+                self.actions.append(StopRole(role.name, role.host, role.incarnation, grace))
+                self.transition(role, R.STOPPED, why)
+        self.actions.append(Finish(how, reason, grace))
+
