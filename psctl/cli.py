@@ -221,6 +221,25 @@ def logs(role: str, name: str | None, tail: int, follow: bool, attempt: int | No
 
 @cli.command()
 @click.argument("name", required=False)
+@click.option("--detach", "-d", is_flag=True, help="Return once the supervisor runs; do not watch the cluster.")
+def supervise(name: str | None, detach: bool) -> None:
+    """Start a new supervisor for a cluster whose supervisor died; its running roles are adopted, not restarted."""
+    cdir = operations.resolve_cluster(name)
+    record = operations.resupervise(cdir)
+    console.print(f"cluster {cdir.name!r}: supervised again (pid {record.supervisor_pid}); its running roles "
+                  "are adopted as they are", markup=False)
+    if detach:
+        return
+    try:
+        record = _watch(cdir)
+    except KeyboardInterrupt:
+        console.print(f"\ndetached: cluster {cdir.name!r} keeps running", markup=False)
+        return
+    _finish_line(cdir, record)
+
+
+@cli.command()
+@click.argument("name", required=False)
 @click.option("--grace", type=float, default=5.0, show_default=True, help="Seconds between SIGTERM and SIGKILL.")
 @click.option("--purge", is_flag=True, help="Also delete the cluster's logs and state.")
 def down(name: str | None, grace: float, purge: bool) -> None:

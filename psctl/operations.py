@@ -196,10 +196,12 @@ def refuse_if_up(spec: ClusterSpec) -> None:
     if not cdir.state_file.is_file():
         return
     old = load_state(cdir.state_file)
-    if not old.state.terminal and (supervisor_alive(old) or LocalRunner().cluster_processes(old.cluster_id)):
+    alive = supervisor_alive(old)
+    if not old.state.terminal and (alive or LocalRunner().cluster_processes(old.cluster_id)):
+        again = "" if alive else f"supervise it again with `psctl supervise {spec.name}`, "
         raise UsageError(
-            f"cluster {spec.name!r} is already up ({old.state.value})",
-            hint=f"see `psctl status {spec.name}`, or stop it with `psctl down {spec.name}`",
+            f"cluster {spec.name!r} is already up ({old.state.value}){'' if alive else ' without its supervisor'}",
+            hint=f"see `psctl status {spec.name}`, {again}or stop it with `psctl down {spec.name}`",
         )
 
 
@@ -253,16 +255,7 @@ def _start(
         shutil.rmtree(cdir.tls_dir, ignore_errors=True)
         raise
     save_state(cdir.state_file, record)
-    fd = os.open(cdir.supervisor_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    with os.fdopen(fd, "ab") as log:
-        subprocess.Popen(
-            [sys.executable, "-m", "psctl.supervisor", str(cdir.root)],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # outlives this command; Ctrl-C here does not reach it
-            env=dict(os.environ, PSCTL_CLUSTER_ID=record.cluster_id, PYTHONUNBUFFERED="1"),
-        )
+    spawn_supervisor(cdir, record)
     deadline = time.monotonic() + wait_started
     while time.monotonic() < deadline:
         current = load_state(cdir.state_file)
@@ -276,6 +269,42 @@ def _start(
         f"the supervisor of {spec.name!r} did not start within {wait_started:.0f}s; "
         f"see {cdir.supervisor_log}"
     )
+
+
+def spawn_supervisor(cdir: ClusterDir, record: ClusterRecord) -> None:
+    """Start the cluster's supervisor daemon (it outlives this command; Ctrl-C here does not reach it)."""
+    fd = os.open(cdir.supervisor_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "ab") as log:
+        subprocess.Popen(
+            [sys.executable, "-m", "psctl.supervisor", str(cdir.root)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=dict(os.environ, PSCTL_CLUSTER_ID=record.cluster_id, PYTHONUNBUFFERED="1"),
+        )
+
+
+def resupervise(cdir: ClusterDir, *, wait_started: float = 30.0) -> ClusterRecord:
+    """Start a new supervisor for a cluster whose supervisor died: its agents dial in and their roles are
+    adopted as they run (nothing restarted). Returns the record once the new supervisor runs."""
+    record = load_state(cdir.state_file)
+    if record.state.terminal:
+        raise UsageError(f"cluster {cdir.name!r} has {record.state.value}; nothing to supervise",
+                         hint=f"start it again with `psctl up {record.spec_path or 'SPEC'}`")
+    if supervisor_alive(record):
+        raise UsageError(f"cluster {cdir.name!r} is supervised already (pid {record.supervisor_pid})",
+                         hint=f"see `psctl status {cdir.name}`")
+    old_pid = record.supervisor_pid
+    spawn_supervisor(cdir, record)
+    deadline = time.monotonic() + wait_started
+    while time.monotonic() < deadline:
+        current = load_state(cdir.state_file)
+        if current.supervisor_pid != old_pid and supervisor_alive(current):
+            return current
+        time.sleep(0.1)
+    raise LaunchError(f"the new supervisor of {cdir.name!r} did not start within {wait_started:.0f}s; "
+                      f"see {cdir.supervisor_log}")
 
 
 @dataclass(frozen=True)

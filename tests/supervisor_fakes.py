@@ -19,13 +19,15 @@ class FakeRunner(Runner):
 
     def __init__(self, host: str = "localhost") -> None:
         self.host = host
+        #: Set by a test: the host is cut off (every operation fails with this).
+        self.last_error: str | None = None
         self.next_pid = 1000
         self._pid_lock = threading.Lock()  # the supervisor starts and stops roles on SSH hosts from threads
         self.exit_codes: dict[int, int | None] = {}
         self.signals: list[tuple[int, int]] = []
 
     def start(self, *, argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: Path) -> ProcessHandle:
-        if self.last_error is not None:  # set by a test: the host is cut off
+        if self.last_error is not None:
             raise PsctlError(self.last_error)
         with self._pid_lock:
             self.next_pid += 1

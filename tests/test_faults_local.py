@@ -257,10 +257,10 @@ def test_resume_after_every_process_was_killed(cluster_factory: MakeCluster, psc
     first_id = cluster.up()
     killed_step = cluster.wait_progress(500, checkpoints=3)
 
-    # the supervisor first (so it restarts nothing), then every role, all with SIGKILL
+    # the supervisor first (so it restarts nothing), then the agent and every role, all with SIGKILL
     supervisor = psutil.Process(cluster.state()["supervisor_pid"])
     victims = [supervisor] + [p for p in psctl_env.processes(first_id) if p.pid != supervisor.pid]
-    assert len(victims) == 6, psctl_env.describe(victims)  # supervisor, chief, 2 ps, 2 workers
+    assert len(victims) == 7, psctl_env.describe(victims)  # supervisor, agent, chief, 2 ps, 2 workers
     for proc in victims:
         proc.send_signal(signal.SIGKILL)
     wait_until(lambda: all(gone(p) for p in victims), timeout=15, what="every process to die")
@@ -289,3 +289,33 @@ def test_resume_after_every_process_was_killed(cluster_factory: MakeCluster, psc
     assert result["steps_this_run"] == steps - latest.global_step
     print(f"every process SIGKILLed at step >= {killed_step}: resumed from checkpoint {latest.global_step}")
     assert cluster.checkpoint_steps()[-1] == steps
+
+
+def test_a_restarted_supervisor_adopts_the_running_roles_and_training_ends_exactly(
+        cluster_factory: MakeCluster, psctl_env: PsctlEnv) -> None:
+    steps = 6000
+    cluster = cluster_factory("adopt", steps)
+    cluster.up()
+    cluster.wait_progress(300)
+    roles = ("chief-0", "ps-0", "ps-1", "worker-0", "worker-1")
+    pids = {role: cluster.process(role).pid for role in roles}
+    sigkill(psutil.Process(cluster.state()["supervisor_pid"]))
+
+    # training goes on without a supervisor: its roles do not depend on it
+    at_kill = cluster.progress()
+    wait_until(lambda: cluster.progress() >= at_kill + 200, timeout=60, what="training to go on unsupervised",
+               detail=cluster.describe)
+    assert cluster.status()["stale"] is True
+    refused = psctl_env.run("up", "--detach", str(cluster.spec))
+    assert refused.returncode == 2 and "psctl supervise adopt" in refused.stderr, refused.stderr
+
+    done = psctl_env.run("supervise", cluster.name, "--detach")
+    assert done.returncode == 0, done.stderr
+    assert "adopted" in done.stdout
+    cluster.wait_finished()
+    assert_finished_with_exactly(cluster, steps)
+    for role in roles:  # adopted as they ran: same process, first attempt, never restarted
+        record = cluster.role(role)
+        assert (record["pid"], record["attempt"], record["restarts"]) == (pids[role], 1, 0), cluster.describe()
+    assert not [e for e in cluster.events() if e["to"] in ("lost", "restarting")], cluster.describe()
+    assert cluster.progress() == steps

@@ -1,20 +1,20 @@
-"""Benching hosts and moving workers within their pool: the supervisor's decisions on fake hosts and a clock.
+"""Benching hosts and moving roles within their pool: the policy's decisions over simulated agents and a clock.
 
-The hosts are fake runners (see supervisor_fakes): what is under test is where a role restarts, what the
+The hosts' agents are simulated (see policy_driver): what is under test is where a role restarts, what the
 events say and what the chief is told, not SSH, which tests/test_ssh_cluster.py covers with real hosts.
 """
 
 from __future__ import annotations
 
 import json
-import threading
-import time
 from pathlib import Path
 
 import pytest
+from policy_driver import FakeCluster
 from rich.console import Console
 from supervisor_fakes import Clock, FakeRunner
 
+from psctl.agent.core import Agent, RoleProcess
 from psctl.errors import LaunchError, PsctlError
 from psctl.home import ClusterDir
 from psctl.launch.base import ProcessHandle
@@ -23,7 +23,8 @@ from psctl.operations import _tear_down
 from psctl.proto import psctl_pb2 as pb
 from psctl.render import status_view
 from psctl.spec import load_spec_text, make_plan
-from psctl.supervisor.daemon import HeartbeatServicer, Supervisor
+from psctl.supervisor import policy
+from psctl.supervisor.daemon import Supervisor
 from psctl.supervisor.hosts import HostBench, Occupant, restart_host
 from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, save_state
 
@@ -50,14 +51,148 @@ SHARED_CHECKPOINTS = SPEC.replace("chief: {host: h1, port: 7000}", "chief: {host
 
 
 @pytest.fixture
-def sup(tmp_path: Path) -> Supervisor:
-    return supervisor_of(SPEC, tmp_path)
+def c(tmp_path: Path) -> FakeCluster:
+    cluster = FakeCluster(SPEC, tmp_path)
+    cluster.step()  # every host's agent says hello: every role starts where the plan put it
+    cluster.step(1)
+    return cluster
 
 
-def supervisor_of(text: str, tmp_path: Path, *, own_folders: bool = False) -> Supervisor:
-    """A supervisor of the spec ``text`` over fake hosts h1..h3, every role started (``own_folders``: each host
-    has a cluster folder of its own, as SSH hosts do; else they share the local one)."""
-    spec = load_spec_text(text, filename=str(tmp_path / "pools.yaml"))
+def told(c: FakeCluster, task: str) -> pb.HeartbeatResponse:
+    """What a role's agent answers its heartbeat with, given the view the supervisor sends the agents."""
+
+    class Running:
+        pid = 1
+
+        def poll(self) -> int | None:
+            return None
+
+    role = c.role(task.replace(":", "-"))
+    agent = Agent("h", "127.0.0.1:1", cluster_id=c.record.cluster_id, serve_heartbeats=False)
+    agent.roles[role.name] = RoleProcess(role.name, role.incarnation, role.attempt, "log", process=Running())
+    agent.view = policy.cluster_view(c.state)
+    return agent.on_heartbeat(pb.HeartbeatRequest(task=task, incarnation=role.incarnation))
+
+
+def shown(c: FakeCluster, tmp_path: Path) -> str:
+    """What ``psctl status`` prints for the cluster."""
+    console = Console(width=200, record=True)
+    console.print(status_view(ClusterDir(tmp_path / "home" / "pools"), c.record, stale=False))
+    return console.export_text()
+
+
+SILENT = "agent silent for 6.0s (host down or cut off)"
+
+
+def test_a_worker_on_a_cut_off_host_restarts_on_the_least_loaded_host_of_its_pool(
+        c: FakeCluster, tmp_path: Path) -> None:
+    worker = c.role("worker-2")
+    assert (worker.host, worker.address) == ("h3", "10.9.0.3")
+    old = c.process("worker-2")
+    c.cut.add("h3")
+    c.step(6)  # h3 silent past heartbeat_timeout: its agent is detached, its roles are lost
+    c.step(1.5)  # past the backoff: the worker restarts, the ps (which cannot move) waits for h3
+    worker = c.role("worker-2")
+    # h1 holds chief-0 and worker-0, h2 only worker-1: the worker goes to h2
+    assert (worker.host, worker.address, worker.state, worker.attempt) == ("h2", "10.9.0.2", RoleState.STARTING, 2)
+    assert worker.hosts_by_attempt == [[1, "h3"], [2, "h2"]]  # where each attempt's log is
+    assert (worker.host_of(1), worker.host_of(2), worker.host_of(3)) == ("h3", "h2", "h2")
+    assert c.role("ps-0").host == "h3"
+    assert any(e.reason == f"moves from h3 to h2 ({SILENT})" for e in c.events("worker-2"))
+    assert dict(told(c, "chief:0").addresses) == {"ps:0": "10.9.0.3:7010", "worker:0": "10.9.0.1:7020",
+                                                  "worker:1": "10.9.0.2:7021", "worker:2": "10.9.0.2:7022"}
+    # status shows what is wrong with the host while it lasts; roles lost with it do not bench it
+    assert c.record.host_problems == {"h3": f"unreachable: {SILENT}"}
+    assert f"host h3: unreachable: {SILENT}" in shown(c, tmp_path)
+    # the ps, which cannot move, waits for its host: the outage uses up none of its restarts
+    for _ in range(5):
+        c.step(1.5)
+    ps = c.role("ps-0")
+    assert (ps.state, ps.attempt, ps.reason) == (RoleState.RESTARTING, 1, "waiting for h3 to answer")
+    # The old worker could not be stopped on the cut-off host; once h3's agent reports it again, it is.
+    assert old.exit_code is None
+    c.cut.clear()
+    c.step(0.5)
+    assert old.exit_code == -9
+    assert c.record.host_problems == {} and "host h3" not in shown(c, tmp_path)
+    c.step(1.5)  # and the ps starts there again
+    assert (c.role("ps-0").state, c.role("ps-0").attempt) == (RoleState.STARTING, 2)
+    assert [(e.was, e.to) for e in c.events("host h3")] == [
+        ("starting", "reachable"), ("reachable", "unreachable"), ("unreachable", "reachable")]
+
+
+def test_the_old_process_on_a_host_that_answers_again_after_the_cluster_finished_is_stopped(c: FakeCluster) -> None:
+    old = c.process("worker-2")
+    c.cut.add("h3")
+    c.step(6)
+    c.step(1.5)
+    assert c.role("worker-2").host == "h2" and old.exit_code is None
+    c.process("chief-0").exit_code = 0  # training ends while h3 is cut off
+    c.step()
+    assert c.record.state == ClusterState.SUCCEEDED
+    c.cut.clear()  # h3's agent reports the old worker: it is stopped
+    c.act(policy.decide(c.state, [policy.Report("h3", c.now, c.report("h3"))], c.now))
+    assert old.exit_code == -9  # moved away: killed
+    assert c.process("ps-0").exit_code == -15  # stopped with the cluster: with the stop's grace
+    assert c.running() == set(), c.running()
+
+
+def test_a_host_where_roles_keep_failing_is_benched_then_released(c: FakeCluster) -> None:
+    for _ in (1, 2):  # worker-1 exits badly twice on h2 (bench_after_failures: 2)
+        assert c.role("worker-1").host == "h2"
+        c.process("worker-1").exit_code = 1
+        c.step(0.1)
+        c.step(1.5)
+    benched = c.events("host h2")[1:]
+    assert [(e.was, e.to) for e in benched] == [("available", "benched")]
+    assert "2 role failures within 60s" in benched[0].reason
+    assert c.record.host_problems["h2"].startswith("benched for ")
+    worker = c.role("worker-1")
+    assert (worker.host, worker.attempt) == ("h1", 3)  # h1 and h3 hold two roles each: pool order decides
+    # After the cooling-off, h2 takes roles again.
+    c.step(100)
+    assert [(e.was, e.to) for e in c.events("host h2")][-1] == ("benched", "available")
+    assert not c.state.bench.is_benched("h2", c.now)
+    assert "h2" not in c.record.host_problems
+
+
+def test_a_ps_with_a_pool_moves_and_the_chief_and_workers_are_told(tmp_path: Path) -> None:
+    c = FakeCluster(SPEC.replace("ps: {host: h3, port: 7010}", "ps: {hosts: [h3, h1], port: 7010}"), tmp_path)
+    c.step()
+    c.step(1)
+    c.cut.add("h3")
+    c.step(6)
+    actions = c.step(2.5)  # past any backoff (ps: 1 s by default, ± 20 %)
+    ps = c.role("ps-0")
+    assert (ps.host, ps.address, ps.attempt) == ("h1", "10.9.0.1", 2)  # the only other host of its pool
+    assert policy.SendView() in actions  # every agent is told
+    for task in ("chief:0", "worker:0"):
+        reply = told(c, task)
+        assert reply.addresses["ps:0"] == "10.9.0.1:7010"
+        # the chief follows workers too; a worker only the ps (it talks to no other worker)
+        assert any(t.startswith("worker:") for t in reply.addresses) == (task == "chief:0"), dict(reply.addresses)
+    assert dict(told(c, "ps:0").addresses) == {}  # a ps talks to no other role
+
+
+def test_a_chief_with_a_pool_moves_off_a_cut_off_host_and_its_metrics_and_checkpoints_follow(tmp_path: Path) -> None:
+    c = FakeCluster(SHARED_CHECKPOINTS, tmp_path)
+    c.step()
+    c.step(1)
+    first_incarnation = c.role("chief-0").incarnation
+    c.cut.add("h1")
+    c.step(6)
+    c.step(2.5)  # past the chief's backoff
+    chief = c.role("chief-0")
+    assert (chief.host, chief.address, chief.attempt) == ("h2", "10.9.0.2", 2)
+    assert any(e.reason == f"moves from h1 to h2 ({SILENT.replace('6.0', '6.0')})" for e in c.events("chief-0"))
+    # The ps and the workers are told of the new chief, so that they refuse the old one (see fencing).
+    for task in ("ps:0", "worker:1"):
+        assert told(c, task).chief_incarnation == chief.incarnation > first_incarnation
+    assert told(c, "chief:0").chief_incarnation == 0  # the chief itself is not fenced by its own incarnation
+
+
+def test_the_chief_s_metrics_and_checkpoints_are_followed_to_the_host_it_moved_to(tmp_path: Path) -> None:
+    spec = load_spec_text(SHARED_CHECKPOINTS, filename=str(tmp_path / "pools.yaml"))
     plan = make_plan(spec, check_ports=False)
     record = ClusterRecord(
         name="pools", cluster_id="pools-test", spec_path="", tls=False,
@@ -65,7 +200,7 @@ def supervisor_of(text: str, tmp_path: Path, *, own_folders: bool = False) -> Su
     )
     cdir = ClusterDir(tmp_path / "home" / "pools")
     cdir.create()
-    folders = {h.name: ClusterDir(tmp_path / "hosts" / h.name / "pools") if own_folders else cdir for h in spec.hosts}
+    folders = {h.name: ClusterDir(tmp_path / "hosts" / h.name / "pools") for h in spec.hosts}
     for folder in folders.values():
         folder.create()
     places = {
@@ -73,180 +208,21 @@ def supervisor_of(text: str, tmp_path: Path, *, own_folders: bool = False) -> Su
                           address=h.address)
         for h in spec.hosts
     }
-    supervisor = Supervisor(cdir, spec, record, places, get_time=Clock())
-    with supervisor.lock:
-        for role in record.roles:
-            supervisor.start_role(role)
-    settle()
-    return supervisor
-
-
-def settle() -> None:
-    """Wait for the supervisor's start, stop and sweep threads (SSH hosts are handled off the loop)."""
-    deadline = time.monotonic() + 10
-    for thread in threading.enumerate():
-        if thread.name.startswith(("psctl-start-", "psctl-stop-", "psctl-sweep-")):
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
-            assert not thread.is_alive(), f"{thread.name} did not finish"
-
-
-def host(sup: Supervisor, name: str) -> FakeRunner:
-    runner = sup.runners[name]
-    assert isinstance(runner, FakeRunner)
-    return runner
-
-
-def step(sup: Supervisor, seconds: float, *, silent: tuple[str, ...] = ()) -> None:
-    """Advance the clock, heartbeat every live role but the ``silent`` ones, run one pass of the loop."""
-    assert isinstance(sup.time, Clock)
-    sup.time.now += seconds
-    for role in sup.record.roles:
-        if role.name not in silent and not role.state.terminal and role.state != RoleState.RESTARTING:
-            sup.on_heartbeat(pb.HeartbeatRequest(task=f"{role.role}:{role.index}", incarnation=role.incarnation))
-    with sup.lock:
-        sup.step()
-    settle()
-
-
-def shown(sup: Supervisor) -> str:
-    """What ``psctl status`` prints for the cluster."""
-    console = Console(width=200, record=True)
-    console.print(status_view(sup.cdir, sup.record, stale=False))
-    return console.export_text()
-
-
-def events(sup: Supervisor) -> list[dict[str, str]]:
-    return [json.loads(line) for line in sup.cdir.events_file.read_text().splitlines()]
-
-
-def chief_is_told(sup: Supervisor) -> dict[str, str]:
-    chief = sup.record.role("chief-0")
-    request = pb.HeartbeatRequest(task="chief:0", incarnation=chief.incarnation)
-    return dict(HeartbeatServicer(sup).Heartbeat(request, None).addresses)  # type: ignore[arg-type]
-
-
-def test_a_worker_on_a_cut_off_host_restarts_on_the_least_loaded_host_of_its_pool(sup: Supervisor) -> None:
-    step(sup, 1)
-    worker = sup.record.role("worker-2")
-    assert (worker.host, worker.address) == ("h3", "10.9.0.3")
-    old = sup.live["worker-2"].handle
-    host(sup, "h3").last_error = "host h3: timed out"
-    step(sup, 6, silent=("worker-2", "ps-0"))  # h3 silent past heartbeat_timeout: its roles are lost
-    step(sup, 1.5)  # past the backoff: the worker restarts, the ps (which cannot move) tries h3 again
-    worker = sup.record.role("worker-2")
-    # h1 holds chief-0 and worker-0, h2 only worker-1: the worker goes to h2
-    assert (worker.host, worker.address, worker.state, worker.attempt) == ("h2", "10.9.0.2", RoleState.STARTING, 2)
-    assert sup.live["worker-2"].handle is not None and sup.live["worker-2"].handle.host == "h2"
-    assert worker.hosts_by_attempt == [[1, "h3"], [2, "h2"]]  # where each attempt's log is
-    assert (worker.host_of(1), worker.host_of(2), worker.host_of(3)) == ("h3", "h2", "h2")
-    assert sup.record.role("ps-0").host == "h3"
-    assert any(e["role"] == "worker-2" and e["reason"] == "moves from h3 to h2 (host h3: timed out)"
-               for e in events(sup))
-    assert chief_is_told(sup) == {"ps:0": "10.9.0.3:7010", "worker:0": "10.9.0.1:7020",
-                                  "worker:1": "10.9.0.2:7021", "worker:2": "10.9.0.2:7022"}
-    # status shows what is wrong with the host while it lasts; roles lost with it do not bench it
-    assert sup.record.host_problems == {"h3": "unreachable: host h3: timed out"}
-    assert "host h3: unreachable: host h3: timed out" in shown(sup)
-    # the ps, which cannot move, waits for its host: the outage uses up none of its restarts
-    for _ in range(5):
-        step(sup, 1.5, silent=("ps-0",))
-    ps = sup.record.role("ps-0")
-    assert (ps.state, ps.attempt, ps.reason) == (RoleState.RESTARTING, 1, "waiting for h3 to answer")
-    # The old process could not be stopped on the cut-off host; once h3 answers again it is.
-    assert old is not None and old in sup.live["worker-2"].stale
-    host(sup, "h3").last_error = None
-    step(sup, 0.5)
-    assert sup.live["worker-2"].stale == []
-    assert host(sup, "h3").exit_codes[old.pid] is not None
-    assert sup.record.host_problems == {} and "host h3" not in shown(sup)
-    step(sup, 1.5, silent=("ps-0",))  # and the ps starts there again
-    assert (sup.record.role("ps-0").state, sup.record.role("ps-0").attempt) == (RoleState.STARTING, 2)
-
-
-def test_the_cluster_finishing_stops_old_processes_left_on_a_host_that_answers_again(sup: Supervisor) -> None:
-    step(sup, 1)
-    old = sup.live["worker-2"].handle
-    host(sup, "h3").last_error = "host h3: timed out"
-    step(sup, 6, silent=("worker-2", "ps-0"))
-    step(sup, 1.5)
-    assert sup.record.role("worker-2").host == "h2" and old in sup.live["worker-2"].stale
-    host(sup, "h3").last_error = None  # h3 answers again, and training ends before the next sweep
-    with sup.lock:
-        sup.finish(ClusterState.SUCCEEDED, "training finished")
-    settle()
-    assert old is not None and host(sup, "h3").exit_codes[old.pid] is not None
-    left = {(name, pid) for name in sup.runners for pid, code in host(sup, name).exit_codes.items() if code is None}
-    assert left == set(), (left, {r.name: (r.host, r.pid, r.state) for r in sup.record.roles})
-
-
-def test_a_host_where_roles_keep_failing_is_benched_then_released(sup: Supervisor) -> None:
-    step(sup, 1)
-    h2 = host(sup, "h2")
-    for _ in (1, 2):  # worker-1 exits badly twice on h2 (bench_after_failures: 2)
-        assert sup.record.role("worker-1").host == "h2"
-        h2.exit_codes[sup.record.role("worker-1").pid] = 1
-        step(sup, 0.1)
-        step(sup, 1.5)
-    benched = [e for e in events(sup) if e["role"] == "host h2"]
-    assert [(e["from"], e["to"]) for e in benched] == [("available", "benched")]
-    assert "2 role failures within 60s" in benched[0]["reason"]
-    assert sup.record.host_problems["h2"].startswith("benched until ")
-    worker = sup.record.role("worker-1")
-    assert (worker.host, worker.attempt) == ("h1", 3)  # h1 and h3 hold two roles each: pool order decides
-    # After the cooling-off, h2 takes roles again.
-    step(sup, 100)
-    assert [(e["from"], e["to"]) for e in events(sup) if e["role"] == "host h2"][-1] == ("benched", "available")
-    assert sup.usable("h2")
-    assert "h2" not in sup.record.host_problems
-
-
-def test_a_ps_with_a_pool_moves_and_the_chief_and_workers_are_told(tmp_path: Path) -> None:
-    sup = supervisor_of(SPEC.replace("ps: {host: h3, port: 7010}", "ps: {hosts: [h3, h1], port: 7010}"), tmp_path)
-    step(sup, 1)
-    host(sup, "h3").last_error = "host h3: timed out"
-    step(sup, 6, silent=("worker-2", "ps-0"))
-    step(sup, 2.5)  # past any backoff (ps: 1 s by default, ± 20 %)
-    ps = sup.record.role("ps-0")
-    assert (ps.host, ps.address, ps.attempt) == ("h1", "10.9.0.1", 2)  # the only other host of its pool
-    for task in ("chief:0", "worker:0"):
-        role = sup.record.role(task.replace(":", "-"))
-        reply = HeartbeatServicer(sup).Heartbeat(
-            pb.HeartbeatRequest(task=task, incarnation=role.incarnation), None)  # type: ignore[arg-type]
-        assert reply.addresses["ps:0"] == "10.9.0.1:7010"
-        # the chief follows workers too; a worker only the ps (it talks to no other worker)
-        assert any(t.startswith("worker:") for t in reply.addresses) == (task == "chief:0"), dict(reply.addresses)
-    ps_reply = HeartbeatServicer(sup).Heartbeat(
-        pb.HeartbeatRequest(task="ps:0", incarnation=ps.incarnation), None)  # type: ignore[arg-type]
-    assert dict(ps_reply.addresses) == {}  # a ps talks to no other role
-
-
-def test_a_chief_with_a_pool_moves_off_a_cut_off_host_and_its_metrics_and_checkpoints_follow(tmp_path: Path) -> None:
-    sup = supervisor_of(SHARED_CHECKPOINTS, tmp_path, own_folders=True)
-    step(sup, 1)
-    folder = sup.spec.training["checkpoint"]["dir"]
-    assert sup.record.checkpoint_dir == f"h1:{folder}"
-    first_incarnation = sup.record.role("chief-0").incarnation
-    (sup.places["h1"].dirs.run_dir / "metrics.jsonl").write_text('{"global_step": 5}\n')
-    sup.mirror_metrics()
-    host(sup, "h1").last_error = "host h1: timed out"
-    step(sup, 6, silent=("chief-0", "worker-0"))
-    step(sup, 2.5)  # past the chief's backoff
-    chief = sup.record.role("chief-0")
-    assert (chief.host, chief.address, chief.attempt) == ("h2", "10.9.0.2", 2)
-    assert sup.live["chief-0"].handle is not None and sup.live["chief-0"].handle.host == "h2"
-    assert any(e["role"] == "chief-0" and e["reason"] == "moves from h1 to h2 (host h1: timed out)"
-               for e in events(sup))
-    assert sup.record.checkpoint_dir == f"h2:{folder}"  # where export and restores find them now
-    # The ps and the workers are told of the new chief, so that they refuse the old one (see fencing).
-    for task in ("ps:0", "worker-1"):
-        role = sup.record.role(task.replace(":", "-"))
-        reply = HeartbeatServicer(sup).Heartbeat(
-            pb.HeartbeatRequest(task=f"{role.role}:{role.index}", incarnation=role.incarnation), None)  # type: ignore[arg-type]
-        assert reply.chief_incarnation == chief.incarnation > first_incarnation
+    shell = Supervisor(cdir, spec, record, places, get_time=Clock())
+    chief = record.role("chief-0")
+    folder = spec.training["checkpoint"]["dir"]
+    shell.role_env(chief)
+    assert record.checkpoint_dir == f"h1:{folder}"
+    (folders["h1"].run_dir / "metrics.jsonl").write_text('{"global_step": 5}\n')
+    shell.mirror_metrics()
+    chief.host = "h2"  # moved (the policy's decision, tested above)
+    env = shell.role_env(chief)
+    assert record.checkpoint_dir == f"h2:{folder}"  # where export and restores find them now
+    assert env["PSCTL_AGENT_HOST"] == "h2"
     # What the chief writes on h2 is mirrored from the start of that host's file.
-    (sup.places["h2"].dirs.run_dir / "metrics.jsonl").write_text('{"global_step": 6}\n')
-    sup.mirror_metrics()
-    mirrored = (sup.cdir.run_dir / "metrics.jsonl").read_text().splitlines()
+    (folders["h2"].run_dir / "metrics.jsonl").write_text('{"global_step": 6}\n')
+    shell.mirror_metrics()
+    mirrored = (cdir.run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["global_step"] for line in mirrored] == [5, 6]
 
 

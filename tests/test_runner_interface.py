@@ -16,8 +16,7 @@ from psctl.launch.ssh import SSHRunner
 #: Public methods a backend offers beyond the interface, documented in its class docstring.
 EXTRAS: dict[type[Runner], set[str]] = {
     LocalRunner: set(),
-    SSHRunner: {"run", "put_file", "put_bytes", "get_file", "listdir", "check_python", "python_error",
-                "forward_remote_port", "watch_in_background", "remote_port"},
+    SSHRunner: {"run", "put_file", "put_bytes", "get_file", "listdir", "check_python", "python_error"},
 }
 
 

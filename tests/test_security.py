@@ -34,6 +34,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from psctl.agent.core import HeartbeatEndpoint
 from psctl.cli import cli
 from psctl.errors import EXIT_USAGE, SpecError
 from psctl.pki import VALIDITY, create_cluster_pki, issue, member_files, new_ca
@@ -48,7 +49,6 @@ from psctl.runtime.ps_client import PsClient, PsUnavailable, PushHeader
 from psctl.runtime.rpc import TLS_SERVER_NAME, make_channel, make_server
 from psctl.runtime.wire import DENSE, Entry
 from psctl.spec import load_spec_text, make_plan
-from psctl.supervisor.daemon import HeartbeatServicer
 
 MEMBERS = [("ps-0", "127.0.0.1"), ("worker-0", "127.0.0.1"), ("supervisor", "127.0.0.1"), ("client", "127.0.0.1")]
 SERVER_OF = {"ps": "ps-0", "worker": "worker-0", "supervisor": "supervisor"}
@@ -139,20 +139,14 @@ def record_calls(servicer: object, base: type, calls: list[str]) -> None:
 
 
 class HeartbeatRecorder:
-    """Stands in for the Supervisor behind HeartbeatServicer: records every heartbeat it is given."""
+    """Stands in for the agent behind its heartbeat endpoint: records every heartbeat it is given."""
 
     def __init__(self) -> None:
         self.heartbeats: list[pb.HeartbeatRequest] = []
 
-    def on_heartbeat(self, hb: pb.HeartbeatRequest) -> bool:
+    def on_heartbeat(self, hb: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         self.heartbeats.append(hb)
-        return False
-
-    def addresses(self, job: str) -> dict[str, str]:
-        return {}
-
-    def chief_incarnation(self) -> int:
-        return 0
+        return pb.HeartbeatResponse()
 
 
 @dataclass
@@ -253,7 +247,7 @@ class Servers:
 
     def supervisor(self, tls: TlsFiles | None) -> Target:
         recorder = HeartbeatRecorder()
-        servicer = HeartbeatServicer(recorder)  # type: ignore[arg-type]  # the servicer only calls on_heartbeat
+        servicer = HeartbeatEndpoint(recorder)  # type: ignore[arg-type]  # the endpoint only calls on_heartbeat
         calls: list[str] = []
         record_calls(servicer, pb_grpc.SupervisorServicer, calls)
         address = self._serve(tls, lambda server: pb_grpc.add_SupervisorServicer_to_server(servicer, server))
@@ -577,9 +571,18 @@ def test_up_runs_every_role_over_tls_and_keeps_its_files_private(psctl_env: Any,
         expect_refused(lambda: pb_grpc.ParameterServerStub(channel).GetState(pb.StateRequest(), timeout=RPC_TIMEOUT))
     with grpc.insecure_channel(worker) as channel:
         expect_refused(lambda: pb_grpc.WorkerStub(channel).Ping(pb.PingRequest(), timeout=RPC_TIMEOUT))
-    with grpc.insecure_channel(supervisor) as channel:
+    agent = roles["ps-0"]["supervisor"]  # the roles' heartbeats go to their host's agent
+    assert agent and agent != supervisor
+    with grpc.insecure_channel(agent) as channel:
         hb = pb.HeartbeatRequest(task="ps:0", incarnation=1)
         expect_refused(lambda: pb_grpc.SupervisorStub(channel).Heartbeat(hb, timeout=RPC_TIMEOUT))
+    # the supervisor's agent endpoint takes only an agent's certificate, and that of the host it names
+    hello = pb.AgentReport(host="localhost", agent_pid=1, hello=True)
+    with grpc.insecure_channel(supervisor) as channel:
+        expect_refused(lambda: next(pb_grpc.AgentLinkStub(channel).Attach(iter([hello]), timeout=RPC_TIMEOUT)))
+    with make_channel(supervisor, member) as channel, pytest.raises(grpc.RpcError) as refused:
+        next(pb_grpc.AgentLinkStub(channel).Attach(iter([hello]), timeout=RPC_TIMEOUT))
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value  # type: ignore[attr-defined]
     member_reaches_the_ps()  # still up: the refusals above were TLS, not a cluster that had already finished
 
     final = wait_until(
@@ -596,7 +599,8 @@ def test_up_runs_every_role_over_tls_and_keeps_its_files_private(psctl_env: Any,
     assert mode(tls_dir) == 0o700
     tls_files = sorted(tls_dir.iterdir())
     assert {p.name for p in tls_files} == {"ca.pem"} | {
-        f"{m}.{ext}" for m in ("chief-0", "ps-0", "worker-0", "supervisor") for ext in ("key", "pem")
+        f"{m}.{ext}" for m in ("chief-0", "ps-0", "worker-0", "supervisor", "agent-localhost")
+        for ext in ("key", "pem")
     }
     for path in tls_files:
         assert mode(path) == 0o600, f"{path} has mode {oct(mode(path))}"

@@ -1,22 +1,16 @@
-"""The supervisor's state machine, driven by an injected clock and a fake process runner.
-
-A fake is right here: what is under test is the decision logic (restart policy, backoff, permanent exits,
-fencing, stalls, completion), not process handling, which the end-to-end and fault tests cover for real.
-"""
+"""The supervisor's policy (psctl.supervisor.policy.decide), driven step by step with an injected clock over
+simulated agents (see policy_driver): restart policy, backoff, permanent exits, fencing, stalls, completion,
+adoption after a supervisor restart, and the transition tables."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from supervisor_fakes import Clock, FakeRunner
+from policy_driver import FakeCluster
 
-from psctl.home import ClusterDir
-from psctl.proto import psctl_pb2 as pb
-from psctl.spec import load_spec_text, make_plan
-from psctl.supervisor.daemon import Supervisor
-from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState
+from psctl.supervisor import policy
+from psctl.supervisor.state import ClusterState, RoleRecord, RoleState
 
 SPEC = """\
 name: logic
@@ -31,165 +25,197 @@ security: {tls: false}
 
 
 @pytest.fixture
-def sup(tmp_path: Path) -> Supervisor:
-    spec_path = tmp_path / "logic.yaml"
-    spec_path.write_text(SPEC)
-    spec = load_spec_text(SPEC, filename=str(spec_path))
-    plan = make_plan(spec, check_ports=False)
-    record = ClusterRecord(
-        name="logic", cluster_id="logic-test", spec_path=str(spec_path), tls=False,
-        roles=[RoleRecord(i.name, i.role, i.index, i.host, i.address, i.port) for i in plan.instances],
-    )
-    cdir = ClusterDir(tmp_path / "home" / "logic")
-    cdir.create()
-    supervisor = Supervisor(cdir, spec, record, FakeRunner(), get_time=Clock())
-    for role in record.roles:
-        supervisor.start_role(role)
-    return supervisor
+def c(tmp_path: Path) -> FakeCluster:
+    cluster = FakeCluster(SPEC, tmp_path)
+    cluster.step()  # the agent says hello: every role is started
+    return cluster
 
 
-def clock(sup: Supervisor) -> Clock:
-    assert isinstance(sup.time, Clock)
-    return sup.time
+def running(c: FakeCluster) -> None:
+    c.step(1)
+    assert set(c.states().values()) == {RoleState.RUNNING}
 
 
-def runner(sup: Supervisor) -> FakeRunner:
-    assert isinstance(sup.runners["localhost"], FakeRunner)
-    return sup.runners["localhost"]
+def test_roles_start_once_their_agent_attached_and_run_once_they_heartbeat(tmp_path: Path) -> None:
+    c = FakeCluster(SPEC, tmp_path)
+    c.cut.add("localhost")
+    actions = c.step()
+    assert [a for a in actions if isinstance(a, policy.StartRole)] == []  # no agent yet: nothing starts
+    assert [a.host for a in actions if isinstance(a, policy.StartAgent)] == ["localhost"]
+    c.cut.clear()
+    starts = [a for a in c.step(0.5) if isinstance(a, policy.StartRole)]
+    assert sorted(a.name for a in starts) == ["chief-0", "ps-0", "worker-0", "worker-1"]
+    assert all(a.attempt == 1 for a in starts)
+    assert set(c.states().values()) == {RoleState.STARTING}
+    c.step(1)
+    assert set(c.states().values()) == {RoleState.RUNNING}
+    assert c.record.state == ClusterState.RUNNING
+    assert c.role("worker-0").pid == c.process("worker-0").pid
 
 
-def beat(
-    sup: Supervisor, name: str, *, local_step: int = 0, global_step: int = 0, incarnation: int | None = None
-) -> bool:
-    role = sup.record.role(name)
-    job, index = role.role, role.index
-    return sup.on_heartbeat(pb.HeartbeatRequest(
-        task=f"{job}:{index}", incarnation=role.incarnation if incarnation is None else incarnation,
-        local_step=local_step, global_step=global_step,
-    ))
-
-
-def beat_all(sup: Supervisor, **steps: int) -> None:
-    for role in sup.record.roles:
-        if not role.state.terminal and role.state != RoleState.RESTARTING:
-            beat(sup, role.name, local_step=steps.get(role.name.replace("-", "_"), 0))
-
-
-def state(sup: Supervisor, name: str) -> RoleState:
-    return sup.record.role(name).state
-
-
-def test_roles_run_once_every_one_heartbeats(sup: Supervisor) -> None:
-    assert all(r.state == RoleState.STARTING for r in sup.record.roles)
-    beat_all(sup)
-    sup.step()
-    assert all(r.state == RoleState.RUNNING for r in sup.record.roles)
-    assert sup.record.state == ClusterState.RUNNING
-
-
-def test_a_silent_role_is_lost_killed_and_restarted_after_its_backoff(sup: Supervisor) -> None:
-    beat_all(sup)
-    sup.step()
-    first_pid = sup.record.role("worker-1").pid
-    clock(sup).now += 6  # worker-1 silent for longer than heartbeat_timeout (5 s); the others keep beating
-    for name in ("chief-0", "ps-0", "worker-0"):
-        beat(sup, name)
-    sup.step()
-    assert state(sup, "worker-1") == RoleState.RESTARTING
-    assert any(pid == first_pid for pid, _sig in runner(sup).signals), "the silent process was not killed"
-    events = sup.cdir.events_file.read_text()
-    assert '"to": "lost", "reason": "no heartbeat for 6.0s (hung or cut off)"' in events
-    clock(sup).now += 0.5  # backoff is 1 s ± 20% jitter: not yet
-    sup.step()
-    assert state(sup, "worker-1") == RoleState.RESTARTING
-    clock(sup).now += 1.0
-    sup.step()
-    worker = sup.record.role("worker-1")
+def test_a_silent_role_is_lost_killed_and_restarted_after_its_backoff(c: FakeCluster) -> None:
+    running(c)
+    first = c.process("worker-1")
+    c.step(6, silent=("worker-1",))  # silent for longer than heartbeat_timeout (5 s); the others keep beating
+    assert c.role("worker-1").state == RoleState.RESTARTING
+    assert first.exit_code == -9, "the silent process was not killed"
+    assert any(e.to == "lost" and e.reason == "no heartbeat for 6.0s (hung or cut off)" for e in c.events("worker-1"))
+    c.step(0.5)  # backoff is 1 s ± 20% jitter: not yet
+    assert c.role("worker-1").state == RoleState.RESTARTING
+    c.step(1.0)
+    worker = c.role("worker-1")
     assert (worker.state, worker.attempt, worker.restarts) == (RoleState.STARTING, 2, 1)
-    assert worker.pid != first_pid
+    assert c.process("worker-1").pid != first.pid and worker.incarnation > first.incarnation
 
 
-def test_restarts_stop_at_max_restarts_and_backoff_grows(sup: Supervisor) -> None:
-    beat_all(sup)
-    sup.step()
+def test_restarts_stop_at_max_restarts_and_backoff_grows(c: FakeCluster) -> None:
+    running(c)
     backoffs = []
     for _ in range(2):  # max_restarts: 2
-        runner(sup).exit_codes[sup.record.role("worker-0").pid] = 1
-        sup.step()
-        assert state(sup, "worker-0") == RoleState.RESTARTING
-        due = sup.live["worker-0"].restart_at
+        c.process("worker-0").exit_code = 1
+        c.step()
+        assert c.role("worker-0").state == RoleState.RESTARTING
+        due = c.state.roles["worker-0"].restart_at
         assert due is not None
-        backoffs.append(due - clock(sup).now)
-        clock(sup).now = due + 0.01
-        sup.step()
-        beat(sup, "worker-0")
-        sup.step()
+        backoffs.append(due - c.now)
+        c.step(due - c.now + 0.01)
+        c.step(0.1)
     assert backoffs[1] > backoffs[0]  # 1 s then 2 s (each ±20%)
-    runner(sup).exit_codes[sup.record.role("worker-0").pid] = 1
-    sup.step()
-    assert state(sup, "worker-0") == RoleState.FAILED
-    assert "max_restarts" in sup.record.role("worker-0").reason
-    assert sup.record.state == ClusterState.RUNNING  # one worker left: training goes on
+    c.process("worker-0").exit_code = 1
+    c.step()
+    assert c.role("worker-0").state == RoleState.FAILED
+    assert "max_restarts" in c.role("worker-0").reason
+    assert c.record.state == ClusterState.RUNNING  # one worker left: training goes on
 
 
-def test_a_permanent_exit_code_is_not_restarted_and_a_failed_ps_fails_the_cluster(sup: Supervisor) -> None:
-    beat_all(sup)
-    sup.step()
-    runner(sup).exit_codes[sup.record.role("ps-0").pid] = 2  # bad configuration
-    sup.step()
-    assert state(sup, "ps-0") == RoleState.FAILED
-    assert "permanent" in sup.record.role("ps-0").reason
-    assert sup.record.state == ClusterState.FAILED
-    assert all(r.state.terminal for r in sup.record.roles)
+def test_an_exit_is_reported_with_its_code_and_the_last_lines_of_its_log(c: FakeCluster) -> None:
+    running(c)
+    c.process("worker-0").exit_code = -9
+    c.step()
+    assert c.role("worker-0").reason.startswith("restart 1 in")
+    assert any(e.to == "lost" and e.reason == "killed by SIGKILL" for e in c.events("worker-0"))
 
 
-def test_a_replaced_incarnation_is_fenced(sup: Supervisor) -> None:
-    role = sup.record.role("worker-0")
-    assert beat(sup, "worker-0") is False
-    assert beat(sup, "worker-0", incarnation=role.incarnation - 1) is True
+def test_a_permanent_exit_code_is_not_restarted_and_a_failed_ps_fails_the_cluster(c: FakeCluster) -> None:
+    running(c)
+    c.process("ps-0").exit_code = 2  # bad configuration
+    c.step()
+    assert c.role("ps-0").state == RoleState.FAILED
+    assert "permanent" in c.role("ps-0").reason
+    assert c.record.state == ClusterState.FAILED
+    assert all(r.state.terminal for r in c.record.roles)
+    assert c.running() == set(), "a failed cluster left processes running"
 
 
-def test_a_role_whose_step_stops_while_others_progress_is_stalled_then_running_again(sup: Supervisor) -> None:
-    beat_all(sup)
-    sup.step()
+def test_a_process_of_a_replaced_incarnation_is_stopped_when_its_agent_reports_it(c: FakeCluster) -> None:
+    running(c)
+    old = c.process("worker-0")
+    stale = c.processes["localhost"]["worker-9"] = type(old)("worker-9", 1, 1, 4242)  # unknown to the cluster
+    c.role("worker-0").incarnation += 1  # replaced (the supervisor restarted it elsewhere, say)
+    actions = c.step()
+    stops = {(a.name, a.incarnation) for a in actions if isinstance(a, policy.StopRole)}
+    assert ("worker-0", old.incarnation) in stops and ("worker-9", 1) in stops
+    assert old.exit_code == stale.exit_code == -9
+
+
+def test_a_role_whose_step_stops_while_others_progress_is_stalled_then_running_again(c: FakeCluster) -> None:
+    running(c)
     for step in range(1, 40):  # worker-0 stuck at local step 5, worker-1 advancing
-        clock(sup).now += 1
-        beat(sup, "chief-0", global_step=step)
-        beat(sup, "ps-0")
-        beat(sup, "worker-0", local_step=5)
-        beat(sup, "worker-1", local_step=step)
-        sup.step()
-    assert state(sup, "worker-0") == RoleState.STALLED
-    assert "has not moved" in sup.record.role("worker-0").reason
-    assert state(sup, "worker-1") == RoleState.RUNNING
-    clock(sup).now += 1
-    beat(sup, "worker-0", local_step=6)
-    sup.step()
-    assert state(sup, "worker-0") == RoleState.RUNNING
+        c.process("chief-0").global_step = step
+        c.process("worker-0").local_step = 5
+        c.process("worker-1").local_step = step
+        c.step(1)
+    assert c.role("worker-0").state == RoleState.STALLED
+    assert "has not moved" in c.role("worker-0").reason
+    assert c.role("worker-1").state == RoleState.RUNNING
+    c.process("worker-0").local_step = 6
+    c.step(1)
+    assert c.role("worker-0").state == RoleState.RUNNING
 
 
-def test_the_chief_finishing_stops_everyone_and_succeeds(sup: Supervisor) -> None:
-    beat_all(sup)
-    sup.step()
-    runner(sup).exit_codes[sup.record.role("chief-0").pid] = 0
-    sup.step()
-    assert sup.record.state == ClusterState.SUCCEEDED
-    assert state(sup, "chief-0") == RoleState.SUCCEEDED
-    assert all(state(sup, n) == RoleState.STOPPED for n in ("ps-0", "worker-0", "worker-1"))
+def test_the_chief_finishing_stops_everyone_and_succeeds(c: FakeCluster) -> None:
+    running(c)
+    c.process("chief-0").exit_code = 0
+    actions = c.step()
+    assert c.record.state == ClusterState.SUCCEEDED
+    assert c.role("chief-0").state == RoleState.SUCCEEDED
+    assert all(c.role(n).state == RoleState.STOPPED for n in ("ps-0", "worker-0", "worker-1"))
+    assert {a.name for a in actions if isinstance(a, policy.StopRole)} == {"ps-0", "worker-0", "worker-1"}
+    assert c.running() == set()
 
 
-def test_a_host_event_is_written_when_its_reachability_changes_not_its_error_text(sup: Supervisor) -> None:
-    def host_events() -> list[tuple[str, str]]:
-        lines = sup.cdir.events_file.read_text().splitlines() if sup.cdir.events_file.exists() else []
-        return [(e["from"], e["to"]) for e in map(json.loads, lines) if e["role"] == "host localhost"]
+def test_psctl_down_stops_every_role_with_its_grace(c: FakeCluster) -> None:
+    running(c)
+    actions = c.step(observations=[policy.StopRequested(12.0)])
+    assert {(a.name, a.grace) for a in actions if isinstance(a, policy.StopRole)} == {
+        (n, 12.0) for n in ("chief-0", "ps-0", "worker-0", "worker-1")}
+    assert c.record.state == ClusterState.STOPPED
+    assert all(r.reason == "stopped by psctl down" for r in c.record.roles)
 
-    sup.watch_hosts()
-    assert host_events() == []
-    runner(sup).last_error = "host h3: timed out"
-    sup.watch_hosts()
-    runner(sup).last_error = "host h3: connection refused"  # still down, for another reason
-    sup.watch_hosts()
-    runner(sup).last_error = None
-    sup.watch_hosts()
-    sup.watch_hosts()
-    assert host_events() == [("reachable", "unreachable"), ("unreachable", "reachable")]
+
+def test_a_restarted_supervisor_adopts_the_roles_its_agents_report_without_restarting_them(
+        c: FakeCluster, tmp_path: Path) -> None:
+    running(c)
+    pids = {name: c.process(name).pid for name in c.states()}
+    incarnations = {r.name: r.incarnation for r in c.record.roles}
+    # A new supervisor: the same record (as read from the state file), new policy state, a clock of its own.
+    restarted = FakeCluster(SPEC, tmp_path)
+    restarted.record.roles = c.record.roles
+    restarted.record.state = c.record.state
+    restarted.state = policy.PolicyState(restarted.record, restarted.spec, restarted.state.hosts, wall_offset=0.0)
+    restarted.processes = c.processes
+    restarted.state.adopt(restarted.now)
+    actions = restarted.step(0.5)  # the agent dials in: its hello reports every role
+    assert [a for a in actions if isinstance(a, (policy.StartRole, policy.StopRole))] == []
+    restarted.step(1)
+    assert set(restarted.states().values()) == {RoleState.RUNNING}
+    assert {n: restarted.process(n).pid for n in pids} == pids
+    assert {r.name: r.incarnation for r in restarted.record.roles} == incarnations
+    assert all(r.restarts == 0 for r in restarted.record.roles)
+
+
+def test_roles_of_an_agent_that_never_comes_back_are_lost_after_the_heartbeat_timeout(tmp_path: Path) -> None:
+    c = FakeCluster(SPEC, tmp_path)
+    c.step()
+    running(c)
+    c.cut.add("localhost")
+    actions = c.step(6)
+    assert any(e.subject == "host localhost" and e.to == "unreachable" for e in c.events())
+    assert any(isinstance(a, policy.StartAgent) for a in actions)
+    assert {r.state for r in c.record.roles} == {RoleState.RESTARTING}
+
+
+def test_an_agent_restarted_without_its_roles_has_them_restarted_at_once(c: FakeCluster) -> None:
+    running(c)
+    c.processes["localhost"].clear()  # a new agent: the old one's roles are gone (it swept them)
+    c.hello.add("localhost")
+    c.step(0.1)
+    assert {r.state for r in c.record.roles} == {RoleState.RESTARTING}
+    assert all("agent restarted without it" in e.reason for e in c.events() if e.to == "lost")
+
+
+def test_an_agent_that_cannot_be_started_during_up_fails_the_cluster_with_the_reason(tmp_path: Path) -> None:
+    c = FakeCluster(SPEC, tmp_path)
+    c.cut.add("localhost")
+    c.step(observations=[policy.AgentStartFailed("localhost", "python3 not found")])
+    assert c.record.state == ClusterState.FAILED
+    assert "cannot start on localhost: python3 not found" in c.record.reason
+
+
+def test_transitions_outside_the_table_are_refused() -> None:
+    role = RoleRecord("worker-0", "worker", 0, "localhost", "127.0.0.1", 7000, state=RoleState.STOPPED)
+    with pytest.raises(policy.IllegalTransition, match="stopped -> running"):
+        policy.transition(role, RoleState.RUNNING)
+    role.state = RoleState.PENDING
+    with pytest.raises(policy.IllegalTransition):
+        policy.transition(role, RoleState.RESTARTING)
+    assert policy.transition(role, RoleState.STARTING, "attempt 1") is not None
+    for state in RoleState:  # terminal states go nowhere; every other state can be stopped
+        assert (policy.ROLE_TRANSITIONS[state] == frozenset()) == state.terminal
+        assert state.terminal or RoleState.STOPPED in policy.ROLE_TRANSITIONS[state]
+
+
+def test_the_policy_module_does_no_io_and_reads_no_clock() -> None:
+    source = Path(policy.__file__).read_text()
+    for forbidden in ("import time", "import threading", "import os", "open(", "import grpc", "socket"):
+        assert forbidden not in source, forbidden

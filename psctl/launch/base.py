@@ -34,10 +34,6 @@ class Runner(ABC):
 
     #: The host's name, as role records and process handles name it (``localhost`` for this machine).
     host: str
-    #: Why the host did not answer the last look at it (None: it did, or nothing looks in the background).
-    last_error: str | None = None
-    #: ``time.monotonic()`` of the last look that the host answered (None: nothing looks in the background).
-    answered_at: float | None = None
 
     @abstractmethod
     def start(self, *, argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: PurePath) -> ProcessHandle:
@@ -65,6 +61,16 @@ class Runner(ABC):
         override it to read only that end. FileNotFoundError if it does not exist."""
         data = self.read_file(path)
         return data[max(0, len(data) - nbytes):], len(data)
+
+    def forward_remote_port(self, local_port: int, remote_port: int = 0) -> int:
+        """Make a loopback port on the host reach ``127.0.0.1:local_port`` here; returns that port. On this
+        machine it is ``local_port`` itself; over SSH a reverse forward (which works where the host cannot open
+        connections back to this machine). ``remote_port`` asks for a port there (0: any)."""
+        return local_port
+
+    def remote_port(self, local_port: int) -> int | None:
+        """The port on the host that reaches ``local_port`` here now (None: none yet)."""
+        return local_port
 
     def close(self) -> None:  # noqa: B027 - optional hook: backends without connections need nothing
         """Release connections; safe to call twice."""

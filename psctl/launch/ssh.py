@@ -21,7 +21,7 @@ import errno
 import logging
 import posixpath
 import re
-import select
+import selectors
 import shlex
 import socket
 import threading
@@ -105,31 +105,31 @@ def _parse_stat(line: str) -> tuple[str, int] | None:
 
 
 def _pump(channel: paramiko.Channel, local_port: int) -> None:
-    """Copy bytes both ways between a forwarded SSH channel and a new connection to ``local_port``."""
+    """Copy bytes both ways between a forwarded SSH channel and a new connection to ``local_port``.
+
+    A selector (epoll), not ``select.select``: a supervisor of hundreds of hosts has descriptors past 1023."""
     try:
         sock = socket.create_connection(("127.0.0.1", local_port), timeout=5.0)
     except OSError:
         channel.close()
         return
     sock.settimeout(None)
-    try:
-        while not channel.closed:
-            ready, _, _ = select.select([sock, channel], [], [], 1.0)
-            if sock in ready:
-                data = sock.recv(65536)
-                if not data:
-                    break
-                channel.sendall(data)
-            if channel in ready:
-                data = channel.recv(65536)
-                if not data:
-                    break
-                sock.sendall(data)
-    except (OSError, paramiko.SSHException, EOFError):
-        pass
-    finally:
-        channel.close()
-        sock.close()
+    with selectors.DefaultSelector() as selector:
+        selector.register(sock, selectors.EVENT_READ)
+        selector.register(channel, selectors.EVENT_READ)
+        try:
+            while not channel.closed:
+                for key, _ in selector.select(1.0):
+                    source, sink = (sock, channel) if key.fileobj is sock else (channel, sock)
+                    data = source.recv(65536)
+                    if not data:
+                        return
+                    sink.sendall(data)
+        except (OSError, paramiko.SSHException, EOFError):
+            pass
+        finally:
+            channel.close()
+            sock.close()
 
 
 def _last_line(text: str) -> str:
@@ -140,7 +140,7 @@ def _last_line(text: str) -> str:
 class SSHRunner(Runner):
     """Starts and controls processes on one host over SSH. Besides the :class:`Runner` methods it offers
     :meth:`run`, :meth:`put_file`, :meth:`put_bytes`, :meth:`get_file`, :meth:`listdir`, :meth:`check_python`,
-    :meth:`python_error`, :meth:`forward_remote_port`, :meth:`remote_port` and :meth:`watch_in_background`.
+    :meth:`python_error`, and the reverse forwards of :meth:`forward_remote_port` and :meth:`remote_port`.
 
     ``known_hosts``: the user's known_hosts file (read, and written by ``accept-new``); default
     ``~/.ssh/known_hosts`` or the ssh_config's ``UserKnownHostsFile``. ``ssh_config``: an OpenSSH client
@@ -169,21 +169,14 @@ class SSHRunner(Runner):
         self._client: paramiko.SSHClient | None = None
         self._sftp: paramiko.SFTPClient | None = None
         self._boot: tuple[float, int] | None = None  # (boot time, clock ticks per second) of this connection
-        #: Seconds for which poll() may answer from its last look at the host (set by watch_in_background).
-        self.status_ttl = 0.0
         self._poll_lock = threading.RLock()
         self._watched: dict[ProcessHandle, None] = {}  # processes poll() looks at (an ordered set)
-        self._seen_live: set[ProcessHandle] = set()
-        self._polled_at = float("-inf")
         self._exited: dict[ProcessHandle, int] = {}
         self._exit_files: dict[ProcessHandle, str] = {}
         #: Reverse port forwards: remote port on the host -> local port here, re-requested after a reconnect.
         self._forwards: dict[int, int] = {}
         self._forwarded_on: paramiko.Transport | None = None
-        self._watcher: threading.Thread | None = None
         self._jump_clients: list[paramiko.SSHClient] = []  # ProxyJump hosts of the current connection
-        self._closed = threading.Event()  # set by close(): stops the background watcher
-        self.last_error = None
 
     def __enter__(self) -> SSHRunner:
         return self
@@ -235,44 +228,17 @@ class SSHRunner(Runner):
     def poll(self, handle: ProcessHandle) -> int | None:
         """None while running, else its exit code (from its exit file; -255 if it left none: killed).
 
-        One command looks at every process this runner watches, and the answer is reused for
-        ``status_ttl`` seconds: a supervisor polling 20 roles on a host costs one round trip, not 20. After
-        :meth:`watch_in_background`, poll() never waits on the network: it answers from the last look
-        (a process not looked at yet counts as running).
+        One command looks at every process this runner watches: polling 20 processes on a host costs one round
+        trip, not 20. (Roles are watched by the host's agent; this is for the agent itself and for ``down``.)
         """
         self._check_pid(handle)
         with self._poll_lock:
             if handle in self._exited:
                 return self._exited[handle]
             self._watched.setdefault(handle, None)
-            fresh = time.monotonic() - self._polled_at < self.status_ttl and handle in self._seen_live
-            if fresh or self._watcher is not None:
-                return None
         self._refresh_status()
         with self._poll_lock:
             return self._exited.get(handle)
-
-    def watch_in_background(self, interval: float) -> None:
-        """Look at the watched processes every ``interval`` seconds in a thread of this runner's own."""
-        self.status_ttl = interval
-        if self._watcher is None:
-            self._watcher = threading.Thread(target=self._watch, daemon=True, name=f"psctl-watch-{self.host}")
-            self._watcher.start()
-
-    def _watch(self) -> None:
-        while not self._closed.wait(self.status_ttl):
-            try:
-                if self._watched:
-                    self._refresh_status()
-                else:  # nothing of ours runs there (a spare host of a pool): still find out whether it answers
-                    self._exec("exit 0")
-                self.last_error = None
-                self.answered_at = time.monotonic()
-            except PsctlError as exc:  # the host is unreachable: heartbeats decide; keep looking
-                self.last_error = exc.format_message()
-            except Exception as exc:  # a bug must not end the watch: poll() would answer "running" forever
-                log.exception("host %s: the background look failed", self.host)
-                self.last_error = f"host {self.host}: look failed: {type(exc).__name__}: {exc}"
 
     def _refresh_status(self) -> None:
         """Read /proc/PID/stat and the exit file of every watched process, in one command."""
@@ -306,8 +272,6 @@ class SSHRunner(Runner):
                 text = codes.get(i, "")
                 exited[h] = int(text) if text.lstrip("-").isdigit() else UNKNOWN_EXIT
         with self._poll_lock:
-            self._polled_at = time.monotonic()
-            self._seen_live = live
             self._exited.update(exited)
             for h in exited:
                 self._watched.pop(h, None)
@@ -318,7 +282,6 @@ class SSHRunner(Runner):
             return
         # pgid == pid (setsid); fall back to the process alone if the group cannot be signalled
         code, _, err = self._exec(f"kill -{int(sig)} -{pid} 2>/dev/null || kill -{int(sig)} {pid}")
-        self._polled_at = float("-inf")  # what poll() remembers is out of date now
         if code != 0 and self.poll(handle) is None:
             raise LaunchError(f"host {self.host}: cannot signal process group {pid}: {_last_line(err)}")
 
@@ -336,8 +299,7 @@ class SSHRunner(Runner):
         return found
 
     def close(self) -> None:
-        """Stop the background watcher and close the connection (the next call would reconnect)."""
-        self._closed.set()
+        """Close the connection (the next call would reconnect)."""
         self._disconnect()
 
     def _disconnect(self) -> None:
@@ -695,6 +657,13 @@ class SSHRunner(Runner):
     @staticmethod
     def _collect(channel: paramiko.Channel, deadline: float) -> tuple[int, bytes, bytes]:
         """Read stdout and stderr until end of output and exit status, or raise _NoReply at ``deadline``."""
+        with selectors.DefaultSelector() as selector:
+            selector.register(channel, selectors.EVENT_READ)
+            return SSHRunner._collect_with(channel, selector, deadline)
+
+    @staticmethod
+    def _collect_with(channel: paramiko.Channel, selector: selectors.BaseSelector,
+                      deadline: float) -> tuple[int, bytes, bytes]:
         out, err = bytearray(), bytearray()
         while True:
             if channel.recv_ready():
@@ -710,7 +679,7 @@ class SSHRunner(Runner):
                 if channel.eof_received:  # the fileno stays readable after EOF: wait for the status instead
                     channel.status_event.wait(min(remaining, 0.05))
                 else:
-                    select.select([channel], [], [], min(remaining, 0.5))
+                    selector.select(min(remaining, 0.5))
 
     def _answers(self) -> bool:
         """Whether the host still answers at all (opens a channel within the command timeout)."""

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import queue
+import signal
 import sys
 import threading
 import time
@@ -24,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from psctl.errors import PsctlError
+from psctl.errors import LaunchError, PsctlError
 from psctl.home import ClusterDir
 from psctl.launch.base import ProcessHandle, Runner
 from psctl.launch.env import tuning_env
@@ -121,8 +122,8 @@ class Supervisor:
 
     def listen(self) -> None:
         """The agents' endpoint on loopback (where the last supervisor of the cluster listened, so that its
-        agents find this one); every SSH host gets a reverse forward to it through its SSH connection, so
-        agents dial in also where hosts cannot open connections back to this machine."""
+        agents find this one); every host reaches it through its runner's forward (over SSH a reverse forward,
+        so agents dial in also where hosts cannot open connections back to this machine)."""
         old = self.record.supervisor_address
         port = int(old.rpartition(":")[2]) if old and self.record.agents else 0
         try:
@@ -130,20 +131,25 @@ class Supervisor:
         except OSError:
             port = self.hub.start("127.0.0.1:0")  # taken: agents here will not find this one; theirs restart
         self.record.supervisor_address = f"127.0.0.1:{port}"
-        for name, place in self.places.items():
-            if place.remote:
-                wanted = int(self.record.agents.get(name, {}).get("forward_port", 0))
-                with contextlib.suppress(PsctlError):  # unreachable now: its agent is started once it answers
-                    self._forward(name, place, wanted)
+        for name in self.places:
+            with contextlib.suppress(PsctlError):  # unreachable now: forwarded when its agent is started
+                self._forward(name)
 
-    def _forward(self, name: str, place: Placement, wanted: int = 0) -> int | None:
-        runner = place.runner
-        remote = runner.remote_port(self.hub.port)
-        if remote is None:
-            remote = runner.forward_remote_port(self.hub.port, wanted)
+    def _forward(self, host: str) -> int:
+        """The port on ``host`` that reaches the agents' endpoint (the one the host had before, if it can)."""
+        runner = self.places[host].runner
+        port = runner.remote_port(self.hub.port)
+        if port is None:
+            wanted = int(self.record.agents.get(host, {}).get("forward_port", 0))
+            try:
+                port = runner.forward_remote_port(self.hub.port, wanted)
+            except LaunchError:  # still held by the last supervisor's session: its agent is replaced
+                if not wanted:
+                    raise
+                port = runner.forward_remote_port(self.hub.port, 0)
         with self._lock:
-            self.record.agents.setdefault(name, {})["forward_port"] = remote
-        return remote
+            self.record.agents.setdefault(host, {})["forward_port"] = port
+        return port
 
     def drain(self) -> list[Observation]:
         """What arrived since the last pass: waits up to ``poll_interval`` for the first."""
@@ -168,14 +174,14 @@ class Supervisor:
             if isinstance(action, policy.StartAgent):
                 if action.host not in self._starting:
                     self._starting.add(action.host)
-                    self._starters.submit(self._start_agent, action.host)
+                    self._starters.submit(self._start_agent, action.host, action.replace)
             elif isinstance(action, policy.StartRole):
                 self.start_role(self.record.role(action.name), action)
             elif isinstance(action, policy.StopRole):
                 self.command(action.host, pb.AgentCommand(stop=pb.StopRole(
                     name=action.name, incarnation=action.incarnation, grace_seconds=action.grace)))
             elif isinstance(action, policy.SendView):
-                view = pb.AgentCommand(view=self.view())
+                view = pb.AgentCommand(view=policy.cluster_view(self.state))
                 for host in [action.host] if action.host else list(self.places):
                     self.command(host, view)
             elif isinstance(action, policy.Finish):
@@ -196,12 +202,6 @@ class Supervisor:
                                     "reason": e.reason, **extra}) + "\n")
         self._last_save = float("-inf")  # a change: persist it now
 
-    def view(self) -> pb.ClusterView:
-        view = pb.ClusterView(chief_incarnation=self.state.chief_incarnation())
-        for job, addresses in self.state.addresses.items():
-            view.addresses[job].addresses.update(addresses)
-        return view
-
     # -- agents ---------------------------------------------------------------------------------------
     def agent_env(self, host: str, place: Placement, supervisor_port: int) -> dict[str, str]:
         tls = asdict(member_files(place.dirs.tls_dir, agent_member(host))) if self.record.tls else None
@@ -219,19 +219,21 @@ class Supervisor:
                 if self.places[host].runner.poll(handle) is None:
                     self.inbox.put(policy.AgentAlive(host))
 
-    def _start_agent(self, host: str) -> None:
-        """Start ``host``'s agent, unless the one it has runs (it is cut off, or dialling in)."""
+    def _start_agent(self, host: str, replace: bool) -> None:
+        """Start ``host``'s agent, unless the one it has runs (it is cut off, or dialling in); ``replace``: stop
+        that one first (it never dialled in)."""
         place = self.places[host]
         try:
             known = self.record.agents.get(host, {})
             if known.get("pid"):
                 handle = ProcessHandle(host, int(known["pid"]), known.get("create_time"))
-                if place.runner.poll(handle) is None:
+                if replace:
+                    log.warning("host %s: agent pid %d never dialled in; starting another", host, handle.pid)
+                    place.runner.signal_group(handle, signal.SIGKILL)
+                elif place.runner.poll(handle) is None:
                     self.inbox.put(policy.AgentAlive(host))
                     return
-            port = self._forward(host, place) if place.remote else self.hub.port
-            if port is None:
-                raise PsctlError(f"host {host}: no reverse forward to the supervisor")
+            port = self._forward(host)
             handle = place.runner.start(argv=[place.python, "-m", "psctl.agent"], cwd=place.cwd,
                                         env=self.agent_env(host, place, port),
                                         log_path=place.dirs.logs / f"agent-{host}.log")

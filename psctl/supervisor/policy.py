@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 import signal
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from psctl.proto import psctl_pb2 as pb
@@ -108,7 +108,10 @@ Observation = Report | Detached | AgentStartFailed | AgentAlive | StopRequested
 # -- actions: what the shell must do ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class StartAgent:
+    """Start the host's agent, unless the one it has still runs (``replace``: stop that one first)."""
+
     host: str
+    replace: bool = False
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,8 @@ class HostLive:
     #: Why no agent is attached (None: one is, or none was asked for yet).
     error: str | None = None
     agent_asked_at: float | None = None
+    #: Since when an agent that runs there has been expected to dial in (see AgentAlive).
+    awaited_since: float | None = None
     #: The reachability last written to the events (first attach: "starting" -> "reachable").
     shown: str = "starting"
 
@@ -203,6 +208,8 @@ class PolicyState:
     addresses: dict[str, dict[str, str]] = field(init=False)
     evaluator_deadline: float | None = None
     finishing: bool = False
+    #: The grace of the stops that end the cluster (``psctl down --grace``).
+    stop_grace: float = 5.0
 
     def __post_init__(self) -> None:
         sup = self.spec.supervision
@@ -238,6 +245,14 @@ def address_map(spec: ClusterSpec, record: ClusterRecord) -> dict[str, dict[str,
         return {}
     chief = {f"{r.role}:{r.index}": r.endpoint for r in record.roles if r.role in DIALED_ROLES}
     return {"chief": chief, "worker": {task: at for task, at in chief.items() if task.startswith("ps:")}}
+
+
+def cluster_view(state: PolicyState) -> pb.ClusterView:
+    """What the agents answer their roles' heartbeats with: the dialled roles' addresses, the chief's incarnation."""
+    view = pb.ClusterView(chief_incarnation=state.chief_incarnation())
+    for job, addresses in state.addresses.items():
+        view.addresses[job].addresses.update(addresses)
+    return view
 
 
 def describe_exit(code: int) -> str:
@@ -355,8 +370,9 @@ class _Decision:
             self.on_agent_start_failed(observation.host, observation.reason)
         elif isinstance(observation, AgentAlive):
             h = self.s.hosts.get(observation.host)
-            if h is not None:
+            if h is not None and not h.attached:
                 h.agent_asked_at = self.now  # it dials in: no new agent for a while
+                h.awaited_since = h.awaited_since if h.awaited_since is not None else self.now
         elif isinstance(observation, StopRequested):
             self.finish(ClusterState.STOPPED, observation.reason, grace=observation.grace)
 
@@ -396,7 +412,7 @@ class _Decision:
             self.actions.append(SendView(obs.host))
         elif report.agent_pid != h.agent_pid:
             return  # an older agent's stream, not closed yet
-        h.attached, h.last_report, h.error = True, obs.at, None
+        h.attached, h.last_report, h.error, h.awaited_since = True, obs.at, None, None
         if h.shown != "reachable":
             self.host_event(obs.host, h.shown, "reachable", "agent attached" if h.shown == "starting"
                             else "answers again")
@@ -419,9 +435,11 @@ class _Decision:
         current = role is not None and role.host == host and rr.incarnation == role.incarnation
         if role is None or not current or role.state.terminal or role.state in (R.LOST, R.RESTARTING):
             # Replaced, moved, lost or given up on: that process must go (a stop sent while its host was cut
-            # off may never have arrived). A role stopped on purpose is left to the stop's grace.
-            if not rr.exited and not (current and role is not None and role.state == R.STOPPED):
-                self.actions.append(StopRole(rr.name, host, rr.incarnation, KILL))
+            # off may never have arrived). A role stopped on purpose keeps its stop's grace (the agent keeps
+            # the first deadline: a stop sent again does not shorten it).
+            if not rr.exited:
+                stopped = current and role is not None and role.state == R.STOPPED
+                self.actions.append(StopRole(rr.name, host, rr.incarnation, self.s.stop_grace if stopped else KILL))
             return
         live = self.s.roles[role.name]
         if rr.start_error:
@@ -468,11 +486,14 @@ class _Decision:
         timeout = self.sup.heartbeat_timeout
         for name, h in self.s.hosts.items():
             if h.attached and h.last_report is not None and self.now - h.last_report > timeout:
-                self.detach(name, f"its agent has been silent for {self.now - h.last_report:.1f}s (host down "
-                                  "or cut off)")
+                self.detach(name, f"agent silent for {self.now - h.last_report:.1f}s (host down or cut off)")
             if not h.attached and (h.agent_asked_at is None or self.now - h.agent_asked_at >= AGENT_RETRY):
                 h.agent_asked_at = self.now
-                self.actions.append(StartAgent(name))
+                # one that runs but never dials in (it cannot find this supervisor) is replaced
+                replace = h.awaited_since is not None and self.now - h.awaited_since > self.sup.startup_grace
+                if replace:
+                    h.awaited_since = None
+                self.actions.append(StartAgent(name, replace=replace))
         for name in self.s.bench.released(self.now):
             self.host_event(name, "benched", "available", "cooling-off ended")
 
@@ -659,7 +680,7 @@ class _Decision:
         """Order every running role stopped and hand over to the shell (once)."""
         if self.record.state.terminal or self.s.finishing:
             return
-        self.s.finishing = True
+        self.s.finishing, self.s.stop_grace = True, grace
         why = "stopped by psctl down" if how == ClusterState.STOPPED else "cluster finished"
         for role in self.record.roles:
             if not role.state.terminal:
