@@ -132,8 +132,7 @@ def _watch(cdir: ClusterDir, *, plain_every: float = 5.0) -> Any:
             if stale:
                 raise PsctlError(
                     f"the supervisor of {record.name!r} died; roles may still run",
-                    hint=f"`psctl status {record.name}` shows the last known state, `psctl down {record.name}` "
-                    "stops everything",
+                    hint=f"`psctl supervise {record.name}` adopts them, `psctl down {record.name}` stops everything",
                 )
             time.sleep(0.25)
     finally:
@@ -176,7 +175,7 @@ def status(name: str | None, as_json: bool) -> None:
     if stale:
         err_console.print(
             f"[yellow]hint:[/yellow] the supervisor of {record.name!r} is not running; "
-            f"`psctl down {record.name}` stops whatever is left"
+            f"`psctl supervise {record.name}` adopts what runs, `psctl down {record.name}` stops whatever is left"
         )
 
 

@@ -1,0 +1,197 @@
+"""The per-host agent against the supervisor's real endpoint (AgentHub, gRPC on loopback), starting real
+processes: it starts, watches (waitpid), signals and reports roles; answers their heartbeats and fences a
+replaced incarnation; keeps its roles when the supervisor goes and reports them to the next one."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from cluster_helpers import wait_until
+
+from psctl.agent.core import Agent, sweep_orphans
+from psctl.proto import psctl_pb2 as pb
+from psctl.proto import psctl_pb2_grpc as pb_grpc
+from psctl.runtime.rpc import make_channel
+from psctl.supervisor import policy
+from psctl.supervisor.agents import AgentHub
+
+SLEEPER = [sys.executable, "-c", "import sys, time; print('up', flush=True); time.sleep(120)"]
+
+
+class Endpoint:
+    """A supervisor's agent endpoint and what came in through it."""
+
+    def __init__(self, port: int = 0) -> None:
+        self.inbox: queue.SimpleQueue[policy.Observation] = queue.SimpleQueue()
+        self.hub = AgentHub(self.inbox)
+        self.port = self.hub.start(f"127.0.0.1:{port}")
+        self.seen: list[policy.Observation] = []
+
+    def report(self, host: str, *, hello: bool | None = None, timeout: float = 15.0) -> pb.AgentReport:
+        """The next report of ``host`` (a hello, if asked) that arrives."""
+
+        def next_report() -> pb.AgentReport | None:
+            while True:
+                try:
+                    obs = self.inbox.get_nowait()
+                except queue.Empty:
+                    return None
+                self.seen.append(obs)
+                if isinstance(obs, policy.Report) and obs.host == host and hello in (None, obs.report.hello):
+                    return obs.report
+
+        return wait_until(next_report, timeout=timeout, interval=0.02, what=f"a report of {host}")  # type: ignore[no-any-return]
+
+    def role_report(self, host: str, name: str, *, until: object, timeout: float = 15.0) -> pb.RoleReport:
+        """The first report of role ``name`` for which ``until(report)`` holds."""
+
+        def matching() -> pb.RoleReport | None:
+            report = self.report(host, timeout=timeout)
+            role = next((r for r in report.roles if r.name == name), None)
+            return role if role is not None and until(role) else None  # type: ignore[operator]
+
+        return wait_until(matching, timeout=timeout, interval=0.0, what=f"{name} in {host}'s report")  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def started() -> Iterator[list[object]]:
+    """Agents and endpoints a test starts: stopped (and their roles killed) whatever happens."""
+    things: list[object] = []
+    yield things
+    for thing in things:
+        if isinstance(thing, Agent):
+            thing.stop()
+            for role in thing.roles.values():
+                role.signal(signal.SIGKILL)
+                if isinstance(role.process, subprocess.Popen):
+                    role.process.wait(timeout=10)
+        elif isinstance(thing, Endpoint):
+            thing.hub.stop()
+
+
+def start_command(name: str, incarnation: int, tmp_path: Path, argv: list[str] = SLEEPER) -> pb.AgentCommand:
+    return pb.AgentCommand(start=pb.StartRole(
+        name=name, incarnation=incarnation, attempt=1, argv=argv, cwd=str(tmp_path),
+        env={"PSCTL_ROLE": name}, log_path=str(tmp_path / "logs" / f"{name}.1.log"),
+        files={str(tmp_path / "tls" / f"{name}.key"): b"secret"}))
+
+
+def test_an_agent_starts_watches_and_stops_roles_on_the_supervisor_s_word(tmp_path: Path, started: list[object]) -> None:
+    endpoint = Endpoint()
+    started.append(endpoint)
+    agent = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=0.2)
+    started.append(agent)
+    agent.start()
+    hello = endpoint.report("h1", hello=True)
+    assert (hello.agent_pid, hello.roles, hello.heartbeat_address) == (os.getpid(), [], agent.heartbeat_address)
+
+    assert endpoint.hub.send("h1", hello.agent_pid, start_command("worker-0", 7, tmp_path))
+    running = endpoint.role_report("h1", "worker-0", until=lambda r: r.pid > 0)
+    assert (running.incarnation, running.exited, running.heartbeat_age) == (7, False, -1.0)
+    key = tmp_path / "tls" / "worker-0.key"
+    assert key.read_bytes() == b"secret" and key.stat().st_mode & 0o777 == 0o600  # written before the start
+    wait_until(lambda: "up" in (tmp_path / "logs" / "worker-0.1.log").read_text(), timeout=10, what="its log")
+
+    # its heartbeats go to the agent: the current incarnation is answered, another one is fenced
+    with make_channel(agent.heartbeat_address) as channel:
+        stub = pb_grpc.SupervisorStub(channel)
+        assert not stub.Heartbeat(pb.HeartbeatRequest(task="worker:0", incarnation=7, local_step=3), timeout=5).fenced
+        assert stub.Heartbeat(pb.HeartbeatRequest(task="worker:0", incarnation=6), timeout=5).fenced
+    beating = endpoint.role_report("h1", "worker-0", until=lambda r: r.heartbeat_age >= 0)
+    assert beating.last.local_step == 3
+
+    # a SIGKILL is seen by waitpid and reported at once, with the log's last lines
+    os.kill(running.pid, signal.SIGKILL)
+    dead = endpoint.role_report("h1", "worker-0", until=lambda r: r.exited, timeout=5)
+    assert (dead.exit_code, dead.log_tail) == (-signal.SIGKILL, "up")
+
+    # a start of the next incarnation replaces it; a stop with grace sends SIGTERM (the sleeper dies of it)
+    endpoint.hub.send("h1", hello.agent_pid, start_command("worker-0", 8, tmp_path))
+    second = endpoint.role_report("h1", "worker-0", until=lambda r: r.incarnation == 8 and r.pid > 0)
+    endpoint.hub.send("h1", hello.agent_pid, pb.AgentCommand(stop=pb.StopRole(name="worker-0", grace_seconds=5)))
+    stopped = endpoint.role_report("h1", "worker-0", until=lambda r: r.exited, timeout=10)
+    assert (stopped.pid, stopped.exit_code) == (second.pid, -signal.SIGTERM)
+
+
+def test_a_start_that_fails_is_reported_with_why(tmp_path: Path, started: list[object]) -> None:
+    endpoint = Endpoint()
+    started.append(endpoint)
+    agent = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=0.2)
+    started.append(agent)
+    agent.start()
+    hello = endpoint.report("h1", hello=True)
+    endpoint.hub.send("h1", hello.agent_pid, start_command("ps-0", 1, tmp_path, argv=["/nonexistent/python3"]))
+    failed = endpoint.role_report("h1", "ps-0", until=lambda r: r.exited)
+    assert "cannot start /nonexistent/python3" in failed.start_error and "No such file" in failed.start_error
+
+
+def test_roles_outlive_their_supervisor_and_are_reported_to_the_next_one(tmp_path: Path, started: list[object]) -> None:
+    first = Endpoint()
+    started.append(first)
+    agent = Agent("h1", f"127.0.0.1:{first.port}", cluster_id="c1", interval=0.2)
+    started.append(agent)
+    agent.start()
+    hello = first.report("h1", hello=True)
+    first.hub.send("h1", hello.agent_pid, start_command("chief-0", 5, tmp_path))
+    pid = first.role_report("h1", "chief-0", until=lambda r: r.pid > 0).pid
+    first.hub.stop()  # the supervisor is gone
+
+    def detached() -> bool:
+        while not first.inbox.empty():
+            first.seen.append(first.inbox.get())
+        return any(isinstance(o, policy.Detached) and o.agent_pid == hello.agent_pid for o in first.seen)
+
+    wait_until(detached, timeout=10, what="the stream's end to be observed")
+
+    second = Endpoint(first.port)  # a new supervisor where the last one listened
+    started.append(second)
+    again = second.report("h1", hello=True, timeout=20)
+    assert [(r.name, r.pid, r.incarnation, r.exited) for r in again.roles] == [("chief-0", pid, 5, False)]
+    os.kill(pid, 0)  # still the same process
+
+
+def test_an_agent_with_the_certificate_of_another_host_is_refused(tmp_path: Path, started: list[object]) -> None:
+    from psctl.pki import create_cluster_pki, member_files
+
+    create_cluster_pki(tmp_path, "c1", [("supervisor", "127.0.0.1"), ("agent-h1", "127.0.0.1"),
+                                        ("agent-h2", "127.0.0.1")])
+    inbox: queue.SimpleQueue[policy.Observation] = queue.SimpleQueue()
+    hub = AgentHub(inbox, tls=member_files(tmp_path, "supervisor"))
+    port = hub.start("127.0.0.1:0")
+    try:
+        with make_channel(f"127.0.0.1:{port}", member_files(tmp_path, "agent-h2")) as channel:
+            stub = pb_grpc.AgentLinkStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                next(stub.Attach(iter([pb.AgentReport(host="h1", agent_pid=1, hello=True)]), timeout=10))
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+            calls = stub.Attach(iter([pb.AgentReport(host="h2", agent_pid=1, hello=True)]), timeout=10)
+            wait_until(lambda: not inbox.empty(), timeout=10, what="h2's hello")
+            assert isinstance(inbox.get(), policy.Report)
+            calls.cancel()
+    finally:
+        hub.stop()
+
+
+def test_a_new_agent_stops_the_roles_an_earlier_agent_of_its_host_left(tmp_path: Path) -> None:
+    env = {**os.environ, "PSCTL_CLUSTER_ID": "c9", "PSCTL_AGENT_HOST": "h1", "PSCTL_ROLE": "worker-0"}
+    orphan = subprocess.Popen(SLEEPER, env=env, start_new_session=True, stdout=subprocess.DEVNULL)
+    other = subprocess.Popen(SLEEPER, env={**env, "PSCTL_AGENT_HOST": "h2"}, start_new_session=True,
+                             stdout=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: b"PSCTL_AGENT_HOST" in Path(f"/proc/{orphan.pid}/environ").read_bytes(), timeout=10,
+                   what="the orphan's environment")
+        assert sweep_orphans("c9", "h1") == [orphan.pid]
+        assert orphan.wait(timeout=10) == -signal.SIGKILL
+        assert other.poll() is None  # another host's role (agents of a test bed share a machine)
+    finally:
+        for proc in (orphan, other):
+            proc.kill()
+            proc.wait()
