@@ -84,7 +84,8 @@ def start_command(name: str, incarnation: int, tmp_path: Path, argv: list[str] =
         files={str(tmp_path / "tls" / f"{name}.key"): b"secret"}))
 
 
-def test_an_agent_starts_watches_and_stops_roles_on_the_supervisor_s_word(tmp_path: Path, started: list[object]) -> None:
+def test_an_agent_starts_watches_and_stops_roles_on_the_supervisor_s_word(
+        tmp_path: Path, started: list[object]) -> None:
     endpoint = Endpoint()
     started.append(endpoint)
     agent = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=0.2)

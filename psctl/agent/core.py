@@ -41,6 +41,9 @@ WATCH_INTERVAL = 0.1
 MAX_RECONNECT_BACKOFF = 1.0
 #: The last lines of a role's log that go with the report of its exit.
 TAIL_LINES = 5
+#: An agent with no running role ends after this long without a supervisor (its cluster is gone, or it was
+#: replaced while cut off); one with roles keeps them and keeps dialling, for a new supervisor to adopt them.
+ORPHAN_TIMEOUT = 600.0
 #: Roles of the cluster started by an earlier agent of this host carry this variable (see sweep_orphans).
 HOST_VARIABLE = "PSCTL_AGENT_HOST"
 
@@ -51,6 +54,8 @@ class Process(Protocol):
     pid: int
 
     def poll(self) -> int | None: ...
+
+    def send_signal(self, sig: int) -> None: ...
 
 
 Spawn = Callable[[pb.StartRole, int], Process]
@@ -121,9 +126,13 @@ class RoleProcess:
         return self.process is not None and self.exit_code is None
 
     def signal(self, sig: int) -> None:
+        """Signal the role's process group (the role's own children with it)."""
         if not self.running:
             return
         assert self.process is not None
+        if not isinstance(self.process, subprocess.Popen):
+            self.process.send_signal(sig)
+            return
         try:
             os.killpg(self.process.pid, sig)
         except ProcessLookupError:
@@ -360,14 +369,19 @@ class Agent:
         """Keep one stream to the supervisor: dial, say hello, carry out its commands; dial again when it
         breaks (the roles go on meanwhile)."""
         backoff = 0.1
+        alone_since = self.time()
         while not self._done.is_set():
+            if self.time() - alone_since > ORPHAN_TIMEOUT and not any(r.running for r in list(self.roles.values())):
+                log.warning("no supervisor for %.0fs and no role to keep: exiting", ORPHAN_TIMEOUT)
+                self._done.set()
+                break
             channel = make_channel(self.supervisor, self.tls)
             outbox: queue.SimpleQueue[pb.AgentReport | None] = queue.SimpleQueue()
             outbox.put(self.report(hello=True))
             self._outbox = outbox
             try:
                 for command in pb_grpc.AgentLinkStub(channel).Attach(_drain(outbox)):
-                    backoff = 0.1
+                    backoff, alone_since = 0.1, float("inf")  # attached
                     self.handle(command)
             except grpc.RpcError as exc:
                 if not self._done.is_set():
@@ -376,6 +390,7 @@ class Agent:
                 self._outbox = None
                 outbox.put(None)
                 channel.close()
+                alone_since = min(alone_since, self.time())
             if self._stopping.is_set():
                 self._done.wait(10.0)  # the shutdown ends the agent
             self._done.wait(backoff)

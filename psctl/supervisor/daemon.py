@@ -88,6 +88,8 @@ class Supervisor:
         self._last_save = float("-inf")
         #: Orders starter threads' changes to ``record.agents`` with saving the record.
         self._lock = threading.Lock()
+        #: One copy of the chief's metrics at a time (in the background, and once more at the finish).
+        self._mirror_lock = threading.Lock()
 
     # -- the loop -------------------------------------------------------------------------------------
     def run(self) -> ClusterState:
@@ -110,8 +112,9 @@ class Supervisor:
                     observations.append(policy.StopRequested(self.stop_grace()))
                 self.act(policy.decide(self.state, observations, self.time()))
                 self.save()
-                if self.time() - self._mirrored_at > MIRROR_INTERVAL:
-                    self.mirror_metrics()
+                if self.time() - self._mirrored_at > MIRROR_INTERVAL and self._mirror_lock.acquire(blocking=False):
+                    self._mirrored_at = self.time()  # in a starter thread: a cut-off chief's host times out there
+                    self._starters.submit(self._mirror_in_background)
         finally:
             self.hub.stop()
             self._starters.shutdown(wait=False, cancel_futures=True)
@@ -332,16 +335,26 @@ class Supervisor:
                 save_state(self.cdir.state_file, self.record)
             self._last_save = now
 
+    def _mirror_in_background(self) -> None:
+        try:
+            self._mirror()
+        finally:
+            self._mirror_lock.release()
+
     def mirror_metrics(self) -> None:
         """Copy what a chief on an SSH host added to its metrics.jsonl into the local run folder, so that
         ``status`` and plots read it here (the chief's own file stays complete on its host)."""
-        self._mirrored_at = self.time()
+        with self._mirror_lock:
+            self._mirror()
+
+    def _mirror(self) -> None:
         chief = self.state.chief
         if chief is None or not self.places[chief.host].remote:
             return
-        place = self.places[chief.host]
+        host = chief.host
+        place = self.places[host]
         try:
-            offset = self._mirror_offsets.get(chief.host, 0)
+            offset = self._mirror_offsets.get(host, 0)
             data = place.runner.read_file(str(place.dirs.run_dir / "metrics.jsonl"), offset)
         except (OSError, PsctlError):
             return
@@ -349,7 +362,7 @@ class Supervisor:
         if complete:
             with open(self.cdir.run_dir / "metrics.jsonl", "ab") as f:
                 f.write(complete)
-            self._mirror_offsets[chief.host] = offset + len(complete)
+            self._mirror_offsets[host] = offset + len(complete)
 
     def read_result(self) -> dict[str, Any] | None:
         """The chief's result.json and the evaluator's last result, read on their hosts."""
