@@ -6,13 +6,13 @@ Each agent plays one host (``h0``..``hN-1``, on loopback, no SSH) with R workers
 also has the chief and a ps). The agents are psctl's own (:class:`psctl.agent.core.Agent`, each with its own
 mTLS stream to the supervisor), many per process (``--agents-per-process``) so that a 2-core machine holds
 1,000 of them; their roles are in-process fakes, except host h0's: real processes that heartbeat through h0's
-agent as roles do. worker-0 (on h0) is SIGKILLed at the end to time detection. The supervisor is the real daemon
-(``psctl.supervisor.daemon``) in a process of its own, with a cluster of N*R workers over the N hosts; its CPU time, RSS and threads are read with
-psutil over the measured window (after every role runs).
+agent as roles do. worker-0 (on h0) is SIGKILLed at the end to time detection. The supervisor is the real
+daemon (``psctl.supervisor.daemon``) in a process of its own, over a cluster of N*R workers on the N hosts;
+its CPU time, RSS and threads are read with psutil over the measured window (after every role runs).
 
 Prints one JSON line: hosts, roles, supervisor_cpu_cores (cores over the window), supervisor_rss_mb,
-supervisor_threads, detect_s (SIGKILL of a role to the supervisor's "lost" event), reports_per_s (the agents'
-reports the supervisor took), with the agents' own CPU beside it and the machine (cores, load) it ran on.
+supervisor_threads, detect_s (SIGKILL of a role to the supervisor's "lost" event), with the agents' own CPU
+beside it (the rest of the machine's load) and the machine (cores, load average) it ran on.
 """
 
 from __future__ import annotations
