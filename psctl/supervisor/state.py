@@ -136,10 +136,12 @@ class ClusterRecord:
     agents: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def role(self, name: str) -> RoleRecord:
-        for record in self.roles:
-            if record.name == name:
-                return record
-        raise KeyError(name)
+        """The role named ``name`` (KeyError if none): by an index, rebuilt when the list of roles changed."""
+        index = self.__dict__.get("_index")
+        if index is None or index[0] is not self.roles or len(index[1]) != len(self.roles):
+            index = (self.roles, {r.name: r for r in self.roles})
+            self.__dict__["_index"] = index
+        return index[1][name]
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
