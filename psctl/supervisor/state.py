@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,10 @@ class RoleState(str, Enum):
 
     @property
     def terminal(self) -> bool:
-        return self in (RoleState.SUCCEEDED, RoleState.FAILED, RoleState.STOPPED)
+        return self in _TERMINAL_ROLE_STATES
+
+
+_TERMINAL_ROLE_STATES = frozenset({RoleState.SUCCEEDED, RoleState.FAILED, RoleState.STOPPED})
 
 
 class ClusterState(str, Enum):
@@ -97,6 +100,12 @@ class RoleRecord:
         """Where the role listens (``address:port``)."""
         return endpoint(self.address, self.port)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The role's fields (a shallow copy: what is nested is plain JSON data, serialised at once)."""
+        data = dict(self.__dict__)
+        data["state"] = self.state.value
+        return data
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RoleRecord:
         known = {f.name for f in fields(cls)}
@@ -144,10 +153,13 @@ class ClusterRecord:
         return index[1][name]
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        """The record as JSON-ready data (written every second for a thousand roles: no ``asdict`` deep copy;
+        the nested values are plain JSON data)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["state"] = self.state.value
-        for role in data["roles"]:
-            role["state"] = RoleState(role["state"]).value
+        data["roles"] = [role.to_dict() for role in self.roles]
+        for name in ("hosts", "host_problems", "agents"):
+            data[name] = {k: dict(v) if isinstance(v, dict) else v for k, v in data[name].items()}
         return data
 
     @classmethod
@@ -161,7 +173,7 @@ class ClusterRecord:
 
 def save_state(path: Path, record: ClusterRecord) -> None:
     record.updated_at = time.time()
-    write_json_atomic(path, record.to_dict())
+    write_json_atomic(path, record.to_dict(), compact=True)
 
 
 def load_state(path: Path) -> ClusterRecord:
