@@ -256,6 +256,8 @@ def _start(
         raise
     save_state(cdir.state_file, record)
     spawn_supervisor(cdir, record)
+    # every host's agent is started (16 at a time) before its roles: allow for it with many hosts
+    wait_started += 0.5 * len(record.hosts)
     deadline = time.monotonic() + wait_started
     while time.monotonic() < deadline:
         current = load_state(cdir.state_file)

@@ -39,6 +39,9 @@ log = logging.getLogger("psctl.agent")
 WATCH_INTERVAL = 0.1
 #: Longest wait between two tries to reach the supervisor.
 MAX_RECONNECT_BACKOFF = 1.0
+#: HTTP/2 pings on the stream to the supervisor: it carries a report every heartbeat interval already, and
+#: the supervisor judges the agent by those; the pings only end a stream to a supervisor that vanished.
+LINK_KEEPALIVE_MS = 10_000
 #: The last lines of a role's log that go with the report of its exit.
 TAIL_LINES = 5
 #: An agent with no running role ends after this long without a supervisor (its cluster is gone, or it was
@@ -375,7 +378,7 @@ class Agent:
                 log.warning("no supervisor for %.0fs and no role to keep: exiting", ORPHAN_TIMEOUT)
                 self._done.set()
                 break
-            channel = make_channel(self.supervisor, self.tls)
+            channel = make_channel(self.supervisor, self.tls, keepalive_ms=LINK_KEEPALIVE_MS)
             outbox: queue.SimpleQueue[pb.AgentReport | None] = queue.SimpleQueue()
             outbox.put(self.report(hello=True))
             self._outbox = outbox

@@ -35,7 +35,11 @@ def _read(path: str) -> bytes:
     return Path(path).read_bytes()
 
 
-def make_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
+def make_channel(
+    address: str, tls: TlsFiles | None = None, *, keepalive_ms: int = KEEPALIVE_TIME_MS
+) -> grpc.Channel:
+    """A channel to ``address``; ``keepalive_ms``: HTTP/2 pings that fail a call to a silent peer (a stream that
+    carries a report every second needs them seldom: each ping costs the SSH forward that carries it)."""
     # Reconnect quickly: a restarted role answers at the same address within seconds, and gRPC's default
     # backoff (up to 120 s) would leave the cluster idle long after it is back.
     options: list[tuple[str, Any]] = [
@@ -43,7 +47,7 @@ def make_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
         ("grpc.enable_retries", 0),
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
-        *CLIENT_KEEPALIVE,
+        *[(key, keepalive_ms if key == "grpc.keepalive_time_ms" else value) for key, value in CLIENT_KEEPALIVE],
         # (not min_reconnect_backoff_ms: gRPC core also uses it as the connect timeout, and a TLS handshake on
         # a loaded machine can take longer than a short one)
     ]
