@@ -319,3 +319,32 @@ def test_a_restarted_supervisor_adopts_the_running_roles_and_training_ends_exact
         assert (record["pid"], record["attempt"], record["restarts"]) == (pids[role], 1, 0), cluster.describe()
     assert not [e for e in cluster.events() if e["to"] in ("lost", "restarting")], cluster.describe()
     assert cluster.progress() == steps
+
+
+def test_sigterm_of_a_worker_with_grace_hands_its_work_back_and_nothing_is_recomputed(psctl_env: PsctlEnv) -> None:
+    steps = 2000
+    text = spec_text("preempt", steps).replace(
+        "worker: {replicas: 2}", "worker: {replicas: 2, restart: {max_restarts: 0}}"
+    ).replace("supervision: {", "supervision: {preemption_grace: 20s, ")
+    cluster = SupervisedCluster(psctl_env, "preempt", text)
+    cluster.up()
+    wait_until(lambda: cluster.progress() >= 300, timeout=120, what="global step 300", detail=cluster.describe)
+    victim = cluster.process("worker-1")
+    victim.send_signal(signal.SIGTERM)  # a preemption's warning
+    wait_until(lambda: gone(victim), timeout=30, what="the preempted worker to leave")
+
+    restarted = wait_until(lambda: cluster.role("worker-1")["attempt"] == 2 and cluster.role("worker-1"),
+                           timeout=30, what="worker-1's restart", detail=cluster.describe)
+    cluster.wait_finished(RUN_TIMEOUT)
+    result = assert_finished_with_exactly(cluster, steps)  # type: ignore[arg-type]
+    # it finished the step it ran and took no other: nothing was recomputed, its next steps went elsewhere
+    assert result["retried_steps"] == 0, result
+    assert result["ps_restores"] == 0
+    lost = [e for e in cluster.events("worker-1") if e["to"] == "lost"]
+    assert [e["reason"] for e in lost] == ["preempted (stopped by SIGTERM, left within its grace)"], lost
+    # max_restarts: 0, and still restarted: a preemption is not a failure
+    assert restarted["restarts"] == 1
+    log = (cluster.root / "logs" / "worker-1.1.log").read_text()
+    assert "worker:1 stopping: its steps finished" in log, log[-2000:]
+    for role in ("chief-0", "ps-0", "ps-1", "worker-0"):
+        assert cluster.role(role)["attempt"] == 1, cluster.describe()

@@ -156,6 +156,15 @@ def test_a_host_where_roles_keep_failing_is_benched_then_released(c: FakeCluster
     assert "h2" not in c.record.host_problems
 
 
+def test_preemptions_do_not_bench_a_host(c: FakeCluster) -> None:
+    for _ in (1, 2, 3):  # bench_after_failures: 2
+        c.process("worker-1").exit_code = policy.EXIT_PREEMPTED
+        c.step(0.1)
+        c.step(1.5)
+        assert c.role("worker-1").host == "h2"
+    assert [(e.was, e.to) for e in c.events("host h2")] == [("starting", "reachable")]
+
+
 def test_a_ps_with_a_pool_moves_and_the_chief_and_workers_are_told(tmp_path: Path) -> None:
     c = FakeCluster(SPEC.replace("ps: {host: h3, port: 7010}", "ps: {hosts: [h3, h1], port: 7010}"), tmp_path)
     c.step()

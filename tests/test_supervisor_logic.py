@@ -219,3 +219,23 @@ def test_the_policy_module_does_no_io_and_reads_no_clock() -> None:
     source = Path(policy.__file__).read_text()
     for forbidden in ("import time", "import threading", "import os", "open(", "import grpc", "socket"):
         assert forbidden not in source, forbidden
+
+
+def test_a_preempted_role_is_restarted_without_counting_it_as_a_failure(tmp_path: Path) -> None:
+    c = FakeCluster(SPEC.replace("max_restarts: 2", "max_restarts: 0"), tmp_path)
+    c.step()
+    running(c)
+    for attempt in (2, 3):  # preempted twice: restarted twice, although no failure may be restarted
+        c.process("worker-0").exit_code = policy.EXIT_PREEMPTED
+        c.step()
+        worker = c.role("worker-0")
+        assert worker.state == RoleState.RESTARTING and worker.reason.endswith("(preempted)"), worker.reason
+        assert c.state.roles["worker-0"].failures_in_a_row == 0
+        c.step(1.01)  # its policy's first backoff (1 s), no jitter
+        assert (c.role("worker-0").state, c.role("worker-0").attempt) == (RoleState.STARTING, attempt)
+        c.step(0.1)
+    lost = [e for e in c.events("worker-0") if e.to == "lost"]
+    assert [e.reason for e in lost] == ["preempted (stopped by SIGTERM, left within its grace)"] * 2
+    c.process("worker-0").exit_code = 1  # a real failure is still one
+    c.step()
+    assert c.role("worker-0").state == RoleState.FAILED

@@ -1,7 +1,9 @@
 """``python -m psctl.runtime``: run this process's role, as the environment describes it.
 
-Exit codes: 0 done (or stopped by SIGTERM), 1 unexpected failure, 2 bad configuration (permanent: restarting
-cannot help), 3 training failed (a non-retryable error in the program; also permanent).
+Exit codes (psctl.runtime.exits): 0 done, 1 unexpected failure, 2 bad configuration (permanent: restarting
+cannot help), 3 training failed (a non-retryable error in the program; also permanent), 75 stopped by SIGTERM
+within its grace (preempted, or ``psctl down``): a worker first finishes the steps it is running and refuses new
+ones (``PSCTL_PREEMPTION_GRACE`` seconds at most), so that the chief hands them to another worker.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ import threading
 import time
 
 from psctl.runtime.cluster import ClusterConfigError, ClusterInfo, from_env
+from psctl.runtime.exits import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED
 
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_CONFIG = 2
-EXIT_TRAINING_FAILED = 3
+#: Seconds a worker stopped by SIGTERM gives the steps it is running (the supervisor sets it from
+#: supervision.preemption_grace; the SIGKILL that follows a preemption's warning ends it otherwise).
+DEFAULT_PREEMPTION_GRACE = 30.0
 
 
 def _serve(info: ClusterInfo, stop: threading.Event) -> int:
@@ -28,6 +30,7 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
     CHIEF_FENCE.learn(info.chief_incarnation)  # before serving: a replaced chief may already be calling
 
     server, _port = make_server(info.bind_address(), info.tls)
+    drain = None  # a worker's: finish the steps running, refuse new ones
     if info.task_type == "ps":
         from psctl.runtime.ps import ParameterServerServicer, VariableStore, add_to_server
 
@@ -58,12 +61,18 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
         )
         servicer.dataset("train", info.task_index)  # load its data before serving: not during its first step
         pb_grpc.add_WorkerServicer_to_server(servicer, server)
+        drain = servicer.drain
     server.start()
     logging.info("%s serving on %s (incarnation %d)", info.task, info.address, info.incarnation)
     stop.wait()
+    if drain is not None:
+        grace = float(os.environ.get("PSCTL_PREEMPTION_GRACE", DEFAULT_PREEMPTION_GRACE))
+        left = drain(grace)
+        logging.info("%s stopping: %s", info.task, "its steps finished" if not left else
+                     f"{left} step(s) still running after {grace:g}s")
     server.stop(grace=2).wait()
     logging.info("%s stopped", info.task)
-    return EXIT_OK
+    return EXIT_PREEMPTED
 
 
 def _chief(info: ClusterInfo, stop: threading.Event) -> int:
@@ -81,9 +90,9 @@ def _chief(info: ClusterInfo, stop: threading.Event) -> int:
     except StepError as exc:
         logging.error("training failed: %s", exc)
         return EXIT_TRAINING_FAILED
-    except Interrupted as exc:
+    except Interrupted as exc:  # its successor resumes at the global step the ps hold: nothing is lost
         logging.info("%s", exc)
-        return EXIT_OK
+        return EXIT_PREEMPTED
     except (PsUnavailable, CancelledError) as exc:
         logging.error("training interrupted: %s", exc)
         return EXIT_FAILURE
@@ -125,7 +134,8 @@ def main() -> int:
         if info.task_type == "evaluator":
             from psctl.runtime.evaluator import run_evaluator
 
-            return run_evaluator(info, stop)
+            code = run_evaluator(info, stop)
+            return EXIT_PREEMPTED if stop.is_set() else code
         return EXIT_CONFIG
     except (ValueError, ImportError) as exc:
         logging.error("%s: configuration error: %s", info.task, exc)

@@ -142,6 +142,7 @@ class Chief:
             "steps_this_run": global_step - self.start_step,
             "seconds": round(seconds, 3),
             "retried_steps": coordinator.retries,
+            "handed_back_steps": coordinator.handed_back,
             "ps_restores": self.restores,
             "max_observed_lag": coordinator.max_observed_lag if cfg.mode == "bounded" else None,
             "sync": self._sync_counters(),

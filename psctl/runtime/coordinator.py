@@ -38,6 +38,8 @@ from psctl.runtime.rpc import close_later, make_channel
 
 log = logging.getLogger("psctl.coordinator")
 
+#: How gRPC words an RPC that failed before any connection carried it (the channel could not connect).
+NEVER_SENT = "failed to connect to all addresses"
 _WORKER_LOST = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.CANCELLED,
@@ -158,6 +160,8 @@ class ClusterCoordinator:
         self.on_result = on_result
         self.on_worker_event = on_worker_event or (lambda message: log.warning("%s", message))
         self.retries = 0
+        #: Steps a preempted worker handed back before running them (not retries: nothing was recomputed).
+        self.handed_back = 0
         #: Bounded staleness: a worker may start a step only while it is at most this many steps ahead of
         #: the slowest live worker (None: no bound).
         self.staleness = staleness
@@ -365,11 +369,14 @@ class ClusterCoordinator:
             self._inflight += 1
             return closure
 
-    def _finish(self, closure: Closure, *, requeue: bool = False, error: BaseException | None = None) -> None:
+    def _finish(self, closure: Closure, *, requeue: bool = False, retry: bool = True,
+                error: BaseException | None = None) -> None:
+        """A closure is done with, or goes back on the queue (``retry``: counted as a retry, for it may have
+        run in part)."""
         with self._cond:
             self._inflight -= 1
             if requeue:
-                self.retries += 1
+                self.retries += retry
                 self._queue.appendleft(closure)
             if error is not None:
                 closure.remote._fail(error)
@@ -451,6 +458,12 @@ class ClusterCoordinator:
         if refused is not None:  # a newer chief runs: this one must stop, and its step is not retried
             self._finish(closure, error=refused)
             return
+        if code == grpc.StatusCode.UNAVAILABLE and details.startswith("preempted:"):
+            worker.alive = False  # until its successor answers; the step never ran there: not a retry
+            self.handed_back += 1
+            self.on_worker_event(f"worker:{worker.index} preempted: step {closure.step_id} goes to another worker")
+            self._finish(closure, requeue=True, retry=False)
+            return
         if code in _WORKER_LOST:
             worker.alive = False
             worker.failures += 1
@@ -458,7 +471,9 @@ class ClusterCoordinator:
                 f"worker:{worker.index} lost ({code.name}: {details.strip()[:200]}); "
                 f"step {closure.step_id} goes back on the queue"
             )
-            self._finish(closure, requeue=True)
+            # no connection, so the step was never sent (a preempted worker that already left): not a retry
+            never_sent = code == grpc.StatusCode.UNAVAILABLE and NEVER_SENT in details
+            self._finish(closure, requeue=True, retry=not never_sent)
             return
         if code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith("ps unavailable"):
             with self._cond:

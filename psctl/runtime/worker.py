@@ -15,6 +15,8 @@ overlaps computation).
 
 Status codes the coordinator relies on:
 - FAILED_PRECONDITION "ps unavailable: ..." — a PS is down; the step can be retried once it is back.
+- UNAVAILABLE "preempted: ..." — the worker is leaving (SIGTERM) and ran nothing of this step: hand it to
+  another worker (not a retry: nothing is recomputed).
 - PERMISSION_DENIED — this worker's incarnation was fenced off; it stops.
 - INVALID_ARGUMENT / INTERNAL — the program failed on this step: not retryable.
 """
@@ -47,6 +49,10 @@ class Prefetched:
     steps: dict[int, int]  # each PS's global step right after the push
 
 
+#: A worker that was asked for a step this recently is being fed by the chief (see WorkerServicer.drain).
+FED_RECENTLY = 0.5
+
+
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(
         self,
@@ -77,6 +83,34 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._ps_was_down = False
         self._prefetched: Prefetched | None = None
         self._lock = threading.Lock()
+        #: Steps running now, whether the worker is leaving and has refused a request since (see drain), and
+        #: when a step was last asked of it.
+        self._running = 0
+        self._draining = False
+        self._refused = False
+        self._last_request = float("-inf")
+        self._steps = threading.Condition()
+
+    def drain(self, timeout: float) -> int:
+        """The worker is leaving (preempted): refuse new steps and probes from now on, so that the chief hands
+        them to other workers, and wait up to ``timeout`` seconds for the steps running to finish (their
+        updates land: nothing is recomputed). While the chief still feeds it, it also waits for the chief to
+        hear "preempted" once (a step sent as the server shuts down would be lost in flight, and re-run).
+        Returns how many steps were still running."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._steps:
+            self._draining = True
+            self._steps.wait_for(lambda: self._running == 0, timeout=max(0.0, deadline - time.monotonic()))
+            while (self._running == 0 and not self._refused and time.monotonic() < deadline
+                   and time.monotonic() - self._last_request < FED_RECENTLY):
+                self._steps.wait(0.05)
+            return self._running
+
+    def _leaving(self, context: grpc.ServicerContext) -> None:
+        with self._steps:
+            self._refused = True
+            self._steps.notify_all()
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"preempted: {self.task} is leaving")
 
     def dataset(self, split: str, shard: int) -> Dataset:
         key = (split, shard)
@@ -86,10 +120,27 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return self._datasets[key]
 
     def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
+        if self._draining:
+            self._leaving(context)
         self.chief_fence.learn(request.chief_incarnation)  # a probe only teaches: anyone may ask if it is up
         return pb.PingResponse(incarnation=self.incarnation, task=self.task)
 
     def RunStep(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
+        with self._steps:
+            self._last_request = time.monotonic()
+            draining = self._draining
+            if not draining:
+                self._running += 1
+        if draining:
+            self._leaving(context)
+        try:
+            return self._run_step(request, context)
+        finally:
+            with self._steps:
+                self._running -= 1
+                self._steps.notify_all()
+
+    def _run_step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
         if self.fenced.is_set():
             context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{self.task} incarnation {self.incarnation} is fenced")
         if not 0 <= request.shard < self.num_shards:

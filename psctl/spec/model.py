@@ -99,6 +99,9 @@ class SupervisionSpec:
     bench_after_failures: int = 3
     bench_window: float = 300.0
     bench_cooloff: float = 600.0
+    #: Seconds a role stopped by SIGTERM (a preemption's warning) has to leave cleanly: a worker finishes the
+    #: steps it runs and takes no new one. Such an exit is restarted but never counted as a failure.
+    preemption_grace: float = 30.0
 
 
 @dataclass(frozen=True)

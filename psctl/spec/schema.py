@@ -35,7 +35,7 @@ HOST_KEYS = ("name", "address", "user", "port", "identity_file", "python", "work
 ROLE_KEYS = ("replicas", "host", "hosts", "port", "ports", "restart", "env", "threads")
 RESTART_KEYS = ("policy", "max_restarts", "backoff_seconds", "max_backoff_seconds", "permanent_exit_codes")
 SUPERVISION_KEYS = ("heartbeat_interval", "heartbeat_timeout", "startup_grace", "stall_timeout",
-                    "bench_after_failures", "bench_window", "bench_cooloff")
+                    "bench_after_failures", "bench_window", "bench_cooloff", "preemption_grace")
 REQUIRED_ROLES = ("chief", "ps", "worker")
 SINGLE_ROLES = ("chief", "evaluator")
 MAX_REPLICAS = 1000
@@ -459,4 +459,5 @@ def _supervision(c: Checker, value: object) -> SupervisionSpec:
                                        fix="give a count of role failures, or 0 to never bench a host"),
         bench_window=c.duration((*p, "bench_window"), d.get("bench_window", 300.0)),
         bench_cooloff=c.duration((*p, "bench_cooloff"), d.get("bench_cooloff", 600.0)),
+        preemption_grace=c.duration((*p, "preemption_grace"), d.get("preemption_grace", 30.0), positive=False),
     )

@@ -304,6 +304,7 @@ class Supervisor:
             PSCTL_ROLE=role.name,
             PSCTL_AGENT_HOST=role.host,
             PSCTL_HEARTBEAT_INTERVAL=str(self.spec.supervision.heartbeat_interval),
+            PSCTL_PREEMPTION_GRACE=str(self.spec.supervision.preemption_grace),
         )
         env.update(tuning_env(threads))
         env.update(spec_role.env)

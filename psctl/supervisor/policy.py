@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from psctl.proto import psctl_pb2 as pb
+from psctl.runtime.exits import EXIT_PREEMPTED
 from psctl.spec import ClusterSpec
 from psctl.supervisor.hosts import DIALED_ROLES, HostBench, Occupant, restart_host
 from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState
@@ -256,6 +257,8 @@ def cluster_view(state: PolicyState) -> pb.ClusterView:
 
 
 def describe_exit(code: int) -> str:
+    if code == EXIT_PREEMPTED:
+        return "preempted (stopped by SIGTERM, left within its grace)"
     if code == -255:
         return "exited (code unknown)"
     if code < 0:
@@ -617,6 +620,10 @@ class _Decision:
             self.transition(role, R.FAILED, what)
             self.finish(ClusterState.SUCCEEDED, "training finished (the evaluator did not finish cleanly)")
             return
+        if code == EXIT_PREEMPTED:  # not a failure: no log lines, no count towards max_restarts or benching
+            self.transition(role, R.LOST, what)
+            self.restart_after_preemption(role)
+            return
         reason = what + (f"; last log lines: {tail}" if tail else "")
         if self.record.state == C.STARTING and role.attempt == 1:
             self.transition(role, R.FAILED, reason)
@@ -675,6 +682,20 @@ class _Decision:
         live.running_since = None
         live.restart_at = self.now + backoff
         self.transition(role, R.RESTARTING, f"restart {role.restarts} in {backoff:.1f}s")
+
+    def restart_after_preemption(self, role: RoleRecord) -> None:
+        """A preempted role starts again after its policy's first backoff, its failures in a row unchanged."""
+        policy = self.s.spec.roles[role.role].restart
+        if policy.policy == "never":
+            self.transition(role, R.FAILED, f"{role.reason}; not restarted: restart policy is never")
+            if role.role in ("chief", "ps"):
+                self.finish(ClusterState.FAILED, f"{role.name} failed: {role.reason}")
+            return
+        role.restarts += 1
+        live = self.s.roles[role.name]
+        live.running_since = None
+        live.restart_at = self.now + policy.backoff_seconds
+        self.transition(role, R.RESTARTING, f"restart {role.restarts} in {policy.backoff_seconds:.1f}s (preempted)")
 
     def finish(self, how: ClusterState, reason: str, *, grace: float = 5.0) -> None:
         """Order every running role stopped and hand over to the shell (once)."""
