@@ -18,7 +18,7 @@ from rich.table import Table
 
 from psctl import __version__, operations
 from psctl.checkpoints import find_snapshot
-from psctl.errors import PsctlError, TrainingFailed
+from psctl.errors import PsctlError, TrainingFailed, UsageError
 from psctl.home import ClusterDir, list_clusters
 from psctl.render import host_table, plan_table, progress_line, status_dict, status_view
 from psctl.runtime.checkpoint import export_arrays
@@ -194,13 +194,23 @@ def list_command() -> None:
 
 
 @cli.command()
-@click.argument("role")
+@click.argument("role", required=False)
 @click.argument("name", required=False)
 @click.option("--tail", "-n", "tail", type=int, default=0, help="Only the last N lines (0: all).")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines, across restarts of the role.")
 @click.option("--attempt", type=int, default=None, help="An earlier attempt's log (1 is the first).")
-def logs(role: str, name: str | None, tail: int, follow: bool, attempt: int | None) -> None:
-    """Print the log of ROLE (e.g. worker-1) of cluster NAME."""
+@click.option("--all", "all_roles", is_flag=True,
+              help="Every role's latest log, merged in time order, each line prefixed with its role.")
+def logs(role: str | None, name: str | None, tail: int, follow: bool, attempt: int | None, all_roles: bool) -> None:
+    """Print the log of ROLE (e.g. worker-1) of cluster NAME; `psctl logs --all [NAME]` prints every role's."""
+    if all_roles:
+        if name is not None or attempt is not None:
+            raise UsageError("with --all, give only the cluster's name (and --tail, -f)",
+                             hint="e.g. `psctl logs --all digits -n 50`")
+        _all_logs(role, tail, follow)
+        return
+    if role is None:
+        raise UsageError("name the role whose log to print (e.g. worker-1), or use --all for every role")
     cdir = operations.resolve_cluster(name)
     record = load_state(cdir.state_file)
     attempt = operations.check_attempt(record, role, attempt)
@@ -216,6 +226,23 @@ def logs(role: str, name: str | None, tail: int, follow: bool, attempt: int | No
         pass
     finally:
         log.close()
+
+
+def _all_logs(name: str | None, tail: int, follow: bool) -> None:
+    cdir = operations.resolve_cluster(name)
+    logs = operations.cluster_logs(cdir, load_state(cdir.state_file))
+    try:
+        lines, offsets = operations.merged_tail(logs, tail)
+        for line in lines:
+            click.echo(line)
+        if follow:
+            for line in operations.follow_all(cdir, logs, offsets):
+                click.echo(line)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if logs:
+            logs[0].close()
 
 
 @cli.command()

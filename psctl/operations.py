@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import heapq
 import os
+import queue
+import re
 import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -459,6 +463,57 @@ def role_log(cdir: ClusterDir, record: ClusterRecord, role: str) -> RoleLog:
     rec = check_role(record, role)
     runners = host_runners(record.hosts)
     return RoleLog(role, placements(cdir, record.hosts, runners, cwd=str(cdir.root)), rec)
+
+
+def cluster_logs(cdir: ClusterDir, record: ClusterRecord) -> list[RoleLog]:
+    """The log of every role of the cluster (one runner per host, shared: close one of them to close all)."""
+    places = placements(cdir, record.hosts, host_runners(record.hosts), cwd=str(cdir.root))
+    return [RoleLog(r.name, places, r) for r in record.roles]
+
+
+#: A role's log line starts with its time (``logging``'s default asctime), which sorts as text.
+_LOG_TIME = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
+
+
+def merged_tail(logs: Sequence[RoleLog], n: int) -> tuple[list[str], dict[str, int]]:
+    """The last ``n`` lines (all if n <= 0) of every role's latest attempt, merged in time order and prefixed
+    ``role: `` (a line without a time, such as a traceback's, keeps the time of the line above it); and
+    where each role's log was read up to (to follow them from there)."""
+    streams: list[list[tuple[str, int, str]]] = []
+    offsets: dict[str, int] = {}
+    for order, log in enumerate(logs):
+        lines, offsets[log.role] = tail_log(log, max(log.record.attempt, 1), n)
+        stamp, stream = "", []
+        for line in lines:
+            if _LOG_TIME.match(line):
+                stamp = line[:23]
+            stream.append((stamp, order, f"{log.role}: {line}"))
+        streams.append(stream)
+    merged = [text for _, _, text in heapq.merge(*streams, key=lambda item: (item[0], item[1]))]
+    return (merged[-n:] if n > 0 else merged), offsets
+
+
+def follow_all(cdir: ClusterDir, logs: Sequence[RoleLog], offsets: Mapping[str, int]) -> Iterator[str]:
+    """Every role's new lines as they are written, prefixed ``role: `` (in the order they are read), across
+    restarts; ends when the cluster has finished and all is read."""
+    lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+
+    def pump(log: RoleLog) -> None:
+        try:
+            for line in follow(cdir, log, start_attempt=max(log.record.attempt, 1), offset=offsets.get(log.role)):
+                lines.put(f"{log.role}: {line}")
+        finally:
+            lines.put(None)
+
+    for log in logs:
+        threading.Thread(target=pump, args=(log,), daemon=True, name=f"psctl-logs-{log.role}").start()
+    running = len(logs)
+    while running:
+        line = lines.get()
+        if line is None:
+            running -= 1
+        else:
+            yield line
 
 
 def check_attempt(record: ClusterRecord, role: str, attempt: int | None) -> int:

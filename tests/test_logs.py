@@ -64,3 +64,43 @@ def test_a_short_log_a_long_last_line_and_a_missing_log(log) -> None:
     assert operations.tail_log(role_log, 1, 2) == ([long_line, "last"], path.stat().st_size)
     assert operations.tail_log(role_log, 1, 10)[0] == ["first", long_line, "last"]
     assert operations.tail_log(role_log, 2, 5) == ([], 0)
+
+
+def test_every_role_s_log_merged_in_time_order_with_its_role_as_prefix(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from psctl.cli import cli
+    from psctl.supervisor.state import ClusterRecord, save_state
+
+    home = tmp_path / "home"
+    cdir = ClusterDir(home / "merge")
+    cdir.create()
+    roles = [RoleRecord(n, n.split("-")[0], 0, "localhost", "127.0.0.1", 1, attempt=a) for n, a in
+             (("chief-0", 1), ("worker-0", 2))]
+    save_state(cdir.state_file, ClusterRecord(name="merge", cluster_id="merge-1", roles=roles))
+    Path(cdir.role_log("chief-0", 1)).write_text(
+        "2026-11-25 10:00:01,000 INFO chief starting\n"
+        "2026-11-25 10:00:03,500 ERROR step failed\nTraceback (most recent call last):\n  boom\n"
+        "2026-11-25 10:00:05,000 INFO chief done\n")
+    Path(cdir.role_log("worker-0", 1)).write_text("2026-11-25 09:00:00,000 INFO an earlier attempt\n")
+    Path(cdir.role_log("worker-0", 2)).write_text(
+        "2026-11-25 10:00:02,000 INFO worker serving\n2026-11-25 10:00:04,000 INFO worker step 7\n")
+    runner = CliRunner()
+    result = runner.invoke(cli, ["logs", "--all", "merge"], env={"PSCTL_HOME": str(home)})
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == [
+        "chief-0: 2026-11-25 10:00:01,000 INFO chief starting",
+        "worker-0: 2026-11-25 10:00:02,000 INFO worker serving",
+        "chief-0: 2026-11-25 10:00:03,500 ERROR step failed",
+        "chief-0: Traceback (most recent call last):",  # keeps the time of the line above: stays with it
+        "chief-0:   boom",
+        "worker-0: 2026-11-25 10:00:04,000 INFO worker step 7",
+        "chief-0: 2026-11-25 10:00:05,000 INFO chief done",
+    ]
+    last = runner.invoke(cli, ["logs", "--all", "merge", "-n", "2"], env={"PSCTL_HOME": str(home)})
+    assert last.output.splitlines() == ["worker-0: 2026-11-25 10:00:04,000 INFO worker step 7",
+                                        "chief-0: 2026-11-25 10:00:05,000 INFO chief done"]
+    bad = runner.invoke(cli, ["logs", "--all", "worker-0", "merge"], env={"PSCTL_HOME": str(home)})
+    assert bad.exit_code == 2 and "with --all, give only the cluster's name" in bad.output
+    missing = runner.invoke(cli, ["logs"], env={"PSCTL_HOME": str(home)})
+    assert missing.exit_code == 2 and "or use --all for every role" in missing.output
