@@ -23,6 +23,7 @@ from psctl.home import ClusterDir, list_clusters
 from psctl.render import host_table, plan_table, progress_line, status_dict, status_view
 from psctl.runtime.checkpoint import export_arrays
 from psctl.supervisor.state import ClusterState, load_state
+from psctl.top import snapshot, top_view
 
 console = Console()
 err_console = Console(stderr=True)
@@ -177,6 +178,33 @@ def status(name: str | None, as_json: bool) -> None:
             f"[yellow]hint:[/yellow] the supervisor of {record.name!r} is not running; "
             f"`psctl supervise {record.name}` adopts what runs, `psctl down {record.name}` stops whatever is left"
         )
+
+
+@cli.command()
+@click.argument("name", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print one snapshot as JSON and exit.")
+@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between refreshes.")
+def top(name: str | None, as_json: bool, interval: float) -> None:
+    """A live view of where each role's time goes: steps/s, step time, pull/compute/push/wait, requests/s,
+    CPU and memory; stragglers and hot parameter servers flagged. Ctrl-C leaves it."""
+    cdir = operations.resolve_cluster(name)
+    record = load_state(cdir.state_file)
+    if as_json:
+        click.echo(json.dumps(snapshot(record), indent=2, default=str))
+        return
+    if not console.is_terminal or record.state.terminal:
+        console.print(top_view(record))
+        return
+    try:
+        with Live(top_view(record), console=console, auto_refresh=False, screen=False) as live:
+            while True:
+                time.sleep(interval)
+                record = load_state(cdir.state_file)
+                live.update(top_view(record), refresh=True)
+                if record.state.terminal:
+                    return
+    except KeyboardInterrupt:
+        pass
 
 
 @cli.command(name="ls")

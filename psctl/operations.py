@@ -362,14 +362,18 @@ def _running(
 def _tear_down(
     cdir: ClusterDir, record: ClusterRecord, runners: Mapping[str, Runner], *, grace: float, purge: bool
 ) -> TeardownReport:
+    stopped_by_supervisor = 0
     if supervisor_alive(record):
         assert record.supervisor_pid is not None
+        running = {r.name for r in record.roles if not r.state.terminal and r.pid}
         write_json_atomic(cdir.root / "stop-request.json", {"grace": grace})
         with contextlib.suppress(ProcessLookupError):
             os.kill(record.supervisor_pid, signal.SIGTERM)
         deadline = time.monotonic() + grace + 10.0
         while supervisor_alive(record) and time.monotonic() < deadline:
             time.sleep(0.1)
+        after = load_state(cdir.state_file)  # the supervisor stops its roles through their agents
+        stopped_by_supervisor = sum(1 for r in after.roles if r.name in running and r.state == RoleState.STOPPED)
     found, unreachable = _cluster_processes(runners, record.cluster_id)
     handles = [
         ProcessHandle(r.host, r.pid, r.create_time) for r in record.roles
@@ -412,7 +416,7 @@ def _tear_down(
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
         if not any(cdir.root.iterdir()):
             cdir.root.rmdir()
-    return TeardownReport(stopped=len(live), unanswered_spares=spares)
+    return TeardownReport(stopped=len(live) + stopped_by_supervisor, unanswered_spares=spares)
 
 
 # -- logs ---------------------------------------------------------------------------------------------

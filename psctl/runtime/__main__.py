@@ -29,13 +29,24 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
 
     CHIEF_FENCE.learn(info.chief_incarnation)  # before serving: a replaced chief may already be calling
 
-    server, _port = make_server(info.bind_address(), info.tls)
+    from psctl.runtime.rpc import CallCounter
+    from psctl.runtime.stepstats import RequestRate
+
+    store = None
+    rate = RequestRate(lambda: store.held_bytes() if store is not None else 0)
+
+    def count() -> None:
+        rate.count += 1
+
+    server, _port = make_server(info.bind_address(), info.tls,
+                                interceptors=[CallCounter(count)] if info.task_type == "ps" else ())
     drain = None  # a worker's: finish the steps running, refuse new ones
     if info.task_type == "ps":
         from psctl.runtime.ps import ParameterServerServicer, VariableStore, add_to_server
 
-        add_to_server(ParameterServerServicer(VariableStore(cluster_id=info.cluster_id, chief_fence=CHIEF_FENCE)),
-                      server)
+        store = VariableStore(cluster_id=info.cluster_id, chief_fence=CHIEF_FENCE)
+        add_to_server(ParameterServerServicer(store), server)
+        rate.start()
     else:
         from psctl.proto import psctl_pb2_grpc as pb_grpc
         from psctl.runtime.config import TrainingConfig

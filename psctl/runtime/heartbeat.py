@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -100,6 +101,11 @@ def tasks_of(job: str, addresses: Mapping[str, str]) -> dict[int, str]:
 ADDRESSES = ClusterAddresses()
 
 
+def _cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
 def _rss() -> int:
     try:
         with open(f"/proc/{os.getpid()}/statm") as f:
@@ -140,8 +146,12 @@ class Heartbeater:
         assert self.info.supervisor is not None
         channel = make_channel(self.info.supervisor, self.info.tls)
         stub = pb_grpc.SupervisorStub(channel)
+        cpu_before, at_before = _cpu_seconds(), time.monotonic()
         while not self._stop.is_set():
             p = self.progress
+            cpu_now, at_now = _cpu_seconds(), time.monotonic()
+            cpu = (cpu_now - cpu_before) / max(1e-6, at_now - at_before)  # cores this process used lately
+            cpu_before, at_before = cpu_now, at_now
             request = pb.HeartbeatRequest(
                 task=self.info.task,
                 incarnation=self.info.incarnation,
@@ -152,7 +162,7 @@ class Heartbeater:
                 steps_per_second=p.steps_per_second,
                 rss_bytes=_rss(),
                 status=p.status,
-                metrics=p.metrics,
+                metrics={**p.metrics, "cpu": cpu},
             )
             try:
                 reply = stub.Heartbeat(request, timeout=max(1.0, self.interval))

@@ -170,6 +170,10 @@ class VariableStore:
             raise WireError(f"unknown variable {name!r} on this PS")
         return shard
 
+    def held_bytes(self) -> int:
+        """The bytes of the variables and optimizer slots this PS holds."""
+        return sum(s.value.nbytes + sum(v.nbytes for v in s.slots.values()) for s in list(self._shards.values()))
+
     # -- reads ----------------------------------------------------------------------------------------
     def pull(self, entries: Sequence[Entry], *, include_slots: bool = False) -> list[Entry]:
         out: list[Entry] = []

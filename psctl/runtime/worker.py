@@ -37,6 +37,7 @@ from psctl.runtime.heartbeat import PROGRESS, Progress
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import Dataset
 from psctl.runtime.ps_client import PsClient, PsUnavailable, PushHeader
+from psctl.runtime.stepstats import StepStats
 from psctl.runtime.wire import DENSE, UNARY_MAX_BYTES, Entry
 
 
@@ -74,6 +75,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.batch_size = batch_size
         self.num_shards = num_shards
         self.progress = progress
+        self.stats = StepStats(progress=progress)
         self.fenced = on_fenced or threading.Event()
         #: The newest chief heard of: a step or probe from an older (replaced) chief is refused.
         self.chief_fence = chief_fence or ChiefFence()
@@ -213,7 +215,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         params = self.model.assemble(ids, pulled)
         compute_start = time.perf_counter()
         loss, grads = program.loss_and_grads(params, batch)
-        compute = time.perf_counter() - compute_start
+        push_start = time.perf_counter()
+        compute = push_start - compute_start
         header = PushHeader(
             step_id=step_id,
             task=self.task,
@@ -226,6 +229,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         )
         responses = self._push(request, header, self.model.push_plan(grads), plan if reuse else None)
         first = responses[0]
+        done = time.perf_counter()
+        pushed = sum(_nbytes(g) for g in grads.values())
+        self.stats.record(pull=compute_start - start, compute=compute, push=done - push_start,
+                          nbytes=(0 if reuse else sum(expected.values())) + pushed)
         p = self.progress  # what this worker's heartbeats report
         p.local_step += 1
         p.global_step = first.global_step
@@ -285,6 +292,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             step_seconds=time.perf_counter() - start,
             global_step=global_step,
         )
+
+
+def _nbytes(grad: object) -> int:
+    """Bytes of a gradient: an array, or an embedding's (ids, rows)."""
+    if isinstance(grad, tuple):
+        return sum(_nbytes(part) for part in grad)
+    return int(getattr(grad, "nbytes", 0))
 
 
 def _reusable(request: pb.StepRequest, plan: dict[int, list[Entry]], expected: dict[int, int]) -> bool:

@@ -1,0 +1,100 @@
+"""``psctl top``: its flags from given metrics, and the live view of a real cluster as a person sees it, in a
+real terminal (tmux)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from cluster_helpers import wait_until
+from conftest import PsctlEnv, psctl_binary
+from supervised_cluster import SupervisedCluster
+
+from psctl.cli import cli
+from psctl.home import ClusterDir
+from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, save_state
+
+
+def role(name: str, **metrics: float) -> RoleRecord:
+    kind = name.split("-")[0]
+    return RoleRecord(name, kind, int(name.split("-")[1]), "localhost", "127.0.0.1", 1, state=RoleState.RUNNING,
+                      metrics=metrics, rss_bytes=100_000_000)
+
+
+def test_stragglers_and_hot_parameter_servers_are_flagged(tmp_path: Path) -> None:
+    cdir = ClusterDir(tmp_path / "home" / "flags")
+    cdir.create()
+    record = ClusterRecord(name="flags", cluster_id="flags-1", state=ClusterState.RUNNING, steps=100, roles=[
+        role("chief-0", cpu=0.1),
+        role("ps-0", requests_per_s=100, bytes_held=4e6, cpu=0.2),
+        role("ps-1", requests_per_s=110, bytes_held=4e6, cpu=0.2),
+        role("ps-2", requests_per_s=400, bytes_held=40e6, cpu=0.9),  # the hot shard
+        *(role(f"worker-{i}", steps_per_s=50, step_ms_p50=10, step_ms_p99=30, pull_frac=0.2, compute_frac=0.5,
+               push_frac=0.2, wait_frac=0.1, bytes_per_s=2e6, cpu=0.8) for i in range(3)),
+        role("worker-3", steps_per_s=10, step_ms_p50=90, step_ms_p99=200, pull_frac=0.1, compute_frac=0.85,
+             push_frac=0.05, wait_frac=0.0, bytes_per_s=0.4e6, cpu=1.0),  # the straggler
+    ])
+    save_state(cdir.state_file, record)
+    result = CliRunner().invoke(cli, ["top", "flags", "--json"], env={"PSCTL_HOME": str(tmp_path / "home")})
+    assert result.exit_code == 0, result.output
+    rows = {r["role"]: r for r in json.loads(result.output)["roles"]}
+    assert {name for name, r in rows.items() if r["flags"]} == {"ps-2", "worker-3"}
+    assert rows["ps-2"]["flags"] == ["hot"] and rows["worker-3"]["flags"] == ["straggler"]
+    assert (rows["worker-3"]["steps_per_s"], rows["worker-3"]["compute"], rows["ps-2"]["held_mb"]) == (10, 0.85, 40)
+    shown = CliRunner().invoke(cli, ["top", "flags"], env={"PSCTL_HOME": str(tmp_path / "home"), "COLUMNS": "200"})
+    straggler = next(line for line in shown.output.splitlines() if "worker-3" in line)
+    assert "straggler" in straggler and "85%" in straggler and "90.0" in straggler
+
+
+def tmux(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["tmux", "-L", "psctl-test", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.slow
+def test_top_in_a_real_terminal_shows_every_role_s_time(psctl_env: PsctlEnv) -> None:
+    if shutil.which("tmux") is None:
+        if os.environ.get("CI"):
+            pytest.fail("tmux is missing: CI installs it (.ci/run)")
+        pytest.skip("tmux is not installed")
+    spec = textwrap.dedent("""\
+        name: toptest
+        roles:
+          chief: {}
+          ps: {replicas: 2}
+          worker: {replicas: 2}
+        training: {program: psctl.models.mlp, args: {hidden_units: 32}, data: {name: digits}, batch_size: 50,
+                   steps: 1000000}
+        supervision: {heartbeat_interval: 0.5s, heartbeat_timeout: 5s}
+        """)
+    cluster = SupervisedCluster(psctl_env, "toptest", spec)
+    cluster.up()
+    env = " ".join(f"{k}={v}" for k, v in (("PSCTL_HOME", psctl_env.home), ("TERM", "xterm-256color")))
+    started = tmux("new-session", "-d", "-s", "top", "-x", "200", "-y", "50",
+                   f"env {env} {psctl_binary()} top toptest --interval 0.5")
+    assert started.returncode == 0, started.stderr
+    try:
+        def screen() -> str | None:
+            shown = tmux("capture-pane", "-p", "-t", "top").stdout
+            rows = [line for line in shown.splitlines() if line.lstrip("│┃ ").startswith("worker-")]
+            # every worker has its step time and phase shares once it has trained a little
+            ready = len(rows) == 2 and all("%" in row and "-" not in row.split("│")[5] for row in rows)
+            return shown if ready else None
+
+        shown = wait_until(screen, timeout=90, interval=0.5, what="top to show both workers' step times",
+                           detail=lambda: tmux("capture-pane", "-p", "-t", "top").stdout)
+        header = next(line for line in shown.splitlines() if "p50 ms" in line)
+        for column in ("role", "host", "state", "steps/s", "p50 ms", "p99 ms", "pull", "compute", "push", "wait",
+                       "MB/s", "cpu", "rss MB", "flag"):
+            assert column in header, (column, header)
+        assert "req/s" in shown and "held MB" in shown  # the parameter servers' table
+        for name in ("ps-0", "ps-1", "chief-0"):
+            assert name in shown, shown
+        assert "cluster toptest running" in shown
+    finally:
+        tmux("kill-server")
