@@ -236,7 +236,7 @@ def _start(
         name=spec.name,
         cluster_id=f"{spec.name}-{secrets.token_hex(4)}",
         spec_path=str(Path(spec.path).resolve()) if spec.path else "",
-        steps=int(spec.training.get("steps", 0)),
+        steps=int(spec.training.get("steps") or 0),
         roles=[
             RoleRecord(name=i.name, role=i.role, index=i.index, host=i.host, address=i.address, port=i.port)
             for i in plan.instances

@@ -18,12 +18,13 @@ import contextlib
 import logging
 import os
 import queue
+import re
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -94,6 +95,21 @@ def create_time(pid: int) -> float:
         return 0.0
 
 
+#: A line a program prints about its progress: "step 120", "Step: 120", "global_step=120" (the last one wins).
+_STEP = re.compile(rb"step[\s:=]+(\d+)", re.IGNORECASE)
+
+
+def last_step(path: str) -> int:
+    """The last step number the end of a program's log names (0 if none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            found = _STEP.findall(f.read())
+    except OSError:
+        return 0
+    return int(found[-1]) if found else 0
+
+
 def log_tail(path: str, lines: int = TAIL_LINES) -> str:
     """The last lines of a log, joined into one line ("" if it cannot be read)."""
     try:
@@ -122,7 +138,8 @@ class RoleProcess:
     last_beat: float | None = None
     #: When a stop's SIGTERM turns into SIGKILL (monotonic); None: no stop in progress.
     kill_at: float | None = None
-    files: list[str] = field(default_factory=list)
+    #: A framework's program: no heartbeats; alive while it runs, its progress read from its log.
+    watched_only: bool = False
 
     @property
     def running(self) -> bool:
@@ -145,6 +162,10 @@ class RoleProcess:
                 os.kill(self.process.pid, sig)
 
     def report(self, now: float) -> pb.RoleReport:
+        if self.watched_only and self.running:  # alive as long as it runs; its step from what it printed
+            step = last_step(self.log_path)
+            self.last = pb.HeartbeatRequest(global_step=step, status="running", loss=float("nan"))
+            self.last_beat = now
         out = pb.RoleReport(
             name=self.name, incarnation=self.incarnation, attempt=self.attempt,
             pid=self.process.pid if self.process is not None else 0, create_time=self.create_time,
@@ -288,7 +309,8 @@ class Agent:
             if old is not None and old.running:  # replaced here: the old process must not answer on its port
                 old.signal(signal.SIGKILL)
                 self._reap(old, timeout=5.0)
-            role = RoleProcess(command.name, command.incarnation, command.attempt, host_path(command.log_path))
+            role = RoleProcess(command.name, command.incarnation, command.attempt, host_path(command.log_path),
+                               watched_only=command.watched_only)
             self.roles[command.name] = role
             try:
                 for path, data in command.files.items():

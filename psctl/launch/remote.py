@@ -27,6 +27,7 @@ import psctl
 from psctl.errors import LaunchError
 from psctl.home import RoleFolders
 from psctl.launch.ssh import SSHRunner, sh_path
+from psctl.spec.framework import scripts
 from psctl.spec.model import ClusterSpec
 
 #: Below this much free space in a host's workdir, logs and checkpoints are likely to fill it.
@@ -78,6 +79,8 @@ def staged_files(spec: ClusterSpec) -> dict[str, Path]:
     spec_dir = spec_folder(spec)
     paths = [Path(p) for p in spec.files]
     paths += [Path(p) for p in (_copied_program(spec.training), _copied_data(spec.training)) if p is not None]
+    commands = [spec.training.get("command") or [], *(r.command or () for r in spec.roles.values())]
+    paths += [spec_dir / script for words in commands for script in scripts(tuple(words))]  # a TF program's
     return {staged_name(p.resolve(), spec_dir): p.resolve() for p in paths}
 
 

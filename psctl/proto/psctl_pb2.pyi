@@ -465,7 +465,7 @@ class AgentReport(_message.Message):
     def __init__(self, host: _Optional[str] = ..., agent_pid: _Optional[int] = ..., agent_create_time: _Optional[float] = ..., heartbeat_address: _Optional[str] = ..., hello: _Optional[bool] = ..., roles: _Optional[_Iterable[_Union[RoleReport, _Mapping]]] = ...) -> None: ...
 
 class StartRole(_message.Message):
-    __slots__ = ("name", "incarnation", "attempt", "argv", "env", "cwd", "log_path", "files")
+    __slots__ = ("name", "incarnation", "attempt", "argv", "env", "cwd", "log_path", "files", "watched_only")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -488,6 +488,7 @@ class StartRole(_message.Message):
     CWD_FIELD_NUMBER: _ClassVar[int]
     LOG_PATH_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
+    WATCHED_ONLY_FIELD_NUMBER: _ClassVar[int]
     name: str
     incarnation: int
     attempt: int
@@ -496,7 +497,8 @@ class StartRole(_message.Message):
     cwd: str
     log_path: str
     files: _containers.ScalarMap[str, bytes]
-    def __init__(self, name: _Optional[str] = ..., incarnation: _Optional[int] = ..., attempt: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., log_path: _Optional[str] = ..., files: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+    watched_only: bool
+    def __init__(self, name: _Optional[str] = ..., incarnation: _Optional[int] = ..., attempt: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., log_path: _Optional[str] = ..., files: _Optional[_Mapping[str, bytes]] = ..., watched_only: _Optional[bool] = ...) -> None: ...
 
 class StopRole(_message.Message):
     __slots__ = ("name", "incarnation", "grace_seconds")

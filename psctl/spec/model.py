@@ -84,6 +84,8 @@ class RoleSpec:
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     env: dict[str, str] = field(default_factory=dict)
     threads: int | None = None
+    #: With training.framework: tensorflow, the role's own command line (words, placeholders unfilled).
+    command: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from psctl.spec.checks import Checker, seconds_text, show, suggestion
+from psctl.spec.framework import check_command
 from psctl.spec.loader import KeyPath, SourceMap
 from psctl.spec.model import (
     ROLE_NAMES,
@@ -32,7 +33,7 @@ from psctl.spec.training import check_confined, normalise_training
 TOP_KEYS = ("name", "hosts", "roles", "training", "supervision", "security", "files", "setup")
 HOST_KEYS = ("name", "address", "user", "port", "identity_file", "python", "workdir", "host_key_policy",
              "proxy_jump")
-ROLE_KEYS = ("replicas", "host", "hosts", "port", "ports", "restart", "env", "threads")
+ROLE_KEYS = ("replicas", "host", "hosts", "port", "ports", "restart", "env", "threads", "command")
 RESTART_KEYS = ("policy", "max_restarts", "backoff_seconds", "max_backoff_seconds", "permanent_exit_codes")
 SUPERVISION_KEYS = ("heartbeat_interval", "heartbeat_timeout", "startup_grace", "stall_timeout",
                     "bench_after_failures", "bench_window", "bench_cooloff", "preemption_grace")
@@ -75,6 +76,7 @@ def build_spec(data: Any, source: SourceMap, *, path: Path | None, base_dir: Pat
         worker_replicas=roles["worker"].replicas,
         allowed_paths=tuple(Path(p) for p in security.allowed_paths),
     )
+    roles = _role_commands(c, roles, top["roles"], training, base_dir)
     supervision = _supervision(c, top.get("supervision"))
     allowed = tuple(Path(p) for p in security.allowed_paths)
     files = _files(c, top.get("files"), base_dir, allowed)
@@ -269,6 +271,22 @@ def _roles(c: Checker, value: object, hosts: tuple[HostSpec, ...]) -> dict[str, 
             key=True,
         )
     return roles
+
+
+def _role_commands(c: Checker, roles: dict[str, RoleSpec], raw: dict[str, Any], training: dict[str, Any],
+                   base_dir: Path) -> dict[str, RoleSpec]:
+    """Each role's ``command:`` (only with training.framework: tensorflow), split and checked."""
+    out = dict(roles)
+    for name, spec in roles.items():
+        value = (raw.get(name) or {}).get("command") if isinstance(raw.get(name), dict) else None
+        if value is None:
+            continue
+        path: KeyPath = ("roles", name, "command")
+        if training.get("framework") != "tensorflow":
+            c.fail(path, "only used with training.framework: tensorflow",
+                   "remove it: psctl's own runtime runs every role", key=True)
+        out[name] = replace(spec, command=check_command(c, path, value, base_dir))
+    return out
 
 
 def _role(c: Checker, role: str, value: object, hosts: tuple[HostSpec, ...]) -> RoleSpec:

@@ -18,13 +18,14 @@ from psctl.home import psctl_home
 from psctl.runtime.optimizers import make_optimizer
 from psctl.runtime.strategy import partitioner_from_config
 from psctl.spec.checks import INT64_MAX, Checker, show, suggestion
+from psctl.spec.framework import FRAMEWORKS, normalise_tensorflow
 from psctl.spec.loader import KeyPath
 
 TRAINING_KEYS = (
     "program", "args", "data", "batch_size", "optimizer", "mode", "replicas_to_aggregate",
     "total_replicas", "staleness", "steps", "seed", "partitioner", "checkpoint",
     "log_every_seconds", "eval_every_steps", "max_evaluations", "replica_timeout", "min_replicas",
-    "distinct_replicas", "pipelined", "steps_per_execution",
+    "distinct_replicas", "pipelined", "steps_per_execution", "framework", "command",
 )  # fmt: skip
 MODES = ("async", "sync", "bounded")
 #: Each optimizer's parameters besides learning_rate (the runtime's make_optimizer accepts exactly these).
@@ -53,6 +54,12 @@ def normalise_training(
 ) -> dict[str, Any]:
     """Validate ``training:`` and return it with every default filled, in a fixed key order."""
     t = c.mapping(T, value, TRAINING_KEYS, example="training: {program: psctl.models.mlp, steps: 1000}")
+    framework = c.choice((*T, "framework"), t.get("framework", "psctl"), FRAMEWORKS, noun="framework")
+    if framework == "tensorflow":
+        return normalise_tensorflow(c, t, T, base_dir, _checkpoint(c, t.get("checkpoint"), base_dir, allowed_paths))
+    if "command" in t:
+        c.fail((*T, "command"), "only used with training.framework: tensorflow",
+               "add framework: tensorflow to run your own TensorFlow program, or remove command", key=True)
     program = _program(
         c, c.require(T, t, "program", "add program: a module (psctl.models.mlp) or a .py file"), base_dir,
         allowed_paths

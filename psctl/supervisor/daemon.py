@@ -27,6 +27,7 @@ from typing import Any
 
 from psctl.errors import LaunchError, PsctlError
 from psctl.home import ClusterDir
+from psctl.launch import tensorflow
 from psctl.launch.base import ProcessHandle, Runner
 from psctl.launch.env import tuning_env
 from psctl.launch.hostset import Placement, placements
@@ -262,9 +263,17 @@ class Supervisor:
             for suffix in (".pem", ".key"):
                 files[str(place.dirs.tls_dir / f"{role.name}{suffix}")] = (
                     self.cdir.tls_dir / f"{role.name}{suffix}").read_bytes()
-        start = pb.StartRole(name=role.name, incarnation=action.incarnation, attempt=action.attempt,
-                             argv=[place.python, "-m", "psctl.runtime"], env=self.role_env(role), cwd=place.cwd,
-                             log_path=str(place.dirs.role_log(role.name, action.attempt)), files=files)
+        env = self.role_env(role)
+        argv = [place.python, "-m", "psctl.runtime"]
+        watched_only = self.spec.training.get("framework") == "tensorflow"
+        if watched_only:  # the user's TensorFlow program, or psctl's TensorFlow server
+            folder = (self.spec.training.get("checkpoint") or {}).get("dir") or str(place.dirs.checkpoints)
+            argv = tensorflow.argv(self.spec, self.record.roles, role, python=place.python,
+                                   run_dir=str(place.dirs.run_dir), checkpoint_dir=folder)
+            env["TF_CONFIG"] = tensorflow.tf_config(self.record.roles, role)
+        start = pb.StartRole(name=role.name, incarnation=action.incarnation, attempt=action.attempt, argv=argv,
+                             env=env, cwd=place.cwd, log_path=str(place.dirs.role_log(role.name, action.attempt)),
+                             files=files, watched_only=watched_only)
         if not self.command(role.host, pb.AgentCommand(start=start)):
             log.warning("%s: %s has no agent attached; its start-up grace decides", role.name, role.host)
 

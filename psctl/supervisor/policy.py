@@ -323,6 +323,17 @@ class _Decision:
         event = transition(role, to, reason)
         if event is not None:
             self.actions.append(event)
+        if to == R.LOST and role.role == "ps" and self.s.spec.training.get("framework") == "tensorflow":
+            self.restart_chief(f"restarted with {role.name}: a TensorFlow coordinator does not outlive a ps; "
+                               "the program resumes from its checkpoint")
+
+    def restart_chief(self, why: str) -> None:
+        chief = self.s.chief
+        if chief is None or chief.state not in (R.STARTING, R.RUNNING, R.STALLED):
+            return
+        self.transition(chief, R.LOST, why)
+        self.actions.append(StopRole(chief.name, chief.host, chief.incarnation, KILL))
+        self.restart_uncounted(chief, "with the ps")
 
     def cluster_transition(self, to: ClusterState, reason: str = "") -> None:
         was = self.record.state
@@ -622,7 +633,7 @@ class _Decision:
             return
         if code == EXIT_PREEMPTED:  # not a failure: no log lines, no count towards max_restarts or benching
             self.transition(role, R.LOST, what)
-            self.restart_after_preemption(role)
+            self.restart_uncounted(role, "preempted")
             return
         reason = what + (f"; last log lines: {tail}" if tail else "")
         if self.record.state == C.STARTING and role.attempt == 1:
@@ -683,8 +694,9 @@ class _Decision:
         live.restart_at = self.now + backoff
         self.transition(role, R.RESTARTING, f"restart {role.restarts} in {backoff:.1f}s")
 
-    def restart_after_preemption(self, role: RoleRecord) -> None:
-        """A preempted role starts again after its policy's first backoff, its failures in a row unchanged."""
+    def restart_uncounted(self, role: RoleRecord, why: str) -> None:
+        """A role lost through no fault of its own (preempted; a TensorFlow chief whose ps was lost) starts
+        again after its policy's first backoff, its failures in a row unchanged."""
         policy = self.s.spec.roles[role.role].restart
         if policy.policy == "never":
             self.transition(role, R.FAILED, f"{role.reason}; not restarted: restart policy is never")
@@ -695,7 +707,7 @@ class _Decision:
         live = self.s.roles[role.name]
         live.running_since = None
         live.restart_at = self.now + policy.backoff_seconds
-        self.transition(role, R.RESTARTING, f"restart {role.restarts} in {policy.backoff_seconds:.1f}s (preempted)")
+        self.transition(role, R.RESTARTING, f"restart {role.restarts} in {policy.backoff_seconds:.1f}s ({why})")
 
     def finish(self, how: ClusterState, reason: str, *, grace: float = 5.0) -> None:
         """Order every running role stopped and hand over to the shell (once)."""
