@@ -142,6 +142,13 @@ def _watch(cdir: ClusterDir, *, plain_every: float = 5.0) -> Any:
 
 
 def _finish_line(cdir: ClusterDir, record: Any) -> None:
+    if record.state == ClusterState.SUCCEEDED and record.result is None:  # a program of its own (TensorFlow)
+        chief = next((r for r in record.roles if r.role == "chief"), None)
+        step = chief.global_step if chief is not None else 0
+        took = f" in {time.time() - record.created_at:.1f}s" if record.created_at else ""
+        console.print(f"[bold green]training finished[/bold green]: the chief exited 0 at step {step}{took}; "
+                      f"its output: `psctl logs chief-0 {record.name}`", highlight=False, soft_wrap=True)
+        return
     if record.state == ClusterState.SUCCEEDED:
         result = record.result or {}
         metrics = result.get("metrics", {})

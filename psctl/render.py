@@ -63,14 +63,19 @@ def _age(since: float | None, now: float) -> str:
     return f"{seconds // 3600:.0f}h{seconds % 3600 // 60:02.0f}m"
 
 
-def progress(cdir: ClusterDir) -> dict[str, Any]:
-    """The latest training figures the chief wrote (global step, loss, rates), or {}."""
-    return last_record(cdir.run_dir / "metrics.jsonl", "progress") or {}
+def progress(cdir: ClusterDir, record: ClusterRecord | None = None) -> dict[str, Any]:
+    """The latest training figures the chief wrote (global step, loss, rates); for a program that writes none
+    (a TensorFlow program), the chief's step as its log shows it; else {}."""
+    found = last_record(cdir.run_dir / "metrics.jsonl", "progress")
+    if found:
+        return found
+    chief = next((r for r in record.roles if r.role == "chief"), None) if record is not None else None
+    return {"global_step": chief.global_step} if chief is not None and chief.global_step else {}
 
 
 def progress_line(cdir: ClusterDir, record: ClusterRecord) -> str:
     """One plain line of progress, for output that is not a terminal."""
-    prog = progress(cdir)
+    prog = progress(cdir, record)
     counts: dict[str, int] = {}
     for role in record.roles:
         counts[role.state.value] = counts.get(role.state.value, 0) + 1
@@ -84,7 +89,7 @@ def progress_line(cdir: ClusterDir, record: ClusterRecord) -> str:
 def status_dict(cdir: ClusterDir, record: ClusterRecord, *, stale: bool) -> dict[str, Any]:
     data = record.to_dict()
     data["stale"] = stale
-    data["progress"] = progress(cdir)
+    data["progress"] = progress(cdir, record)
     data["logs"] = str(cdir.logs)
     return data
 
@@ -105,7 +110,7 @@ def _role_row(role: RoleRecord, now: float) -> list[Any]:
 
 def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: float | None = None) -> Group:
     now = time.time() if now is None else now
-    prog = progress(cdir)
+    prog = progress(cdir, record)
     step = prog.get("global_step", 0)
     header = Text()
     header.append(f"cluster {record.name} ", style="bold")

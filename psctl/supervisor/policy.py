@@ -620,11 +620,13 @@ class _Decision:
     # -- losing -----------------------------------------------------------------------------------------
     def on_exit(self, role: RoleRecord, code: int, tail: str) -> None:
         what = describe_exit(code)
-        if code == 0 and role.role in FINISHING_ROLES:
+        # a TensorFlow program's worker ends by itself when its session does (TF1 scripts); psctl's serve
+        finishing = FINISHING_ROLES + (("worker",) if self.s.spec.training.get("framework") == "tensorflow" else ())
+        if code == 0 and role.role in finishing:
             self.transition(role, R.SUCCEEDED, "finished")
             if role.role == "chief":
                 self.on_training_done()
-            elif self.s.evaluator_deadline is not None:
+            elif role.role == "evaluator" and self.s.evaluator_deadline is not None:
                 self.finish(ClusterState.SUCCEEDED, "training finished")
             return
         if self.s.evaluator_deadline is not None:  # training is over; nothing is restarted any more
