@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import importlib.util
 import os
 import queue
 import re
@@ -28,6 +29,8 @@ from psctl.launch.fanout import HostsError, check_results, run_on_all
 from psctl.launch.hostset import Placement, RemoteHost, host_runners, placements
 from psctl.launch.local import LocalRunner
 from psctl.launch.remote import (
+    RUNTIME_MODULES,
+    TENSORFLOW_MODULES,
     HostDir,
     HostReport,
     preflight,
@@ -114,7 +117,8 @@ def check_hosts(spec: ClusterSpec, plan: Plan, runners: Mapping[str, SSHRunner])
                 moves = instance.host != runner.host
                 ports[instance.port] = f"{instance.name}, should it move here" if moves else instance.name
                 keys[instance.port] = _port_key(spec, instance.role, instance.index)
-        return preflight(runner, ports, keys)
+        modules = RUNTIME_MODULES + (TENSORFLOW_MODULES if spec.training.get("framework") == "tensorflow" else ())
+        return preflight(runner, ports, keys, modules=modules)
 
     results = run_on_all(list(runners.values()), check)
     problems = []
@@ -181,6 +185,7 @@ def bring_up(
     """Check the hosts, persist the plan, prepare the hosts and start the cluster's supervisor; returns once
     the supervisor is running. ``warn`` gets the preflight's warnings (clock skew)."""
     refuse_if_up(spec)  # before the preflight: the cluster's own roles would read as ports taken
+    check_local_program(spec, plan)
     runners = ssh_runners(spec, plan)
     try:
         reports = check_hosts(spec, plan, runners)
@@ -192,6 +197,23 @@ def bring_up(
     finally:
         for runner in runners.values():
             runner.close()
+
+
+def check_local_program(spec: ClusterSpec, plan: Plan) -> None:
+    """A TensorFlow program's roles on this machine: tensorflow importable here, every command's program
+    found (SSH hosts are checked by their preflight). A UsageError naming what is missing otherwise."""
+    if spec.training.get("framework") != "tensorflow" or not any(i.host == LOCAL_HOST for i in plan.instances):
+        return
+    if importlib.util.find_spec("tensorflow") is None:
+        raise UsageError(f"training.framework is tensorflow, but this machine's python ({sys.executable}) cannot "
+                         "import tensorflow", hint="pip install 'psctl[tensorflow]' (tensorflow-cpu) there")
+    commands = {"training.command": spec.training["command"]}
+    commands.update({f"roles.{name}.command": list(r.command) for name, r in spec.roles.items() if r.command})
+    for key, words in commands.items():
+        program = words[0]
+        if "{" not in program and program not in ("python", "python3") and shutil.which(program) is None:
+            raise UsageError(f"{key}: {program!r} not found on this machine (PATH)",
+                             hint="give its full path, or install it")
 
 
 def refuse_if_up(spec: ClusterSpec) -> None:

@@ -37,6 +37,10 @@ MAX_CLOCK_SKEW = 1.0
 SETUP_TIMEOUT = 900.0
 #: What a role needs on the host besides psctl itself.
 RUNTIME_MODULES = ("numpy", "grpc", "google.protobuf")
+#: What a TensorFlow program's roles need besides (``training.framework: tensorflow``).
+TENSORFLOW_MODULES = ("tensorflow",)
+#: The pip package of a module, where the names differ.
+PACKAGES = {"grpc": "grpcio", "google.protobuf": "protobuf", "tensorflow": "tensorflow-cpu"}
 
 
 @dataclass(frozen=True)
@@ -190,12 +194,13 @@ class HostReport:
         return self.psctl != psctl.__version__
 
 
-def preflight(runner: SSHRunner, ports: Mapping[int, str], port_keys: Mapping[int, str]) -> HostReport:
-    """Check one host: reachable and authenticated (else LaunchError), its python and modules, the roles'
+def preflight(runner: SSHRunner, ports: Mapping[int, str], port_keys: Mapping[int, str], *,
+              modules: Sequence[str] = RUNTIME_MODULES) -> HostReport:
+    """Check one host: reachable and authenticated (else LaunchError), its python and ``modules``, the roles'
     ports free, disk space in the workdir, clock skew. ``ports``: port -> role name; ``port_keys``: port ->
     the spec key that chose it."""
     spec = runner.spec
-    args = json.dumps({"modules": list(RUNTIME_MODULES), "ports": sorted(ports), "workdir": spec.workdir})
+    args = json.dumps({"modules": list(modules), "ports": sorted(ports), "workdir": spec.workdir})
     sent = time.time()
     code, out, err = runner.run(f"{sh_path(spec.python)} -c {shlex.quote(_PREFLIGHT)} {shlex.quote(args)}",
                                 timeout=max(runner.command_timeout, 20.0))
@@ -216,9 +221,10 @@ def preflight(runner: SSHRunner, ports: Mapping[int, str], port_keys: Mapping[in
         report.problems.append(f"{where}: python {spec.python!r} is {report.python}; psctl needs 3.10 or newer; "
                                "set hosts[].python")
     if found["missing"]:
+        packages = " ".join(PACKAGES.get(m, m) for m in found["missing"])
         report.problems.append(
             f"{where}: python {spec.python!r} cannot import {', '.join(found['missing'])}; install them there "
-            "(pip install numpy grpcio protobuf) or set hosts[].python to one that has them"
+            f"(pip install {packages}) or set hosts[].python to one that has them"
         )
     for port, errno_, strerror in found["busy"]:
         what = "needs root to bind" if errno_ in (1, 13) else "is already in use"

@@ -1,0 +1,169 @@
+"""Real TensorFlow programs under psctl (training.framework: tensorflow): the examples of cluster_examples/,
+unmodified, run by the installed ``psctl``; faults injected with SIGKILL. TensorFlow comes with the
+``tensorflow`` extra; without it these tests skip, except in CI, where they fail."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster_helpers import wait_until
+from conftest import PsctlEnv
+from supervised_cluster import SupervisedCluster, sigkill
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "cluster_examples"
+#: The TF2 example trained long enough for a fault in the middle.
+LONGER = {"--steps 300": "--steps 2000", "steps: 300": "steps: 2000"}
+
+
+def tensorflow_or_skip() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("tensorflow") is None:
+        if os.environ.get("CI"):
+            pytest.fail("tensorflow is missing: the test command installs it (pip install -e '.[test,tensorflow]')")
+        pytest.skip("tensorflow is not installed (pip install -e '.[tensorflow]')")
+
+
+def example(penv: PsctlEnv, name: str, spec_file: str, **replace: str) -> SupervisedCluster:
+    """The example spec (text replaced as given) beside a copy of the example programs."""
+    shutil.copytree(EXAMPLES / "tensorflow", penv.tmp_path / "tensorflow", dirs_exist_ok=True)
+    text = (EXAMPLES / spec_file).read_text()
+    for old, new in replace.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    return SupervisedCluster(penv, name, text.replace(f"name: {spec_file.split('.')[0].replace('_', '')}",
+                                                      f"name: {name}"))
+
+
+def chief_log(cluster: SupervisedCluster) -> str:
+    return cluster.log("chief-0")
+
+
+def steps_printed(text: str, who: str = "chief") -> list[int]:
+    return [int(s) for s in re.findall(rf"{who}: step (\d+)", text)]
+
+
+# -- spec errors (no TensorFlow needed) ------------------------------------------------------------------------
+def test_spec_mistakes_of_a_tensorflow_program_are_one_line_errors(psctl_env: PsctlEnv) -> None:
+    folder = psctl_env.tmp_path
+    (folder / "train.py").write_text("print('hi')\n")
+    cases = {
+        'command: "python train.py --at {nowhere}"': "training.command: unknown placeholder {nowhere}; use one of",
+        'command: "python missing.py"': "training.command: script 'missing.py' not found in",
+        'command: "python train.py \'unclosed"': "training.command: cannot split",
+    }
+    for command, message in cases.items():
+        spec = folder / "bad.yaml"
+        spec.write_text(f"roles: {{chief: {{}}, ps: {{}}, worker: {{}}}}\ntraining:\n  framework: tensorflow\n"
+                        f"  {command}\n")
+        done = psctl_env.run("validate", str(spec))
+        assert done.returncode == 2, (command, done.stdout, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) <= 2 and f"bad.yaml:4: {message}" in lines[0], (command, done.stderr)
+    spec = folder / "own.yaml"
+    spec.write_text("roles: {chief: {}, ps: {command: 'python train.py'}, worker: {}}\n"
+                    "training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}\n")
+    done = psctl_env.run("validate", str(spec))
+    assert done.returncode == 2 and "roles.ps.command: only used with training.framework: tensorflow" in done.stderr
+
+
+# -- the programs ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.tensorflow
+def test_tf2_parameter_server_strategy_trains_to_completion_and_down_leaves_nothing(psctl_env: PsctlEnv) -> None:
+    tensorflow_or_skip()
+    cluster = example(psctl_env, "tf2done", "tf2_pss.yaml")
+    cluster_id = cluster.up()
+    tf_config = wait_until(lambda: _environment(psctl_env, cluster_id, "evaluator-0"), timeout=60,
+                           what="the evaluator's environment")
+    # TensorFlow's format: the evaluator names itself as the task, outside the cluster
+    assert '"task": {"type": "evaluator", "index": 0}' in tf_config and '"evaluator"' not in tf_config.split(
+        '"task"')[0], tf_config
+    state = cluster.wait_finished(240)
+    assert {r["name"]: r["state"] for r in state["roles"]}["chief-0"] == "succeeded"
+    log = chief_log(cluster)
+    assert "chief: finished at step 300" in log, log[-2000:]
+    assert "evaluator: step 300 eval loss" in cluster.log("evaluator-0")
+    assert cluster.role("chief-0")["global_step"] == 300  # read from what the chief printed
+    down = psctl_env.run("down", cluster.name)
+    assert down.returncode == 0, down.stderr
+    assert psctl_env.processes(cluster_id) == []
+
+
+@pytest.mark.slow
+@pytest.mark.tensorflow
+def test_tf2_a_killed_worker_is_restarted_and_training_finishes(psctl_env: PsctlEnv) -> None:
+    tensorflow_or_skip()
+    cluster = example(psctl_env, "tf2worker", "tf2_pss.yaml", **LONGER)
+    cluster.up()
+    wait_until(lambda: max(steps_printed(chief_log(cluster)), default=0) >= 200, timeout=180,
+               what="the chief to pass step 200", detail=cluster.describe)
+    sigkill(cluster.process("worker-1"))
+    wait_until(lambda: cluster.role("worker-1")["attempt"] == 2, timeout=60, what="worker-1's restart",
+               detail=cluster.describe)
+    cluster.wait_finished(300)
+    assert "chief: finished at step 2000" in chief_log(cluster), chief_log(cluster)[-2000:]
+    assert cluster.role("chief-0")["attempt"] == 1  # TensorFlow's coordinator re-ran the lost closures itself
+    assert [e for e in cluster.events("worker-1") if e["to"] == "lost"]
+
+
+@pytest.mark.slow
+@pytest.mark.tensorflow
+def test_tf2_a_killed_ps_restarts_with_the_chief_which_resumes_from_its_checkpoint(psctl_env: PsctlEnv) -> None:
+    tensorflow_or_skip()
+    cluster = example(psctl_env, "tf2ps", "tf2_pss.yaml", **LONGER)
+    cluster.up()
+    wait_until(lambda: max(steps_printed(chief_log(cluster)), default=0) >= 200, timeout=180,
+               what="a checkpoint past step 200", detail=cluster.describe)
+    sigkill(cluster.process("ps-0"))
+    cluster.wait_finished(300)
+    first = (cluster.root / "logs" / "chief-0.1.log").read_text()
+    second = (cluster.root / "logs" / "chief-0.2.log").read_text()
+    killed_after = max(steps_printed(first))
+    resumed = re.search(r"chief: starting at step (\d+) \(restored", second)
+    assert resumed is not None, second[-3000:]
+    assert int(resumed[1]) >= 200 and int(resumed[1]) >= killed_after - 50, (resumed[1], killed_after)
+    assert "chief: finished at step 2000" in second
+    assert cluster.role("ps-0")["attempt"] >= 2 and cluster.role("chief-0")["attempt"] >= 2
+    chief_lost = [e["reason"] for e in cluster.events("chief-0") if e["to"] == "lost"]
+    assert chief_lost and chief_lost[0].startswith("restarted with ps-0"), chief_lost
+
+
+@pytest.mark.slow
+@pytest.mark.tensorflow
+def test_tf1_sync_replicas_script_finishes_with_the_configured_global_step(psctl_env: PsctlEnv) -> None:
+    tensorflow_or_skip()
+    cluster = example(psctl_env, "tf1", "tf1_sync.yaml")
+    cluster_id = cluster.up()
+    cluster.wait_finished(240)
+    log = chief_log(cluster)
+    assert "chief:0: finished at step 200" in log, log[-2000:]
+    for worker in ("worker-0", "worker-1"):  # every replica trained (a SyncReplicasOptimizer step needs each)
+        assert re.search(rf"{worker.replace('-', ':')}: step \d+ loss", cluster.log(worker)), cluster.log(worker)
+    assert psctl_env.run("down", cluster.name).returncode == 0
+    assert psctl_env.processes(cluster_id) == []
+
+
+def _environment(penv: PsctlEnv, cluster_id: str, role: str) -> str | None:
+    """The TF_CONFIG of ``role``'s process, read from /proc."""
+    for proc in penv.processes(cluster_id):
+        try:
+            env: dict[str, Any] = proc.environ()
+        except Exception:
+            continue
+        if env.get("PSCTL_ROLE") == role:
+            return str(env.get("TF_CONFIG"))
+    return None
+
+
+def test_the_examples_are_valid_specs(psctl_env: PsctlEnv) -> None:
+    for spec in ("tf2_pss.yaml", "tf1_sync.yaml"):
+        done = psctl_env.run("validate", str(EXAMPLES / spec))
+        assert done.returncode == 0, done.stderr
+
