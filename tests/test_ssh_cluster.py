@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -591,3 +592,45 @@ def test_up_refuses_while_the_last_run_left_processes_on_a_host(remote: Remote) 
     assert f"psctl down {remote.name}" in again.stderr and "Traceback" not in again.stderr
     assert remote.status()["cluster_id"] == cluster_id  # the last run's state is kept for that `down`
     assert remote.processes("h3", cluster_id)  # untouched (the fixture's `down` stops it)
+
+
+@pytest.mark.tensorflow
+def test_a_tensorflow_program_over_three_hosts_trains_to_completion(remote: Remote) -> None:
+    """The TF2 ParameterServerStrategy example, unmodified, over SSH: the chief and the evaluator on h1, the ps on
+    h2, a worker on h2 and one on h3 (whose python has no psctl: psctl's copy serves its TensorFlow server)."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorflow") is None:
+        if os.environ.get("CI"):
+            pytest.fail("tensorflow is missing: the test command installs it (pip install -e '.[test,tensorflow]')")
+        pytest.skip("tensorflow is not installed")
+    shutil.copytree(Path(__file__).resolve().parents[1] / "cluster_examples" / "tensorflow",
+                    remote.folder / "tensorflow")
+    spec, _ = write_spec(remote.bed, remote.folder, remote.name, steps=1, roles=textwrap.dedent("""\
+          chief: {host: h1, port: 7100}
+          ps: {host: h2, port: 7110}
+          worker: {replicas: 2, hosts: [h2, h3], port: 7120}
+          evaluator: {host: h1, port: 7130}
+        """))
+    text = spec.read_text()
+    training = text[text.index("training:"):text.index("supervision:")]
+    spec.write_text(text.replace(training, textwrap.dedent("""\
+        training:
+          framework: tensorflow
+          command: "python tensorflow/tf2_pss_train.py --steps 200 --checkpoint_dir {checkpoint_dir}"
+          steps: 200
+        """)).replace("startup_grace: 60s", "startup_grace: 120s"))
+    done = remote.psctl("up", str(spec), timeout=300)
+    assert "training finished: the chief exited 0 at step 200" in " ".join(done.stdout.split()), done.stdout
+    status = remote.status()
+    assert status["state"] == "succeeded"
+    assert {r["name"]: r["host"] for r in status["roles"]}["worker-1"] == "h3"
+    chief_log = remote.psctl("logs", "chief-0", remote.name).stdout
+    assert "chief: finished at step 200" in chief_log, chief_log[-2000:]
+    evaluator_log = remote.psctl("logs", "evaluator-0", remote.name).stdout
+    assert "evaluator: step 200 eval loss" in evaluator_log
+    # the program's checkpoints are on the chief's host, where {checkpoint_dir} pointed
+    assert list((remote.workdirs["h1"] / remote.name / "checkpoints").glob("ckpt-*.index"))
+    remote.psctl("down", remote.name)
+    for host in remote.workdirs:
+        assert remote.processes(host, status["cluster_id"]) == []
