@@ -457,7 +457,7 @@ class _Decision:
             return
         live = self.s.roles[role.name]
         if rr.start_error:
-            self.start_failed(role, f"cannot start on {host}: {rr.start_error}")
+            self.lose(role, f"cannot start on {host}: {rr.start_error}")
             return
         if rr.pid and role.pid != rr.pid:
             role.pid, role.create_time = rr.pid, rr.create_time
@@ -609,13 +609,15 @@ class _Decision:
         self.s.addresses = address_map(self.s.spec, self.record)
         self.actions.append(SendView())
 
-    def start_failed(self, role: RoleRecord, reason: str) -> None:
+    def lose(self, role: RoleRecord, reason: str, code: int | None = None) -> None:
+        """The role's process is gone, or never started: on the cluster's first start that fails the
+        cluster (a bad spec or program shows at once); else its restart policy decides."""
         if self.record.state == C.STARTING and role.attempt == 1:
             self.transition(role, R.FAILED, reason)
             self.finish(ClusterState.FAILED, f"{role.name} failed to start: {reason}")
             return
         self.transition(role, R.LOST, reason)
-        self.maybe_restart(role, None)
+        self.maybe_restart(role, code)
 
     # -- losing -----------------------------------------------------------------------------------------
     def on_exit(self, role: RoleRecord, code: int, tail: str) -> None:
@@ -637,13 +639,7 @@ class _Decision:
             self.transition(role, R.LOST, what)
             self.restart_uncounted(role, "preempted")
             return
-        reason = what + (f"; last log lines: {tail}" if tail else "")
-        if self.record.state == C.STARTING and role.attempt == 1:
-            self.transition(role, R.FAILED, reason)
-            self.finish(ClusterState.FAILED, f"{role.name} failed to start: {reason}")
-            return
-        self.transition(role, R.LOST, reason)
-        self.maybe_restart(role, code)
+        self.lose(role, what + (f"; last log lines: {tail}" if tail else ""), code)
 
     def on_training_done(self) -> None:
         """Stop ps and workers at once; give a running evaluator time to evaluate the final checkpoint."""
