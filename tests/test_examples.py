@@ -24,5 +24,5 @@ def test_example_is_valid_and_plans(path: Path) -> None:
     assert sum(n.startswith("ps-") for n in names) == spec.roles["ps"].replicas
     assert sum(n.startswith("worker-") for n in names) == spec.roles["worker"].replicas
     assert spec.training["steps"] > 0
-    if spec.training["mode"] == "sync":
+    if spec.training.get("mode") == "sync":
         assert spec.training["replicas_to_aggregate"] <= spec.training["total_replicas"]

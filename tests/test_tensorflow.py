@@ -144,8 +144,10 @@ def test_tf1_sync_replicas_script_finishes_with_the_configured_global_step(psctl
     cluster.wait_finished(240)
     log = chief_log(cluster)
     assert "chief:0: finished at step 200" in log, log[-2000:]
-    for worker in ("worker-0", "worker-1"):  # every replica trained (a SyncReplicasOptimizer step needs each)
-        assert re.search(rf"{worker.replace('-', ':')}: step \d+ loss", cluster.log(worker)), cluster.log(worker)
+    # The workers ran, and joined the session (a TF1 worker's session polls for the chief's every 30 s: a
+    # short run can end before they push, the chief's gradients then fill each step, as TensorFlow allows)
+    for worker in ("worker-0", "worker-1"):
+        assert [e for e in cluster.events(worker) if e["to"] == "running"], cluster.describe()
     assert psctl_env.run("down", cluster.name).returncode == 0
     assert psctl_env.processes(cluster_id) == []
 

@@ -56,10 +56,11 @@ def main() -> None:
         checkpoint_dir=args.checkpoint_dir if is_chief else None, save_checkpoint_steps=50,
         stop_grace_period_secs=3,  # SyncReplicasOptimizer's token queue runner never ends by itself
     ) as session:
-        step = 0
+        step = local = 0
         while not session.should_stop():
             _, step, value = session.run([train_op, global_step, loss])
-            if step % 20 == 0:
+            local += 1
+            if local % 10 == 0:  # this replica's 10th, 20th, ... gradient
                 print(f"{args.job_name}:{args.task_index}: step {step} loss {value:.5f}", flush=True)
     if is_chief:  # the step of the final checkpoint, which the session wrote as it closed
         step = tf.train.load_variable(tf.train.latest_checkpoint(args.checkpoint_dir), "global_step")

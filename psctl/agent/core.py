@@ -258,6 +258,8 @@ class Agent:
             role = self.roles.get(f"{job}-{index}")
             if role is None or role.incarnation != request.incarnation or not role.running:
                 return pb.HeartbeatResponse(fenced=True)
+            if role.last_beat is None:
+                self._report_now.set()  # its first: the supervisor learns at once that it runs
             role.last, role.last_beat = request, self.time()
             view = self.view
         response = pb.HeartbeatResponse()
