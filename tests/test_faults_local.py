@@ -14,6 +14,7 @@ and killed by the test itself.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 import signal
 import textwrap
@@ -348,3 +349,31 @@ def test_sigterm_of_a_worker_with_grace_hands_its_work_back_and_nothing_is_recom
     assert "worker:1 stopping: its steps finished" in log, log[-2000:]
     for role in ("chief-0", "ps-0", "ps-1", "worker-0"):
         assert cluster.role(role)["attempt"] == 1, cluster.describe()
+
+
+def test_sigterm_of_a_ps_with_grace_is_checkpointed_first_and_no_step_is_recomputed(psctl_env: PsctlEnv) -> None:
+    steps = 2000
+    text = spec_text("preemptps", steps).replace("supervision: {", "supervision: {preemption_grace: 20s, ")
+    cluster = Cluster(psctl_env, "preemptps", steps)
+    cluster.spec.write_text(text)
+    cluster.up()
+    cluster.wait_progress(400, checkpoints=2)
+    victim = cluster.process("ps-1")
+    victim.send_signal(signal.SIGTERM)  # a preemption's warning
+    wait_until(lambda: gone(victim), timeout=40, what="the preempted ps to leave", detail=cluster.describe)
+    cluster.wait_finished()
+    result = assert_finished_with_exactly(cluster, steps)
+
+    log = cluster.log("chief-0")
+    taken = re.search(r"ps \[1\] preempted: checkpoint (\S+) taken before it left", log)
+    assert taken is not None, log[-3000:]
+    restores = RESTORED.findall(log)
+    assert restores and restores[-1][0] == taken[1], (restores, taken[1])  # its successor got that snapshot
+    # nothing was recomputed: the global step never went back, no step was retried, the chief ran throughout
+    progress = [r["global_step"] for r in cluster.progress_records()]
+    assert all(b >= a for a, b in itertools.pairwise(progress)), progress
+    assert result["retried_steps"] == 0 and result["steps_this_run"] == steps, result
+    lost = [e for e in cluster.events("ps-1") if e["to"] == "lost"]
+    assert [e["reason"] for e in lost] == ["preempted (stopped by SIGTERM, left within its grace)"], lost
+    assert cluster.role("ps-1")["attempt"] == 2 and cluster.role("chief-0")["attempt"] == 1
+    assert "ps:1 stopping: the chief checkpointed it first" in (cluster.root / "logs" / "ps-1.1.log").read_text()

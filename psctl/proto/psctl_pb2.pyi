@@ -264,12 +264,14 @@ class SyncFlushResponse(_message.Message):
     def __init__(self, applied: _Optional[bool] = ..., replicas: _Optional[int] = ..., global_step: _Optional[int] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("include_step_ids", "chief_incarnation")
+    __slots__ = ("include_step_ids", "chief_incarnation", "release")
     INCLUDE_STEP_IDS_FIELD_NUMBER: _ClassVar[int]
     CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     include_step_ids: bool
     chief_incarnation: int
-    def __init__(self, include_step_ids: _Optional[bool] = ..., chief_incarnation: _Optional[int] = ...) -> None: ...
+    release: bool
+    def __init__(self, include_step_ids: _Optional[bool] = ..., chief_incarnation: _Optional[int] = ..., release: _Optional[bool] = ...) -> None: ...
 
 class VariableInfo(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -282,7 +284,7 @@ class VariableInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StateResponse(_message.Message):
-    __slots__ = ("global_step", "variables", "applied_updates", "duplicate_updates", "fenced_updates", "initialized", "applied_step_ids", "shard_positions", "newest_step_id", "sync_gradients_applied", "stale_dropped", "timed_out_steps", "pending_replicas")
+    __slots__ = ("global_step", "variables", "applied_updates", "duplicate_updates", "fenced_updates", "initialized", "applied_step_ids", "shard_positions", "newest_step_id", "sync_gradients_applied", "stale_dropped", "timed_out_steps", "pending_replicas", "leaving")
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     APPLIED_UPDATES_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +298,7 @@ class StateResponse(_message.Message):
     STALE_DROPPED_FIELD_NUMBER: _ClassVar[int]
     TIMED_OUT_STEPS_FIELD_NUMBER: _ClassVar[int]
     PENDING_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     global_step: int
     variables: _containers.RepeatedCompositeFieldContainer[VariableInfo]
     applied_updates: int
@@ -309,7 +312,8 @@ class StateResponse(_message.Message):
     stale_dropped: int
     timed_out_steps: int
     pending_replicas: int
-    def __init__(self, global_step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., applied_updates: _Optional[int] = ..., duplicate_updates: _Optional[int] = ..., fenced_updates: _Optional[int] = ..., initialized: _Optional[bool] = ..., applied_step_ids: _Optional[_Iterable[int]] = ..., shard_positions: _Optional[_Iterable[int]] = ..., newest_step_id: _Optional[int] = ..., sync_gradients_applied: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., timed_out_steps: _Optional[int] = ..., pending_replicas: _Optional[int] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, global_step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., applied_updates: _Optional[int] = ..., duplicate_updates: _Optional[int] = ..., fenced_updates: _Optional[int] = ..., initialized: _Optional[bool] = ..., applied_step_ids: _Optional[_Iterable[int]] = ..., shard_positions: _Optional[_Iterable[int]] = ..., newest_step_id: _Optional[int] = ..., sync_gradients_applied: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., timed_out_steps: _Optional[int] = ..., pending_replicas: _Optional[int] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "shard", "position", "function", "sync_step", "params_epoch", "steps", "chief_incarnation")

@@ -76,11 +76,15 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
     server.start()
     logging.info("%s serving on %s (incarnation %d)", info.task, info.address, info.incarnation)
     stop.wait()
+    grace = float(os.environ.get("PSCTL_PREEMPTION_GRACE", DEFAULT_PREEMPTION_GRACE))
     if drain is not None:
-        grace = float(os.environ.get("PSCTL_PREEMPTION_GRACE", DEFAULT_PREEMPTION_GRACE))
         left = drain(grace)
         logging.info("%s stopping: %s", info.task, "its steps finished" if not left else
                      f"{left} step(s) still running after {grace:g}s")
+    if store is not None:
+        saved = store.leave(grace)
+        logging.info("%s stopping: %s", info.task, "the chief checkpointed it first" if saved else
+                     "no chief training (or none released it within the grace)")
     server.stop(grace=2).wait()
     logging.info("%s stopped", info.task)
     return EXIT_PREEMPTED

@@ -6,6 +6,7 @@ on ps 0, so a restarted chief reads them back and carries on without losing or r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -73,6 +74,8 @@ class Chief:
         self.checkpointer = Checkpointer(ckpt) if ckpt.get("dir") else None
         self.ps_wait = 300.0
         self.restores = 0
+        #: The ps that said they are leaving (preempted): checkpointed, then restored into their successors.
+        self._leaving: set[int] = set()
 
     def run(self) -> dict[str, Any]:
         cfg = self.config
@@ -126,6 +129,8 @@ class Chief:
             if not self.stop.is_set() and self.checkpointer is not None:
                 self._checkpoint()
         finally:
+            if self.stop.is_set():
+                self._release(sorted(self._leaving))
             unsubscribe()
             coordinator.shutdown()
             self._reporting_done.set()
@@ -174,6 +179,10 @@ class Chief:
         per_call = max(1, self.config.steps_per_execution)
         while remaining > 0 and not self.stop.is_set():
             coordinator.wait_below(window)
+            if self._leaving and self.checkpointer is not None:
+                self._hand_over(coordinator)
+                remaining = max(0, self.config.steps - self.ps.state(0).global_step)
+                continue
             if self.checkpointer is not None and self.checkpointer.due(self.meter.global_step):
                 coordinator.join()
                 self._checkpoint()
@@ -196,6 +205,9 @@ class Chief:
             step = self.ps.state(0).global_step
             if step >= cfg.steps:
                 break
+            if self._leaving and self.checkpointer is not None:
+                self._hand_over(coordinator)
+                continue
             if self.checkpointer is not None and self.checkpointer.due(step):
                 self._checkpoint()  # between rounds nothing fresh is in flight: the PS are consistent
             for _ in range(max(n, r)):
@@ -321,6 +333,45 @@ class Chief:
     def _report_loop(self) -> None:
         while not self._reporting_done.wait(self.config.log_every_seconds):
             self._report()
+            self._look_for_leaving_ps()
+
+    def _look_for_leaving_ps(self) -> None:
+        if self.stop.is_set():  # stopping too (psctl down): a leaving ps must not wait for this chief
+            self._release(sorted(self._leaving))
+            return
+        for index in range(len(self.info.ps)):
+            try:
+                if self.ps.state(index).leaving:
+                    self._leaving.add(index)
+            except PsUnavailable:
+                continue
+
+    def _release(self, leaving: list[int]) -> None:
+        """Tell leaving ps they may go."""
+        for index in leaving:
+            with contextlib.suppress(PsUnavailable):
+                self.ps.state(index, release=True, timeout=2.0)
+
+    def _hand_over(self, coordinator: ClusterCoordinator) -> None:
+        """A ps is leaving (preempted) and waits for it: with nothing in flight, checkpoint every ps, wait until
+        the leaving ones are gone, and restore that checkpoint into their successors: no step is recomputed."""
+        leaving = sorted(self._leaving)
+        coordinator.join()
+        assert self.checkpointer is not None
+        self._checkpoint()
+        self.checkpointer.wait()
+        log.info("ps %s preempted: checkpoint %s taken before it left", leaving, self.checkpointer.latest)
+        self._release(leaving)
+        deadline = time.monotonic() + self.ps_wait
+        while time.monotonic() < deadline and not self.stop.is_set():
+            try:
+                if not any(self.ps.state(i).leaving for i in leaving):
+                    break  # its successor answers already
+            except PsUnavailable:
+                break  # gone
+            self.stop.wait(0.1)
+        self._leaving.clear()
+        self._restore_after_ps_loss(coordinator)
 
     def _restore_after_ps_loss(self, coordinator: ClusterCoordinator) -> None:
         """Wait for every ps (at its new address if it moved), restore them all, re-plan the queued steps.

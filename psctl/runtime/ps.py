@@ -16,6 +16,7 @@ import collections
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -105,6 +106,11 @@ class VariableStore:
         self.applied_updates = 0
         self.duplicate_updates = 0
         self.fenced_updates = 0
+        #: Preempted (SIGTERM): serving on until a snapshot was pulled (see leave()).
+        self.leaving = threading.Event()
+        self.released = threading.Event()
+        self._handing_over = threading.Event()  # the chief saw it leave: no push comes while it checkpoints
+        self.last_push = float("-inf")
         #: Synchronous mode (None: asynchronous, every push applied as it comes).
         self._sync: StepAccumulator | None = None
         self.sync_gradients_applied = 0
@@ -170,6 +176,19 @@ class VariableStore:
             raise WireError(f"unknown variable {name!r} on this PS")
         return shard
 
+    def leave(self, timeout: float, *, fed_recently: float = 2.0) -> bool:
+        """Preempted: say so in the state the chief reads and, while a chief trains (a push came in the last
+        ``fed_recently`` seconds, or it is handing over), wait up to ``timeout`` for it to release this PS:
+        it stops scheduling, checkpoints every PS and restores that checkpoint into this one's successor.
+        True if it did."""
+        self.leaving.set()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and (time.monotonic() - self.last_push < fed_recently
+                                               or self._handing_over.is_set()):
+            if self.released.wait(0.05):
+                return True
+        return self.released.is_set()
+
     def held_bytes(self) -> int:
         """The bytes of the variables and optimizer slots this PS holds."""
         return sum(s.value.nbytes + sum(v.nbytes for v in s.slots.values()) for s in list(self._shards.values()))
@@ -198,6 +217,7 @@ class VariableStore:
         self, request: pb.PushRequest, entries: Sequence[Entry], split: Mapping[str, SplitArray] | None = None
     ) -> PushOutcome:
         """Apply one step's gradients (``split``: dense ones still in the pieces they arrived in) at most once."""
+        self.last_push = time.monotonic()
         if self._optimizer is None:
             raise NotInitializedError("this PS has no variables yet (the chief has not initialised it)")
         updates = self._validate_update(entries, split or {})
@@ -382,9 +402,14 @@ class VariableStore:
                 self._sync.reset(self.global_step)
 
     # -- inspection -----------------------------------------------------------------------------------
-    def state(self, *, include_step_ids: bool = False, chief_incarnation: int = 0) -> pb.StateResponse:
+    def state(self, *, include_step_ids: bool = False, chief_incarnation: int = 0,
+              release: bool = False) -> pb.StateResponse:
         with self._lock:
             self.chief_fence.admit(chief_incarnation)
+            if self.leaving.is_set() and chief_incarnation:  # the chief has seen it leave
+                self._handing_over.set()
+            if release:
+                self.released.set()
             positions = [self.shard_positions.get(i, -1) for i in range(max(self.shard_positions, default=-1) + 1)]
             return pb.StateResponse(
                 global_step=self.global_step,
@@ -403,6 +428,7 @@ class VariableStore:
                 stale_dropped=self.stale_dropped,
                 timed_out_steps=self.timed_out_steps,
                 pending_replicas=self._sync.count() if self._sync is not None else 0,
+                leaving=self.leaving.is_set(),
             )
 
 
@@ -778,7 +804,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def GetState(self, request: pb.StateRequest, context: grpc.ServicerContext) -> pb.StateResponse:
         try:
             return self.store.state(include_step_ids=request.include_step_ids,
-                                    chief_incarnation=request.chief_incarnation)
+                                    chief_incarnation=request.chief_incarnation, release=request.release)
         except ChiefReplaced as exc:
             self._abort(context, exc)
             raise

@@ -285,10 +285,13 @@ class PsClient:
         done = self._on_every_ps(calls)
         return [done[ps] for ps in range(len(self.stubs))]
 
-    def state(self, ps: int = 0, *, include_step_ids: bool = False, timeout: float | None = None) -> pb.StateResponse:
+    def state(self, ps: int = 0, *, include_step_ids: bool = False, timeout: float | None = None,
+              release: bool = False) -> pb.StateResponse:
+        """A PS's state; ``release``: a leaving PS may go (the chief has checkpointed it)."""
         try:
             return self.stubs[ps].GetState(  # type: ignore[no-any-return]
-                pb.StateRequest(include_step_ids=include_step_ids, chief_incarnation=self.chief_incarnation),
+                pb.StateRequest(include_step_ids=include_step_ids, chief_incarnation=self.chief_incarnation,
+                                release=release),
                 timeout=timeout or self.timeout,
             )
         except grpc.RpcError as exc:
