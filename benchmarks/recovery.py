@@ -1,6 +1,6 @@
 """Failure detection and recovery under the supervisor: one JSON line of figures per fault.
 
-    python -m benchmarks.recovery [--fault worker|ps|chief|all] [--steps N]
+    python -m benchmarks.recovery [--fault worker|ps|chief|ps-sigterm|all] [--steps N]
 
 For each fault kind a fresh cluster (1 chief, 2 ps, 2 workers; asynchronous training of an MLP with 32 hidden
 units on scikit-learn's digits; a checkpoint every 200 steps; heartbeats every 0.5 s, lost after 3 s of
@@ -12,6 +12,10 @@ chief's step rate is steady (its ``run/metrics.jsonl`` progress records) and a c
 - the chief's progress records: the pre-fault rate, the first window back at >= 90 % of it (recovery), the
   global step before the kill and where training resumed (steps lost);
 - the chief's log: ``restored PATH (global step N)`` (a ps fault), ``resuming at global step N``.
+
+``--fault ps-sigterm`` sends ps-1 a preemption's SIGTERM instead: the ps tells the chief it is leaving, the chief
+checkpoints every ps with nothing in flight and restores that checkpoint into its successor, so its
+``steps_lost`` (steps recomputed) is 0, against up to a checkpoint interval for SIGKILL.
 
 Then ``psctl down`` (and a psutil sweep by cluster id, killing anything left) ends the cluster, also when the
 benchmark fails or is interrupted. Progress goes to stderr; see benchmarks/README.md for what each field means.
@@ -43,7 +47,9 @@ from psctl.runtime.checkpoint import list_checkpoints
 from psctl.runtime.metrics import read_metrics
 
 #: The role each fault kind kills.
-FAULTS: dict[str, str] = {"worker": "worker-0", "ps": "ps-1", "chief": "chief-0"}
+FAULTS: dict[str, str] = {"worker": "worker-0", "ps": "ps-1", "chief": "chief-0", "ps-sigterm": "ps-1"}
+#: Faults that are a preemption's warning (SIGTERM, within supervision.preemption_grace) instead of SIGKILL.
+PREEMPTIONS = ("ps-sigterm",)
 EVERY_STEPS = 200
 HEARTBEAT_INTERVAL = 0.5
 HEARTBEAT_TIMEOUT = 3.0
@@ -279,10 +285,11 @@ def steady_rate(cluster: Cluster, timeout: float) -> tuple[float, bool, list[Win
     return (last.global_step - first.global_step) / (last.end - first.end), ok, recent[1:]
 
 
-def sigkill(proc: psutil.Process) -> float:
-    """SIGKILL ``proc``; returns time.time() just before the signal, once the process is dead."""
+def send(proc: psutil.Process, sig: int = signal.SIGKILL) -> float:
+    """Signal ``proc`` (SIGKILL, or a preemption's SIGTERM); returns time.time() just before the signal, once
+    the process is gone."""
     sent = time.time()
-    proc.send_signal(signal.SIGKILL)
+    proc.send_signal(sig)
 
     def gone() -> bool:
         try:
@@ -290,7 +297,7 @@ def sigkill(proc: psutil.Process) -> float:
         except psutil.NoSuchProcess:
             return True
 
-    wait_for(gone, timeout=10, what=f"pid {proc.pid} to die", interval=0.01)
+    wait_for(gone, timeout=40, what=f"pid {proc.pid} to end", interval=0.01)
     return sent
 
 
@@ -333,8 +340,8 @@ def measure(cluster: Cluster, fault: str, args: argparse.Namespace) -> dict[str,
     before = cluster.windows()
     proc = cluster.live_process(role)
     log(f"{fault}: {pre_rate:.1f} steps/s (steady: {steady}) at step ~{before[-1].global_step}; "
-        f"SIGKILL {role} pid {proc.pid}")
-    killed = sigkill(proc)
+        f"{'SIGTERM' if fault in PREEMPTIONS else 'SIGKILL'} {role} pid {proc.pid}")
+    killed = send(proc, signal.SIGTERM if fault in PREEMPTIONS else signal.SIGKILL)
     threshold = RECOVERED_FRACTION * pre_rate
 
     def resume() -> Resume | None:
@@ -374,7 +381,7 @@ def measure(cluster: Cluster, fault: str, args: argparse.Namespace) -> dict[str,
     # what the chief reported last before the kill (up to one window behind the true global step)
     reported = max((w.global_step for w in windows if w.end <= killed), default=0)
     after = [w for w in windows if w.end > killed and w.end <= recovered.end]
-    if fault == "ps":
+    if fault.startswith("ps"):
         assert resumed is not None
         # nothing is applied once a ps is gone, and the meter is reset only after the restore: the highest step
         # reported before the restore line is the global step at the kill (steps in flight at the kill included)
