@@ -214,6 +214,22 @@ def top(name: str | None, as_json: bool, interval: float) -> None:
         pass
 
 
+@cli.command()
+@click.argument("name", required=False)
+@click.option("--output", "-o", "out", default="curves.png", show_default=True, type=click.Path(dir_okay=False),
+              help="The PNG file to write.")
+def plot(name: str | None, out: str) -> None:
+    """Draw the training curves of cluster NAME (loss, accuracy, steps/s by global step) into a PNG."""
+    from psctl.plot import curves
+    from psctl.plot import plot as draw
+
+    cdir = operations.resolve_cluster(name)
+    data = curves(cdir.run_dir)
+    draw(data, Path(out), title=f"cluster {cdir.name}")
+    shown = ", ".join(f"{k.replace('_', ' ')} ({len(v[0])} points)" for k, v in data.items())
+    console.print(f"wrote {out}: {shown}", markup=False, soft_wrap=True)
+
+
 @cli.command(name="ls")
 def list_command() -> None:
     """List the clusters psctl knows (under PSCTL_HOME)."""

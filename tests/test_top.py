@@ -98,3 +98,38 @@ def test_top_in_a_real_terminal_shows_every_role_s_time(psctl_env: PsctlEnv) -> 
         assert "cluster toptest running" in shown
     finally:
         tmux("kill-server")
+
+
+def test_plot_writes_a_png_of_the_curves_the_metrics_hold(tmp_path: Path) -> None:
+    import struct
+
+    from psctl.plot import curves
+
+    home = tmp_path / "home"
+    cdir = ClusterDir(home / "curves")
+    cdir.create()
+    save_state(cdir.state_file, ClusterRecord(name="curves", cluster_id="curves-1", roles=[role("chief-0")]))
+    progress = [{"event": "progress", "global_step": s, "loss": 1.0 / s, "steps_per_sec": 100.0 + s, "time": s}
+                for s in (100, 200, 300)]
+    (cdir.run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in progress) + "\n")
+    evals = [{"global_step": 150, "accuracy": 0.9, "loss": 0.3}, {"global_step": 300, "accuracy": 0.95, "loss": 0.2}]
+    (cdir.run_dir / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in evals) + "\n")
+    assert curves(cdir.run_dir) == {
+        "loss": ([100, 200, 300], [0.01, 0.005, 1 / 300]),
+        "steps_per_sec": ([100, 200, 300], [200.0, 300.0, 400.0]),
+        "accuracy": ([150, 300], [0.9, 0.95]),
+        "eval_loss": ([150, 300], [0.3, 0.2]),
+    }
+    out = tmp_path / "curves.png"
+    result = CliRunner().invoke(cli, ["plot", "curves", "-o", str(out)], env={"PSCTL_HOME": str(home)})
+    assert result.exit_code == 0, result.output
+    assert "loss (3 points)" in result.output and "accuracy (2 points)" in result.output
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width >= 600 and height >= 600  # three panels
+    empty = ClusterDir(home / "empty")
+    empty.create()
+    save_state(empty.state_file, ClusterRecord(name="empty", cluster_id="empty-1", roles=[role("chief-0")]))
+    nothing = CliRunner().invoke(cli, ["plot", "empty", "-o", str(tmp_path / "x.png")], env={"PSCTL_HOME": str(home)})
+    assert nothing.exit_code == 2 and "no training metrics to plot yet" in nothing.output

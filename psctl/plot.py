@@ -1,0 +1,72 @@
+"""``psctl plot``: a cluster's training curves (loss, accuracy, steps/s against the global step) as a PNG.
+
+The data are the chief's ``run/metrics.jsonl`` (progress records: loss and steps/s) and the evaluator's
+``run/eval.jsonl`` (accuracy and loss of each checkpoint it evaluated; without an evaluator, the chief's final
+evaluation). matplotlib is an optional extra (``pip install 'psctl[plot]'``), imported only here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from psctl.errors import UsageError
+from psctl.runtime.metrics import read_metrics
+
+Curve = tuple[list[int], list[float]]
+
+
+def curves(run_dir: Path) -> dict[str, Curve]:
+    """``{"loss": (steps, values), "steps_per_sec": ..., "accuracy": ..., "eval_loss": ...}``, each sorted by
+    step; a curve without points is left out."""
+    out: dict[str, Curve] = {}
+
+    def add(name: str, step: object, value: object) -> None:
+        if isinstance(step, int) and isinstance(value, (int, float)) and value == value:
+            steps, values = out.setdefault(name, ([], []))
+            steps.append(step)
+            values.append(float(value))
+
+    for record in read_metrics(run_dir / "metrics.jsonl"):
+        if record.get("event") == "progress":
+            add("loss", record.get("global_step"), record.get("loss"))
+            add("steps_per_sec", record.get("global_step"), record.get("steps_per_sec"))
+        elif record.get("event") == "final" and not (run_dir / "eval.jsonl").exists():
+            add("accuracy", record.get("global_step"), (record.get("metrics") or {}).get("accuracy"))
+    for record in read_metrics(run_dir / "eval.jsonl"):
+        add("accuracy", record.get("global_step"), record.get("accuracy"))
+        add("eval_loss", record.get("global_step"), record.get("loss"))
+    for name, (steps, values) in out.items():
+        pairs = sorted(zip(steps, values, strict=True))
+        out[name] = ([s for s, _ in pairs], [v for _, v in pairs])
+    return out
+
+
+def plot(data: dict[str, Curve], out: Path, *, title: str) -> None:
+    """Draw the curves (one panel each for loss, accuracy, steps/s) into the PNG ``out``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("psctl plot needs matplotlib", hint="pip install 'psctl[plot]'") from None
+    if not data:
+        raise UsageError(f"no training metrics to plot yet for {title!r}",
+                         hint="plot once the chief has reported progress (psctl status shows it)")
+    panels = [("loss", ("loss", "eval_loss")), ("accuracy", ("accuracy",)), ("steps/s", ("steps_per_sec",))]
+    panels = [(label, [n for n in names if n in data]) for label, names in panels]
+    panels = [(label, names) for label, names in panels if names]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), sharex=True, squeeze=False)
+    for ax, (label, names) in zip(axes[:, 0], panels, strict=True):
+        for name in names:
+            steps, values = data[name]
+            ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=name.replace("_", " "))
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        if len(names) > 1:
+            ax.legend()
+    axes[-1, 0].set_xlabel("global step")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, format="png", dpi=100)
+    plt.close(fig)
