@@ -3,12 +3,15 @@ real terminal (tmux)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -96,6 +99,9 @@ def test_top_in_a_real_terminal_shows_every_role_s_time(psctl_env: PsctlEnv) -> 
         for name in ("ps-0", "ps-1", "chief-0"):
             assert name in shown, shown
         assert "cluster toptest running" in shown
+        if importlib.util.find_spec("tensorboard") is not None:  # the chief's scalars, for TensorBoard
+            tags = {v.tag for e in read_events(cluster.root / "run" / "tensorboard" / "train") for v in e.summary.value}
+            assert {"loss", "steps_per_sec", "workers/worker-0/steps_per_sec"} <= tags, tags
     finally:
         tmux("kill-server")
 
@@ -133,3 +139,39 @@ def test_plot_writes_a_png_of_the_curves_the_metrics_hold(tmp_path: Path) -> Non
     save_state(empty.state_file, ClusterRecord(name="empty", cluster_id="empty-1", roles=[role("chief-0")]))
     nothing = CliRunner().invoke(cli, ["plot", "empty", "-o", str(tmp_path / "x.png")], env={"PSCTL_HOME": str(home)})
     assert nothing.exit_code == 2 and "no training metrics to plot yet" in nothing.output
+
+
+def read_events(folder: Path) -> list[Any]:
+    """The events of TensorBoard's files in ``folder`` (TFRecord framing: length, crc, data, crc)."""
+    import struct
+
+    from tensorboard.compat.proto import event_pb2
+
+    events = []
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        at = 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at:at + 8])
+            events.append(event_pb2.Event.FromString(data[at + 12:at + 12 + length]))
+            at += 12 + length + 4
+    return events
+
+
+def test_tensorboard_scalars_are_written_without_importing_tensorflow(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard", reason="the tensorboard extra")
+    script = textwrap.dedent(f"""\
+        import sys
+        from psctl.runtime.tensorboard import ScalarWriter
+        writer = ScalarWriter({str(tmp_path / 'tb')!r})
+        for step in (10, 20, 30):
+            writer.add(step, {{"loss": 1.0 / step, "steps_per_sec": 50.0, "bad": float("nan")}})
+        writer.close()
+        print("tensorflow" in sys.modules)
+        """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"  # a chief must not pay TensorFlow's start-up for its scalars
+    points = [(e.step, v.tag, round(v.simple_value, 4)) for e in read_events(tmp_path / "tb") for v in e.summary.value]
+    assert points == [(s, tag, round(value, 4)) for s in (10, 20, 30) for tag, value in
+                      (("loss", 1.0 / s), ("steps_per_sec", 50.0))]

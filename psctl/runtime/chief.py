@@ -31,6 +31,7 @@ from psctl.runtime.metrics import MetricsFile, TrainingMeter
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import ProgramRef, load_program
 from psctl.runtime.ps_client import PsClient, PsUnavailable
+from psctl.runtime.tensorboard import ScalarWriter
 
 log = logging.getLogger("psctl.chief")
 
@@ -76,6 +77,10 @@ class Chief:
         self.restores = 0
         #: The ps that said they are leaving (preempted): checkpointed, then restored into their successors.
         self._leaving: set[int] = set()
+        self.tensorboard = ScalarWriter(run_dir / "tensorboard" / "train")
+        self._coordinator: ClusterCoordinator | None = None
+        self._worker_steps: dict[int, int] = {}
+        self._rates_at = time.monotonic()
 
     def run(self) -> dict[str, Any]:
         cfg = self.config
@@ -104,6 +109,7 @@ class Chief:
             steps_in_flight=2 if cfg.mode == "async" and cfg.pipelined else 1,
             chief_incarnation=self.info.incarnation,
         )
+        self._coordinator = coordinator
         unsubscribe = ADDRESSES.subscribe(lambda addresses: _follow_moves(coordinator, addresses))
         coordinator.wait_for_workers(self.ready_timeout)
         reporter = threading.Thread(target=self._report_loop, name="metrics", daemon=True)
@@ -324,11 +330,27 @@ class Chief:
         PROGRESS.status = "done" if final else "training"
         record = {"time": time.time(), "event": "progress", **report}
         self.metrics.write(record)
+        self._scalars(record)
         if not final:
             log.info(
                 "step %d loss %.4f %.1f steps/s %.0f examples/s",
                 report["global_step"], report["loss"], report["steps_per_sec"], report["examples_per_sec"],
             )
+
+    def _scalars(self, record: dict[str, Any]) -> None:
+        """The progress, and each worker's steps/s since the last report, for TensorBoard (when installed)."""
+        if not self.tensorboard.enabled:
+            return
+        scalars = {k: record[k] for k in ("loss", "steps_per_sec", "examples_per_sec") if k in record}
+        coordinator, now = self._coordinator, time.monotonic()
+        if coordinator is not None:
+            seconds = max(1e-6, now - self._rates_at)
+            for w in coordinator.workers:
+                done = w.steps - self._worker_steps.get(w.index, 0)
+                scalars[f"workers/worker-{w.index}/steps_per_sec"] = done / seconds
+                self._worker_steps[w.index] = w.steps
+        self._rates_at = now
+        self.tensorboard.add(int(record.get("global_step", 0)), scalars, wall_time=record["time"])
 
     def _report_loop(self) -> None:
         while not self._reporting_done.wait(self.config.log_every_seconds):

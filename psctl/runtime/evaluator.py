@@ -28,6 +28,7 @@ from psctl.runtime.config import TrainingConfig
 from psctl.runtime.heartbeat import PROGRESS
 from psctl.runtime.metrics import MetricsFile
 from psctl.runtime.program import EmbeddingRows, Program, ProgramRef, load_program
+from psctl.runtime.tensorboard import ScalarWriter
 
 log = logging.getLogger("psctl.evaluator")
 
@@ -58,6 +59,7 @@ class Evaluator:
         self.stop = stop
         self.poll_seconds = poll_seconds
         self.metrics = MetricsFile(self.run_dir / "eval.jsonl")
+        self.tensorboard = ScalarWriter(self.run_dir / "tensorboard" / "eval")
         self.evaluated = 0
         self.last_step = -1
         self._bad: set[str] = set()
@@ -110,6 +112,7 @@ class Evaluator:
         PROGRESS.status = "evaluated"
         self.metrics.write({"time": time.time(), "global_step": snapshot.global_step, "checkpoint": str(path),
                             **metrics})
+        self.tensorboard.add(snapshot.global_step, {k: v for k, v in metrics.items() if k != "examples"})
         shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "examples")
         log.info("evaluated %s (global step %d) in %.2fs: %s", path.name, snapshot.global_step,
                  time.monotonic() - started, shown)
