@@ -239,3 +239,25 @@ def test_a_preempted_role_is_restarted_without_counting_it_as_a_failure(tmp_path
     c.process("worker-0").exit_code = 1  # a real failure is still one
     c.step()
     assert c.role("worker-0").state == RoleState.FAILED
+
+
+def test_a_tensorflow_chief_restarts_with_a_lost_ps_once_the_ps_runs_again(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("")
+    spec = SPEC.replace("training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}",
+                        "training: {framework: tensorflow, command: 'python train.py'}")
+    c = FakeCluster(spec, tmp_path)
+    c.step()
+    running(c)
+    c.process("ps-0").exit_code = -9
+    c.step()
+    chief = c.role("chief-0")
+    assert chief.state == RoleState.RESTARTING and chief.reason.endswith("(with the ps)")
+    assert c.process("chief-0").exit_code == -9  # its coordinator cannot outlive the ps: stopped at once
+    assert c.state.roles["chief-0"].failures_in_a_row == 0
+    order = []
+    for _ in range(12):  # 3.6 s: the ps restarts after its backoff (1 s +- 20%), the chief only once it runs
+        c.step(0.3)
+        order.append((c.role("ps-0").state, chief.state))
+    assert (RoleState.STARTING, RoleState.RESTARTING) in order  # the ps started, the chief still waited
+    assert all(chief_state == RoleState.RESTARTING for ps_state, chief_state in order if ps_state != RoleState.RUNNING)
+    assert (c.role("ps-0").state, chief.state, chief.attempt) == (RoleState.RUNNING, RoleState.RUNNING, 2)

@@ -124,12 +124,14 @@ def test_tf2_a_killed_ps_restarts_with_the_chief_which_resumes_from_its_checkpoi
     sigkill(cluster.process("ps-0"))
     cluster.wait_finished(300)
     first = (cluster.root / "logs" / "chief-0.1.log").read_text()
-    second = (cluster.root / "logs" / "chief-0.2.log").read_text()
+    # (a later chief can fail once more while TensorFlow's servers still reconnect to the new ps)
+    last = cluster.role("chief-0")["attempt"]
+    later = "\n".join((cluster.root / "logs" / f"chief-0.{a}.log").read_text() for a in range(2, last + 1))
     killed_after = max(steps_printed(first))
-    resumed = re.search(r"chief: starting at step (\d+) \(restored", second)
-    assert resumed is not None, second[-3000:]
+    resumed = re.search(r"chief: starting at step (\d+) \(restored", later)
+    assert resumed is not None, later[-3000:]
     assert int(resumed[1]) >= 200 and int(resumed[1]) >= killed_after - 50, (resumed[1], killed_after)
-    assert "chief: finished at step 2000" in second
+    assert "chief: finished at step 2000" in later
     assert cluster.role("ps-0")["attempt"] >= 2 and cluster.role("chief-0")["attempt"] >= 2
     chief_lost = [e["reason"] for e in cluster.events("chief-0") if e["to"] == "lost"]
     assert chief_lost and chief_lost[0].startswith("restarted with ps-0"), chief_lost

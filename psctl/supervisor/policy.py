@@ -520,7 +520,8 @@ class _Decision:
                 self.start_role(role)
             return
         if role.state == R.RESTARTING:
-            if live.restart_at is not None and self.now >= live.restart_at and not self.waits_for_host(role):
+            if (live.restart_at is not None and self.now >= live.restart_at and not self.waits_for_host(role)
+                    and not self.waits_for_ps(role)):
                 self.start_role(role)
             return
         if role.state == R.LOST:
@@ -591,6 +592,15 @@ class _Decision:
         waiting = f"waiting for {role.host} to answer"
         if not role.reason.startswith(waiting):
             self.transition(role, role.state, waiting)
+        return True
+
+    def waits_for_ps(self, role: RoleRecord) -> bool:
+        """A TensorFlow chief restarts once every ps runs again: its coordinator connects to them at its start."""
+        if role.role != "chief" or self.s.spec.training.get("framework") != "tensorflow":
+            return False
+        if all(r.state == R.RUNNING for r in self.record.roles if r.role == "ps"):
+            return False
+        self.s.roles[role.name].restart_at = self.now + HOST_WAIT / 2
         return True
 
     def place_role(self, role: RoleRecord) -> None:
