@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from psctl.launch.hostset import Placement
 from psctl.spec import ClusterSpec
 from psctl.spec.framework import fill
 from psctl.supervisor.state import RoleRecord
@@ -56,3 +57,11 @@ def argv(spec: ClusterSpec, roles: Sequence[RoleRecord], role: RoleRecord, *, py
         "evaluator_host": evaluator, "checkpoint_dir": checkpoint_dir, "run_dir": run_dir, "python": python,
     }
     return fill(command_words(spec, role), values, python)
+
+
+def start(spec: ClusterSpec, roles: Sequence[RoleRecord], role: RoleRecord, place: Placement) -> tuple[list[str], str]:
+    """The role's command line and TF_CONFIG where ``place`` runs it (its checkpoint folder:
+    ``training.checkpoint.dir``, else the cluster's on that host)."""
+    folder = (spec.training.get("checkpoint") or {}).get("dir") or str(place.dirs.checkpoints)
+    words = argv(spec, roles, role, python=place.python, run_dir=str(place.dirs.run_dir), checkpoint_dir=folder)
+    return words, tf_config(roles, role)

@@ -263,14 +263,10 @@ class Supervisor:
             for suffix in (".pem", ".key"):
                 files[str(place.dirs.tls_dir / f"{role.name}{suffix}")] = (
                     self.cdir.tls_dir / f"{role.name}{suffix}").read_bytes()
-        env = self.role_env(role)
-        argv = [place.python, "-m", "psctl.runtime"]
+        env, argv = self.role_env(role), [place.python, "-m", "psctl.runtime"]
         watched_only = self.spec.training.get("framework") == "tensorflow"
         if watched_only:  # the user's TensorFlow program, or psctl's TensorFlow server
-            folder = (self.spec.training.get("checkpoint") or {}).get("dir") or str(place.dirs.checkpoints)
-            argv = tensorflow.argv(self.spec, self.record.roles, role, python=place.python,
-                                   run_dir=str(place.dirs.run_dir), checkpoint_dir=folder)
-            env["TF_CONFIG"] = tensorflow.tf_config(self.record.roles, role)
+            argv, env["TF_CONFIG"] = tensorflow.start(self.spec, self.record.roles, role, place)
         start = pb.StartRole(name=role.name, incarnation=action.incarnation, attempt=action.attempt, argv=argv,
                              env=env, cwd=place.cwd, log_path=str(place.dirs.role_log(role.name, action.attempt)),
                              files=files, watched_only=watched_only)
