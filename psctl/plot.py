@@ -53,9 +53,9 @@ def plot(data: dict[str, Curve], out: Path, *, title: str) -> None:
     if not data:
         raise UsageError(f"no training metrics to plot yet for {title!r}",
                          hint="plot once the chief has reported progress (psctl status shows it)")
-    panels = [("loss", ("loss", "eval_loss")), ("accuracy", ("accuracy",)), ("steps/s", ("steps_per_sec",))]
-    panels = [(label, [n for n in names if n in data]) for label, names in panels]
-    panels = [(label, names) for label, names in panels if names]
+    wanted = [("loss", ("loss", "eval_loss")), ("accuracy", ("accuracy",)), ("steps/s", ("steps_per_sec",))]
+    present = [(label, [n for n in names if n in data]) for label, names in wanted]
+    panels = [(label, names) for label, names in present if names]
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), sharex=True, squeeze=False)
     for ax, (label, names) in zip(axes[:, 0], panels, strict=True):
         for name in names:

@@ -341,7 +341,7 @@ class Chief:
         """The progress, and each worker's steps/s since the last report, for TensorBoard (when installed)."""
         if not self.tensorboard.enabled:
             return
-        scalars = {k: record[k] for k in ("loss", "steps_per_sec", "examples_per_sec") if k in record}
+        scalars: dict[str, float] = {k: record[k] for k in ("loss", "steps_per_sec", "examples_per_sec") if k in record}
         coordinator, now = self._coordinator, time.monotonic()
         if coordinator is not None:
             seconds = max(1e-6, now - self._rates_at)
