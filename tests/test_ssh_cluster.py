@@ -634,3 +634,38 @@ def test_a_tensorflow_program_over_three_hosts_trains_to_completion(remote: Remo
     remote.psctl("down", remote.name)
     for host in remote.workdirs:
         assert remote.processes(host, status["cluster_id"]) == []
+
+
+def test_a_new_supervisor_adopts_the_roles_on_the_hosts_and_training_ends_exactly(remote: Remote) -> None:
+    """The launch machine's supervisor dies mid-training: the hosts' agents keep their roles and redial the
+    reverse forward; `psctl supervise` listens where the last one did (and asks each host for the same forwarded
+    port), the agents dial in, and their roles are adopted: same processes, first attempts, exact step count."""
+    import signal as signals
+
+    import psutil
+
+    steps = 12000
+    spec, _ = write_spec(remote.bed, remote.folder, remote.name, steps=steps)
+    remote.psctl("up", str(spec), "--detach")
+    before = wait_until(lambda: (s := remote.status())["roles"][0]["global_step"] >= 300 and s, timeout=120,
+                        what="training to pass step 300")
+    pids = {r["name"]: (r["host"], r["pid"]) for r in before["roles"]}
+    psutil.Process(before["supervisor_pid"]).send_signal(signals.SIGKILL)
+    wait_until(lambda: remote.status()["stale"], timeout=20, what="the supervisor to be gone")
+    done = remote.psctl("supervise", remote.name, "--detach")
+    assert "adopted" in done.stdout
+    adopted_at = time.time()
+    final = wait_until(lambda: (s := remote.status())["state"] in ("succeeded", "failed") and s, timeout=240,
+                       what="training to finish under the new supervisor", detail=remote.supervisor_log)
+    assert final["state"] == "succeeded", final["reason"]
+    assert final["result"]["global_step"] == steps
+    for role in final["roles"]:
+        if role["name"] == "evaluator-0":
+            continue  # it may have finished on its own
+        assert (role["host"], role["pid"]) == pids[role["name"]], role
+        assert (role["attempt"], role["restarts"]) == (1, 0), role
+    # the new supervisor watched training go on (the chief's metrics it copied from h1 after adopting it)
+    metrics = Path(remote.env["PSCTL_HOME"]) / remote.name / "run" / "metrics.jsonl"
+    later = [r for r in map(json.loads, metrics.read_text().splitlines())
+             if r.get("event") == "progress" and r["time"] > adopted_at + 1]
+    assert later and min(r["global_step"] for r in later) < steps, later[:3]
