@@ -2,8 +2,9 @@
 
 Its configuration is one JSON object in ``PSCTL_AGENT``: ``host`` (its name in the cluster), ``supervisor``
 (``host:port`` of the supervisor's agent endpoint as this host reaches it), ``tls`` (``{ca, cert, key}`` file
-paths, or null), ``interval`` (seconds between reports). ``PSCTL_CLUSTER_ID`` names the cluster.
-SIGTERM stops its roles (SIGTERM, then SIGKILL after a grace) and ends it.
+paths, or null), ``interval`` (seconds between reports), ``grace`` (supervision.preemption_grace).
+``PSCTL_CLUSTER_ID`` names the cluster. SIGTERM (the host is going away) stops its roles (SIGTERM, then
+SIGKILL after the grace: a preempted role finishes its work first) and ends it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main() -> int:
         tls = TlsFiles(**config["tls"]) if config.get("tls") else None
         agent = Agent(str(config["host"]), str(config["supervisor"]), cluster_id=cluster_id, tls=tls,
                       interval=float(config.get("interval", 1.0)))
+        grace = float(config.get("grace", STOP_GRACE))
     except (KeyError, ValueError, TypeError) as exc:
         print(f"psctl.agent: bad configuration in PSCTL_AGENT / PSCTL_CLUSTER_ID: {exc!r}", file=sys.stderr)
         return EXIT_CONFIG
@@ -40,7 +42,7 @@ def main() -> int:
 
     def on_term(signum: int, _frame: object) -> None:
         logging.info("received %s: stopping this host's roles", signal.Signals(signum).name)
-        agent.handle_shutdown(STOP_GRACE)
+        agent.handle_shutdown(grace)
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

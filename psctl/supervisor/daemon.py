@@ -216,7 +216,8 @@ class Supervisor:
     def agent_env(self, host: str, place: Placement, supervisor_port: int) -> dict[str, str]:
         tls = asdict(member_files(place.dirs.tls_dir, agent_member(host))) if self.record.tls else None
         config = {"host": host, "supervisor": f"127.0.0.1:{supervisor_port}", "tls": tls,
-                  "interval": self.spec.supervision.heartbeat_interval}
+                  "interval": self.spec.supervision.heartbeat_interval,
+                  "grace": self.spec.supervision.preemption_grace}
         return {**place.base_env, "PSCTL_AGENT": json.dumps(config), "PSCTL_CLUSTER_ID": self.record.cluster_id,
                 "PYTHONUNBUFFERED": "1"}
 
