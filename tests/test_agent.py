@@ -77,6 +77,17 @@ def started() -> Iterator[list[object]]:
             thing.hub.stop()
 
 
+def attached(started: list[object]) -> tuple[Endpoint, Agent, pb.AgentReport]:
+    """A supervisor's endpoint and an agent of host h1 dialled into it (both stopped by ``started``), and the
+    agent's hello."""
+    endpoint = Endpoint()
+    started.append(endpoint)
+    agent = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=0.2)
+    started.append(agent)
+    agent.start()
+    return endpoint, agent, endpoint.report("h1", hello=True)
+
+
 def start_command(name: str, incarnation: int, tmp_path: Path, argv: list[str] = SLEEPER) -> pb.AgentCommand:
     return pb.AgentCommand(start=pb.StartRole(
         name=name, incarnation=incarnation, attempt=1, argv=argv, cwd=str(tmp_path),
@@ -86,12 +97,7 @@ def start_command(name: str, incarnation: int, tmp_path: Path, argv: list[str] =
 
 def test_an_agent_starts_watches_and_stops_roles_on_the_supervisor_s_word(
         tmp_path: Path, started: list[object]) -> None:
-    endpoint = Endpoint()
-    started.append(endpoint)
-    agent = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=0.2)
-    started.append(agent)
-    agent.start()
-    hello = endpoint.report("h1", hello=True)
+    endpoint, agent, hello = attached(started)
     assert (hello.agent_pid, hello.roles, hello.heartbeat_address) == (os.getpid(), [], agent.heartbeat_address)
 
     assert endpoint.hub.send("h1", hello.agent_pid, start_command("worker-0", 7, tmp_path))
@@ -123,24 +129,14 @@ def test_an_agent_starts_watches_and_stops_roles_on_the_supervisor_s_word(
 
 
 def test_a_start_that_fails_is_reported_with_why(tmp_path: Path, started: list[object]) -> None:
-    endpoint = Endpoint()
-    started.append(endpoint)
-    agent = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=0.2)
-    started.append(agent)
-    agent.start()
-    hello = endpoint.report("h1", hello=True)
+    endpoint, _agent, hello = attached(started)
     endpoint.hub.send("h1", hello.agent_pid, start_command("ps-0", 1, tmp_path, argv=["/nonexistent/python3"]))
     failed = endpoint.role_report("h1", "ps-0", until=lambda r: r.exited)
     assert "cannot start /nonexistent/python3" in failed.start_error and "No such file" in failed.start_error
 
 
 def test_roles_outlive_their_supervisor_and_are_reported_to_the_next_one(tmp_path: Path, started: list[object]) -> None:
-    first = Endpoint()
-    started.append(first)
-    agent = Agent("h1", f"127.0.0.1:{first.port}", cluster_id="c1", interval=0.2)
-    started.append(agent)
-    agent.start()
-    hello = first.report("h1", hello=True)
+    first, _agent, hello = attached(started)
     first.hub.send("h1", hello.agent_pid, start_command("chief-0", 5, tmp_path))
     pid = first.role_report("h1", "chief-0", until=lambda r: r.pid > 0).pid
     first.hub.stop()  # the supervisor is gone
