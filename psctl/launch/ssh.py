@@ -666,29 +666,24 @@ class SSHRunner(Runner):
     @staticmethod
     def _collect(channel: paramiko.Channel, deadline: float) -> tuple[int, bytes, bytes]:
         """Read stdout and stderr until end of output and exit status, or raise _NoReply at ``deadline``."""
+        out, err = bytearray(), bytearray()
         with selectors.DefaultSelector() as selector:
             selector.register(channel, selectors.EVENT_READ)
-            return SSHRunner._collect_with(channel, selector, deadline)
-
-    @staticmethod
-    def _collect_with(channel: paramiko.Channel, selector: selectors.BaseSelector,
-                      deadline: float) -> tuple[int, bytes, bytes]:
-        out, err = bytearray(), bytearray()
-        while True:
-            if channel.recv_ready():
-                out += channel.recv(65536)
-            elif channel.recv_stderr_ready():
-                err += channel.recv_stderr(65536)
-            elif channel.closed or (channel.eof_received and channel.exit_status_ready()):
-                return channel.recv_exit_status(), bytes(out), bytes(err)
-            else:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise _NoReply
-                if channel.eof_received:  # the fileno stays readable after EOF: wait for the status instead
-                    channel.status_event.wait(min(remaining, 0.05))
+            while True:
+                if channel.recv_ready():
+                    out += channel.recv(65536)
+                elif channel.recv_stderr_ready():
+                    err += channel.recv_stderr(65536)
+                elif channel.closed or (channel.eof_received and channel.exit_status_ready()):
+                    return channel.recv_exit_status(), bytes(out), bytes(err)
                 else:
-                    selector.select(min(remaining, 0.5))
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise _NoReply
+                    if channel.eof_received:  # the fileno stays readable after EOF: wait for the status instead
+                        channel.status_event.wait(min(remaining, 0.05))
+                    else:
+                        selector.select(min(remaining, 0.5))
 
     def _answers(self) -> bool:
         """Whether the host still answers at all (opens a channel within the command timeout)."""

@@ -29,24 +29,17 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
 
     CHIEF_FENCE.learn(info.chief_incarnation)  # before serving: a replaced chief may already be calling
 
-    from psctl.runtime.rpc import CallCounter
-    from psctl.runtime.stepstats import RequestRate
-
-    store = None
-    rate = RequestRate(lambda: store.held_bytes() if store is not None else 0)
-
-    def count() -> None:
-        rate.count += 1
-
-    server, _port = make_server(info.bind_address(), info.tls,
-                                interceptors=[CallCounter(count)] if info.task_type == "ps" else ())
+    server, _port = make_server(info.bind_address(), info.tls)
     drain = None  # a worker's: finish the steps running, refuse new ones
+    store = None  # a ps's: on SIGTERM it leaves once the chief has checkpointed it
     if info.task_type == "ps":
         from psctl.runtime.ps import ParameterServerServicer, VariableStore, add_to_server
+        from psctl.runtime.stepstats import RequestRate
 
         store = VariableStore(cluster_id=info.cluster_id, chief_fence=CHIEF_FENCE)
-        add_to_server(ParameterServerServicer(store), server)
-        rate.start()
+        ps_servicer = ParameterServerServicer(store)
+        add_to_server(ps_servicer, server)
+        RequestRate(lambda: ps_servicer.requests, store.held_bytes).start()
     else:
         from psctl.proto import psctl_pb2_grpc as pb_grpc
         from psctl.runtime.config import TrainingConfig

@@ -585,6 +585,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def __init__(self, store: VariableStore) -> None:
         self.store = store
+        #: Pulls and pushes served (for psctl top's requests/s; a lost increment under a race is harmless).
+        self.requests = 0
 
     def _abort(self, context: grpc.ServicerContext, exc: Exception) -> None:
         if isinstance(exc, ChiefReplaced):
@@ -627,6 +629,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             raise
 
     def _pull(self, request: pb.PullRequest, entries: list[Entry], context: grpc.ServicerContext) -> list[Entry]:
+        self.requests += 1
         try:
             return self.store.pull(entries, include_slots=request.include_slots)
         except (ValueError, NotInitializedError) as exc:
@@ -641,6 +644,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         split: Mapping[str, SplitArray] | None = None,
     ) -> tuple[pb.PushResponse, list[Entry]]:
         """Apply a push; the response, and the shards its pull_dense names as they are after it."""
+        self.requests += 1
         try:
             outcome = self.store.push(request, entries, split)
             pulled = self.store.pull([Entry(name, DENSE, _EMPTY) for name in request.pull_dense])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -73,13 +72,10 @@ def close_later(channel: grpc.Channel, delay: float = REPLACED_CHANNEL_GRACE) ->
     timer.start()
 
 
-def make_server(
-    bind: str, tls: TlsFiles | None = None, *, max_workers: int = 16,
-    interceptors: Sequence[grpc.ServerInterceptor] = (),
-) -> tuple[grpc.Server, int]:
+def make_server(bind: str, tls: TlsFiles | None = None, *, max_workers: int = 16) -> tuple[grpc.Server, int]:
     """A server listening on ``bind``; returns it (not started) and the port it got."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         options=[*grpc_options(), *SERVER_OPTIONS], interceptors=list(interceptors))
+                         options=[*grpc_options(), *SERVER_OPTIONS])
     if tls is None:
         port = server.add_insecure_port(bind)
     else:
@@ -91,13 +87,3 @@ def make_server(
         raise OSError(f"cannot listen on {bind}: address in use or not available")
     return server, port
 
-
-class CallCounter(grpc.ServerInterceptor):
-    """Calls ``on_call()`` once per rpc the server takes (a PS's requests per second, for ``psctl top``)."""
-
-    def __init__(self, on_call: Callable[[], None]) -> None:
-        self.on_call = on_call
-
-    def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
-        self.on_call()
-        return continuation(handler_call_details)

@@ -70,10 +70,11 @@ class StepStats:
 class RequestRate:
     """A PS's requests per second and the bytes it holds, renewed in its progress metrics every second."""
 
-    def __init__(self, held_bytes: Callable[[], int], *, progress: Progress = PROGRESS) -> None:
+    def __init__(self, requests: Callable[[], int], held_bytes: Callable[[], int], *,
+                 progress: Progress = PROGRESS) -> None:
+        self.requests = requests
         self.held_bytes = held_bytes
         self.progress = progress
-        self.count = 0  # incremented by the servicer per request (a lost increment under a race is harmless)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="request-rate", daemon=True)
 
@@ -84,9 +85,9 @@ class RequestRate:
         self._stop.set()
 
     def _run(self) -> None:
-        last, since = 0, time.monotonic()
+        last, since = self.requests(), time.monotonic()
         while not self._stop.wait(1.0):
-            now, count = time.monotonic(), self.count
+            now, count = time.monotonic(), self.requests()
             self.progress.metrics = {**self.progress.metrics, "requests_per_s": (count - last) / (now - since),
                                      "bytes_held": float(self.held_bytes())}
             last, since = count, now

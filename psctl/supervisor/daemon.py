@@ -25,9 +25,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from psctl.agent.core import HOST_VARIABLE
 from psctl.errors import LaunchError, PsctlError
 from psctl.home import ClusterDir
-from psctl.launch import tensorflow
 from psctl.launch.base import ProcessHandle, Runner
 from psctl.launch.env import tuning_env
 from psctl.launch.hostset import Placement, placements
@@ -37,7 +37,7 @@ from psctl.proto import psctl_pb2 as pb
 from psctl.runtime.cluster import tf_config
 from psctl.spec import ClusterSpec
 from psctl.spec.plan import LOCAL_HOST
-from psctl.supervisor import policy
+from psctl.supervisor import policy, tensorflow
 from psctl.supervisor.agents import AgentHub, agent_member
 from psctl.supervisor.policy import HostLive, Observation, PolicyState
 from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, save_state
@@ -102,10 +102,8 @@ class Supervisor:
             self.act(policy.conclude(self.state, ClusterState.FAILED, f"supervisor cannot listen: {message}"))
             self.save(force=True)
             return self.record.state
-        if adopting:
+        if adopting:  # the first pass asks for every host's agent: those that still run are waited for
             self.state.adopt(self.time())
-            for host in self.places:
-                self._starters.submit(self._find_agent, host)
         try:
             while not self.record.state.terminal:
                 observations = self.drain()
@@ -221,22 +219,13 @@ class Supervisor:
         return {**place.base_env, "PSCTL_AGENT": json.dumps(config), "PSCTL_CLUSTER_ID": self.record.cluster_id,
                 "PYTHONUNBUFFERED": "1"}
 
-    def _find_agent(self, host: str) -> None:
-        """A restarted supervisor: the agent of ``host`` from before still runs (it dials in), or one is started."""
-        known = self.record.agents.get(host, {})
-        if known.get("pid"):
-            handle = ProcessHandle(host, int(known["pid"]), known.get("create_time"))
-            with contextlib.suppress(PsctlError):
-                if self.places[host].runner.poll(handle) is None:
-                    self.inbox.put(policy.AgentAlive(host))
-
     def _start_agent(self, host: str, replace: bool) -> None:
         """Start ``host``'s agent, unless the one it has runs (it is cut off, or dialling in); ``replace``: stop
         that one first (it never dialled in)."""
         place = self.places[host]
+        known = self.record.agents.get(host, {})
         try:
-            known = self.record.agents.get(host, {})
-            if known.get("pid"):
+            if known.get("pid"):  # (a restarted supervisor's first look finds the agents it adopts this way)
                 handle = ProcessHandle(host, int(known["pid"]), known.get("create_time"))
                 if replace:
                     log.warning("host %s: agent pid %d never dialled in; starting another", host, handle.pid)
@@ -308,7 +297,7 @@ class Supervisor:
             TF_CONFIG=tf_config(jobs, role.role, role.index),
             PSCTL_CLUSTER_ID=self.record.cluster_id,
             PSCTL_ROLE=role.name,
-            PSCTL_AGENT_HOST=role.host,
+            **{HOST_VARIABLE: role.host},
             PSCTL_HEARTBEAT_INTERVAL=str(self.spec.supervision.heartbeat_interval),
             PSCTL_PREEMPTION_GRACE=str(self.spec.supervision.preemption_grace),
         )

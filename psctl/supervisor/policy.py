@@ -209,6 +209,8 @@ class PolicyState:
     addresses: dict[str, dict[str, str]] = field(init=False)
     evaluator_deadline: float | None = None
     finishing: bool = False
+    #: The restart backoff's jitter (tests may seed it).
+    rng: random.Random = field(default_factory=random.Random)
     #: The grace of the stops that end the cluster (``psctl down --grace``).
     stop_grace: float = 5.0
 
@@ -695,7 +697,7 @@ class _Decision:
                 self.finish(ClusterState.FAILED, f"{role.name} failed: {role.reason}")
             return
         backoff = min(policy.max_backoff_seconds, policy.backoff_seconds * (2**live.failures_in_a_row))
-        backoff *= random.uniform(0.8, 1.2)  # jitter: roles lost together do not restart in lockstep
+        backoff *= self.s.rng.uniform(0.8, 1.2)  # jitter: roles lost together do not restart in lockstep
         role.restarts += 1
         live.failures_in_a_row += 1
         live.running_since = None
