@@ -316,6 +316,26 @@ def supervise(name: str | None, detach: bool) -> None:
 
 
 @cli.command()
+@click.argument("name")
+@click.argument("targets", nargs=-1, metavar="ROLE=N...")
+def scale(name: str, targets: tuple[str, ...]) -> None:
+    """Change a running cluster's workers or ps: `psctl scale NAME worker=4 ps=3`.
+
+    New workers get work from the chief at once; removed ones finish their step and leave; a new ps count
+    has the chief reshard the variables (a short pause, nothing lost). Bounds: roles.ROLE.min_replicas and
+    max_replicas in the spec.
+    """
+    from psctl import scaling
+
+    wanted = scaling.parse_targets(targets)
+    cdir = operations.resolve_cluster(name)
+    for change in scaling.scale(cdir, wanted):
+        verb = "unchanged" if change.was == change.now else f"{change.was} -> {change.now}"
+        console.print(f"cluster {cdir.name!r}: {change.role} {verb}", markup=False)
+    console.print(f"see `psctl status {cdir.name}` and `psctl events {cdir.name}`", markup=False)
+
+
+@cli.command()
 @click.argument("name", required=False)
 @click.option("--grace", type=float, default=5.0, show_default=True, help="Seconds between SIGTERM and SIGKILL.")
 @click.option("--purge", is_flag=True, help="Also delete the cluster's logs and state.")

@@ -71,6 +71,11 @@ class ClusterDir(RoleFolders[Path]):
     def events_file(self) -> Path:
         return self.root / "events.jsonl"
 
+    @property
+    def scale_request(self) -> Path:
+        """``psctl scale`` leaves its request here for the supervisor (which takes it within 0.1 s)."""
+        return self.root / "scale-request.json"
+
     def create(self) -> None:
         for path in (self.root, self.logs, self.run_dir):
             path.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,7 @@ from psctl.launch.ssh import SSHRunner
 from psctl.pki import create_cluster_pki
 from psctl.runtime.atomic import write_json_atomic
 from psctl.spec import ClusterSpec, Plan, load_spec, make_plan
-from psctl.spec.plan import LOCAL_HOST, RoleInstance
+from psctl.spec.plan import LOCAL_ADDRESS, LOCAL_HOST, RoleInstance
 from psctl.supervisor.agents import agent_member
 from psctl.supervisor.state import (
     ClusterRecord,
@@ -273,6 +273,8 @@ def _start(
 
         hosts = {LOCAL_HOST, *(h.name for h in spec.hosts)}
         members = [(i.name, where(i)) for i in plan.instances] + [("supervisor", ["127.0.0.1"])]
+        members += [(name, [addresses.get(h, LOCAL_ADDRESS) for h in pool] or [LOCAL_ADDRESS])
+                    for name, pool in plan.spare_slots()]  # psctl scale's: no CA key is kept to mint them later
         members += [(agent_member(h), ["127.0.0.1"]) for h in sorted(hosts)]
         create_cluster_pki(cdir.tls_dir, record.cluster_id, members)
     try:

@@ -732,6 +732,7 @@ def test_valid_spec_is_normalised_with_defaults(tmp_path: Path) -> None:
         "distinct_replicas": None,
         "pipelined": False,
         "steps_per_execution": 1,
+        "data_shards": 3,
     }
     assert json.loads(json.dumps(spec.training, allow_nan=False)) == spec.training
 

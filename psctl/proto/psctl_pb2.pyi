@@ -316,7 +316,7 @@ class StateResponse(_message.Message):
     def __init__(self, global_step: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., applied_updates: _Optional[int] = ..., duplicate_updates: _Optional[int] = ..., fenced_updates: _Optional[int] = ..., initialized: _Optional[bool] = ..., applied_step_ids: _Optional[_Iterable[int]] = ..., shard_positions: _Optional[_Iterable[int]] = ..., newest_step_id: _Optional[int] = ..., sync_gradients_applied: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., timed_out_steps: _Optional[int] = ..., pending_replicas: _Optional[int] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "shard", "position", "function", "sync_step", "params_epoch", "steps", "chief_incarnation")
+    __slots__ = ("step_id", "shard", "position", "function", "sync_step", "params_epoch", "steps", "chief_incarnation", "ps_addresses")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +325,7 @@ class StepRequest(_message.Message):
     PARAMS_EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PS_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     shard: int
     position: int
@@ -333,7 +334,8 @@ class StepRequest(_message.Message):
     params_epoch: int
     steps: int
     chief_incarnation: int
-    def __init__(self, step_id: _Optional[int] = ..., shard: _Optional[int] = ..., position: _Optional[int] = ..., function: _Optional[str] = ..., sync_step: _Optional[int] = ..., params_epoch: _Optional[int] = ..., steps: _Optional[int] = ..., chief_incarnation: _Optional[int] = ...) -> None: ...
+    ps_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., shard: _Optional[int] = ..., position: _Optional[int] = ..., function: _Optional[str] = ..., sync_step: _Optional[int] = ..., params_epoch: _Optional[int] = ..., steps: _Optional[int] = ..., chief_incarnation: _Optional[int] = ..., ps_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("loss", "examples", "metrics", "compute_seconds", "step_seconds", "global_step", "applied", "ps_global_steps", "steps")

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 
 from psctl.runtime.cluster import ClusterConfigError, ClusterInfo, from_env
 from psctl.runtime.exits import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED
@@ -51,19 +52,25 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
 
         cfg = TrainingConfig.from_dict(info.training)
         program = load_program(ProgramRef(cfg.program, cfg.args, cfg.data, cfg.seed))
-        model = ShardedModel(program, len(info.ps), cfg.partitioner)
-        ps = PsClient(info.ps, tls=info.tls)
-        ADDRESSES.subscribe(ps.follow)  # a ps restarted on another host of its pool: push and pull there
+        def layout(addresses: Sequence[str]) -> tuple[ShardedModel, PsClient]:
+            return ShardedModel(program, len(addresses), cfg.partitioner), PsClient(addresses, tls=info.tls)
+
+        model, ps = layout(info.ps)
+        num_shards = cfg.data_shards or len(info.workers)
         servicer = WorkerServicer(
             model,
             ps,
             task=info.task,
             incarnation=info.incarnation or int(time.time() * 1000),
             batch_size=cfg.batch_size,
-            num_shards=len(info.workers),
+            num_shards=num_shards,
             chief_fence=CHIEF_FENCE,
+            relayout=layout,
         )
-        servicer.dataset("train", info.task_index)  # load its data before serving: not during its first step
+        # a ps restarted on another host of its pool: push and pull there
+        ADDRESSES.subscribe(lambda addresses: servicer.ps.follow(addresses))
+        # load its data before serving: not during its first step
+        servicer.dataset("train", info.task_index % num_shards)
         pb_grpc.add_WorkerServicer_to_server(servicer, server)
         drain = servicer.drain
     server.start()

@@ -89,6 +89,23 @@ def take_snapshot(model: ShardedModel, ps: PsClient) -> Snapshot:
     return Snapshot(global_step, list(state.shard_positions), variables, slots)
 
 
+def snapshot_difference(a: Snapshot, b: Snapshot) -> str:
+    """What differs between two snapshots ("" if nothing): step, data positions, a variable or a slot."""
+    if a.global_step != b.global_step:
+        return f"the global step ({a.global_step} -> {b.global_step})"
+    if a.shard_positions != b.shard_positions:
+        return f"the data positions ({a.shard_positions} -> {b.shard_positions})"
+    for name in sorted(set(a.variables) | set(b.variables)):
+        if name not in a.variables or name not in b.variables or not np.array_equal(a.variables[name],
+                                                                                      b.variables[name]):
+            return f"variable {name!r}"
+        slots_a, slots_b = a.slots.get(name, {}), b.slots.get(name, {})
+        for slot in sorted(set(slots_a) | set(slots_b)):
+            if slot not in slots_a or slot not in slots_b or not np.array_equal(slots_a[slot], slots_b[slot]):
+                return f"slot {slot!r} of variable {name!r}"
+    return ""
+
+
 def restore_snapshot(model: ShardedModel, ps: PsClient, snapshot: Snapshot) -> None:
     """Split the snapshot into this model's current layout (any ps count or partitioning) and assign it."""
     per_ps: dict[int, list[Entry]] = {i: [] for i in range(model.num_ps)}

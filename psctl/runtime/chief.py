@@ -14,12 +14,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from psctl.runtime.atomic import write_json_atomic
 from psctl.runtime.checkpoint import (
     Checkpointer,
     latest_checkpoint,
     mark_finished,
     restore_snapshot,
+    snapshot_difference,
     take_snapshot,
 )
 from psctl.runtime.cluster import ClusterInfo
@@ -61,7 +64,9 @@ class Chief:
         self.program = load_program(ProgramRef(cfg.program, cfg.args, cfg.data, cfg.seed))
         self.model = ShardedModel(self.program, len(info.ps), cfg.partitioner)
         self.ps = PsClient(info.ps, tls=info.tls, chief_incarnation=info.incarnation)
-        self._unfollow_ps = ADDRESSES.subscribe(self.ps.follow)  # a ps restarted on another host: go there
+        PROGRESS.metrics = {**PROGRESS.metrics, "ps_layout": len(info.ps)}  # the supervisor retires ps by it
+        #: The ps addresses of a layout with another ps count (psctl scale ps=N), until resharded onto it.
+        self._ps_wanted: list[str] | None = None
         self.meter = TrainingMeter()
         run_dir = Path(info.run_dir)
         self.metrics = MetricsFile(run_dir / "metrics.jsonl")
@@ -79,21 +84,23 @@ class Chief:
         self._leaving: set[int] = set()
         self.tensorboard = ScalarWriter(run_dir / "tensorboard" / "train")
         self._coordinator: ClusterCoordinator | None = None
+        # a ps restarted on another host of its pool: go there; another ps count: reshard onto it
+        self._unfollow_ps = ADDRESSES.subscribe(self._follow_ps)
         self._worker_steps: dict[int, int] = {}
         self._rates_at = time.monotonic()
 
     def run(self) -> dict[str, Any]:
         cfg = self.config
-        log.info("waiting for %d ps", len(self.info.ps))
+        log.info("waiting for %d ps", len(self.ps.addresses))
         self.ps.wait_ready(self.ready_timeout)
         self._init_or_restore()
         state = self.ps.state(0)
         self.start_step = state.global_step
         self._resumed_at(self.start_step)
-        newest_id = max(self.ps.state(i).newest_step_id for i in range(len(self.info.ps)))
+        newest_id = max(self.ps.state(i).newest_step_id for i in range(len(self.ps.addresses)))
         log.info(
             "training %s: %d variables over %d ps, %d workers, from global step %d to %d (mode %s)",
-            cfg.program, len(self.model.layouts), len(self.info.ps), len(self.info.workers),
+            cfg.program, len(self.model.layouts), len(self.ps.addresses), len(self.info.workers),
             self.start_step, cfg.steps, cfg.mode,
         )
         coordinator = ClusterCoordinator(
@@ -108,9 +115,11 @@ class Chief:
             one_per_round=cfg.mode == "sync" and bool(cfg.distinct_replicas),
             steps_in_flight=2 if cfg.mode == "async" and cfg.pipelined else 1,
             chief_incarnation=self.info.incarnation,
+            num_shards=cfg.data_shards or len(self.info.workers),
+            ps_addresses=self.ps.addresses,
         )
         self._coordinator = coordinator
-        unsubscribe = ADDRESSES.subscribe(lambda addresses: _follow_moves(coordinator, addresses))
+        unsubscribe = ADDRESSES.subscribe(lambda addresses: _follow_workers(coordinator, addresses))
         coordinator.wait_for_workers(self.ready_timeout)
         reporter = threading.Thread(target=self._report_loop, name="metrics", daemon=True)
         reporter.start()
@@ -150,6 +159,10 @@ class Chief:
         seconds = time.monotonic() - started
         result = {
             "global_step": global_step,
+            # each data shard's last batch: every step took one batch, none twice, so these sum to the steps
+            "shard_positions": list(self.ps.state(0).shard_positions),
+            "ps": len(self.ps.addresses),
+            "workers": coordinator.active_workers(),
             "steps_this_run": global_step - self.start_step,
             "seconds": round(seconds, 3),
             "retried_steps": coordinator.retries,
@@ -180,11 +193,14 @@ class Chief:
         if self.config.mode == "sync":
             self._train_sync(coordinator)
             return
-        window = 2 * len(self.info.workers) + 2
         remaining = max(0, self.config.steps - self.ps.state(0).global_step)
         per_call = max(1, self.config.steps_per_execution)
         while remaining > 0 and not self.stop.is_set():
-            coordinator.wait_below(window)
+            coordinator.wait_below(2 * coordinator.active_workers() + 2)
+            if self._ps_wanted is not None:
+                self._reshard(coordinator)
+                remaining = max(0, self.config.steps - self.ps.state(0).global_step)
+                continue
             if self._leaving and self.checkpointer is not None:
                 self._hand_over(coordinator)
                 remaining = max(0, self.config.steps - self.ps.state(0).global_step)
@@ -204,13 +220,17 @@ class Chief:
         least min_replicas did, else training fails saying so."""
         cfg = self.config
         r = int(cfg.replicas_to_aggregate or len(self.info.workers))
-        n = int(cfg.total_replicas or len(self.info.workers))
         min_replicas = int(cfg.min_replicas or r)
         timeout = float(cfg.replica_timeout or 60.0)
         while not self.stop.is_set():
             step = self.ps.state(0).global_step
             if step >= cfg.steps:
                 break
+            if self._ps_wanted is not None:
+                self._reshard(coordinator)
+                continue
+            # a round for every worker there is now (psctl scale), and at least the replicas it aggregates
+            n = max(int(cfg.total_replicas or 0), coordinator.active_workers())
             if self._leaving and self.checkpointer is not None:
                 self._hand_over(coordinator)
                 continue
@@ -244,7 +264,7 @@ class Chief:
 
     def _flush_short_step(self, step: int, r: int, min_replicas: int, timeout: float) -> None:
         """All or nothing: flush only if every PS still at ``step`` has at least ``min_replicas``."""
-        states = [self.ps.state(i) for i in range(len(self.info.ps))]
+        states = [self.ps.state(i) for i in range(len(self.ps.addresses))]
         behind = [s for s in states if s.global_step == step]
         arrived = min((s.pending_replicas for s in behind), default=r)
         if arrived < min_replicas:
@@ -272,7 +292,7 @@ class Chief:
         """Training (re)starts at ``step``: rates, and the checkpoint interval, count from here."""
         self.meter.reset(step)
         with self._advanced:
-            self._ps_steps = [step] * len(self.info.ps)
+            self._ps_steps = [step] * len(self.ps.addresses)
         if self.checkpointer is not None:
             self.checkpointer.mark(step)
 
@@ -283,8 +303,19 @@ class Chief:
         specs = self.model.shard_specs(cfg.seed)
         r = int(cfg.replicas_to_aggregate or len(self.info.workers)) if cfg.mode == "sync" else 0
         distinct = bool(cfg.distinct_replicas)
-        replies = self.ps.init(specs, cfg.optimizer_proto(), self.info.cluster_id,
-                               replicas_to_aggregate=r, distinct_replicas=distinct)
+        try:
+            replies = self.ps.init(specs, cfg.optimizer_proto(), self.info.cluster_id,
+                                   replicas_to_aggregate=r, distinct_replicas=distinct)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # type: ignore[attr-defined]
+                raise
+            # another layout of the variables (a chief lost while it resharded for psctl scale): the
+            # checkpoint it took at the pause goes onto this layout
+            log.warning("the ps hold another layout of the variables (%s): restoring the latest checkpoint",
+                        exc.details())  # type: ignore[attr-defined]
+            replies = self.ps.init(specs, cfg.optimizer_proto(), self.info.cluster_id, reset=True,
+                                   replicas_to_aggregate=r, distinct_replicas=distinct)
+            replies[0].already_initialized = True  # (counted as a restore below)
         kept = [r.already_initialized for r in replies]
         if all(kept):
             log.info("every ps holds the variables: resuming at global step %d", replies[0].global_step)
@@ -306,7 +337,7 @@ class Chief:
     def _sync_counters(self) -> dict[str, int] | None:
         if self.config.mode != "sync":
             return None
-        states = [self.ps.state(i) for i in range(len(self.info.ps))]
+        states = [self.ps.state(i) for i in range(len(self.ps.addresses))]
         return {
             "gradients_applied": states[0].sync_gradients_applied,
             "stale_dropped": states[0].stale_dropped,
@@ -361,7 +392,7 @@ class Chief:
         if self.stop.is_set():  # stopping too (psctl down): a leaving ps must not wait for this chief
             self._release(sorted(self._leaving))
             return
-        for index in range(len(self.info.ps)):
+        for index in range(len(self.ps.addresses)):
             try:
                 if self.ps.state(index).leaving:
                     self._leaving.add(index)
@@ -395,6 +426,64 @@ class Chief:
         self._leaving.clear()
         self._restore_after_ps_loss(coordinator)
 
+    def _follow_ps(self, addresses: dict[str, str]) -> None:
+        """The supervisor's address map: a ps that moved is followed now; another ps count waits for the
+        training loop to reshard (between steps)."""
+        wanted = tasks_of("ps", addresses)
+        if not wanted or sorted(wanted) != list(range(len(wanted))):
+            return
+        if len(wanted) == len(self.ps.addresses):
+            self.ps.follow(addresses)
+            self._ps_wanted = None  # (a scale undone before it was carried out)
+        else:
+            self._ps_wanted = [wanted[i] for i in range(len(wanted))]
+
+    def _reshard(self, coordinator: ClusterCoordinator) -> None:
+        """Move the variables onto another number of ps (psctl scale ps=N), losing nothing: with no step in
+        flight, snapshot every variable and slot from the old layout, re-create the new layout on every ps of
+        the new one, assign the snapshot split for it, check that what the new layout holds is the snapshot,
+        and resume with the same global step and data positions."""
+        addresses = self._ps_wanted
+        assert addresses is not None
+        cfg = self.config
+        coordinator.join()
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        before = take_snapshot(self.model, self.ps)
+        before.meta = {"optimizer": cfg.optimizer, "program": cfg.program}
+        if self.checkpointer is not None:  # a chief lost half-way restores this onto the layout it finds
+            self.checkpointer.save_async(before)
+            self.checkpointer.wait()
+        old_count = len(self.ps.addresses)
+        log.info("resharding from %d to %d ps at global step %d", old_count, len(addresses), before.global_step)
+        model = ShardedModel(self.program, len(addresses), cfg.partitioner)
+        ps = PsClient(addresses, tls=self.info.tls, chief_incarnation=self.info.incarnation)
+        try:
+            ps.wait_ready(self.ps_wait)
+            r = int(cfg.replicas_to_aggregate or len(self.info.workers)) if cfg.mode == "sync" else 0
+            ps.init(model.shard_specs(cfg.seed), cfg.optimizer_proto(), self.info.cluster_id, reset=True,
+                    replicas_to_aggregate=r, distinct_replicas=bool(cfg.distinct_replicas))
+            restore_snapshot(model, ps, before)
+            after = take_snapshot(model, ps)
+        except BaseException:
+            ps.close()
+            raise
+        differs = snapshot_difference(before, after)
+        if differs:  # never expected: stop rather than train on a model that is not the one paused
+            ps.close()
+            raise StepError("chief", f"resharding onto {len(addresses)} ps changed {differs}; training stopped "
+                                     f"at global step {before.global_step} (the checkpoints hold the model)")
+        old, self.ps, self.model, self._ps_wanted = self.ps, ps, model, None
+        old.close()
+        coordinator.set_ps_addresses(addresses)
+        PROGRESS.metrics = {**PROGRESS.metrics, "ps_layout": len(addresses)}
+        self._resumed_at(before.global_step)
+        coordinator.recover(_cursors(list(before.shard_positions)))
+        self.metrics.write({"time": time.time(), "event": "resharded", "from_ps": old_count, "to_ps": len(addresses),
+                            "global_step": before.global_step, "variables": len(before.variables)})
+        log.info("resharded from %d to %d ps at global step %d: every variable and slot verified",
+                 old_count, len(addresses), before.global_step)
+
     def _restore_after_ps_loss(self, coordinator: ClusterCoordinator) -> None:
         """Wait for every ps (at its new address if it moved), restore them all, re-plan the queued steps.
 
@@ -422,8 +511,8 @@ class Chief:
         self.metrics.close()
 
 
-def _follow_moves(coordinator: ClusterCoordinator, addresses: dict[str, str]) -> None:
-    """Point the coordinator at each worker where the supervisor says it is."""
-    for index, address in tasks_of("worker", addresses).items():
-        if index < len(coordinator.workers):
-            coordinator.set_worker_address(index, address)
+def _follow_workers(coordinator: ClusterCoordinator, addresses: dict[str, str]) -> None:
+    """The workers the supervisor says there are, where it says they are (psctl scale adds and removes)."""
+    workers = tasks_of("worker", addresses)
+    if workers:
+        coordinator.set_workers(workers)

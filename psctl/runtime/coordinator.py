@@ -24,7 +24,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,9 +117,15 @@ class WorkerState:
     failures: int = 0
     #: The synchronous round (global step) of the last closure this worker took.
     last_round: int | None = None
+    #: Scaled away (psctl scale): its thread ends once its step is done; it is never given work again.
+    removed: bool = False
 
 
 ResultCallback = Callable[[Closure, pb.StepResponse, int], None]
+
+#: A worker reads its own data shard (index modulo the shard count) unless that shard is this many batches
+#: ahead of the least-read one: then it reads that one. Shards stay evenly read whatever the worker count.
+SHARD_SLACK = 16
 
 
 class ClusterCoordinator:
@@ -139,12 +145,18 @@ class ClusterCoordinator:
         one_per_round: bool = False,
         steps_in_flight: int = 1,
         chief_incarnation: int = 0,
+        num_shards: int | None = None,
+        ps_addresses: Sequence[str] = (),
     ) -> None:
         """``steps_in_flight``: steps each worker is given at once (pipelined asynchronous training: 2, so that
         a worker computes its next step while its last one's push travels; 1 in every other mode).
         ``chief_incarnation``: stamped on every probe and step; a worker that knows a newer chief refuses them,
-        and this coordinator then fails with ChiefReplaced (see fencing)."""
+        and this coordinator then fails with ChiefReplaced (see fencing).
+        ``num_shards``: the training data's shards (default: one per worker); ``ps_addresses``: the chief's ps
+        layout, sent with every step (a worker whose layout differs takes this one first)."""
         self.chief_incarnation = chief_incarnation
+        self.num_shards = num_shards or len(workers)
+        self.ps_addresses = list(ps_addresses)
         # Every worker is probed before its first step: its incarnation is known from the start (so a restart
         # is recognised), and one still starting is waited for rather than counted as lost.
         self.workers = [WorkerState(i, a, alive=False) for i, a in enumerate(workers)]
@@ -152,7 +164,7 @@ class ClusterCoordinator:
         self._channels = [make_channel(a, tls) for a in workers]
         self._stubs = [pb_grpc.WorkerStub(c) for c in self._channels]
         self._next_step_id = step_id_base
-        self.cursors: dict[int, int] = {i: 0 for i in range(len(workers))}
+        self.cursors: dict[int, int] = {i: 0 for i in range(self.num_shards)}
         self.cursors.update(cursors or {})
         self.step_timeout = step_timeout
         self.worker_wait = worker_wait
@@ -182,12 +194,16 @@ class ClusterCoordinator:
         self._ps_failure = ""
         if steps_in_flight < 1 or (steps_in_flight > 1 and (one_per_round or staleness is not None)):
             raise ValueError("more than one step in flight per worker is for asynchronous training only")
-        self._threads = [
-            threading.Thread(target=self._run_worker, args=(w,), name=f"coord-worker-{w.index}-{k}", daemon=True)
-            for w in self.workers
-            for k in range(steps_in_flight)
-        ]
-        for thread in self._threads:
+        self.steps_in_flight = steps_in_flight
+        self._threads: list[threading.Thread] = []
+        for worker in self.workers:
+            self._start_threads(worker)
+
+    def _start_threads(self, worker: WorkerState) -> None:
+        for k in range(self.steps_in_flight):
+            thread = threading.Thread(target=self._run_worker, args=(worker,), name=f"coord-worker-{worker.index}-{k}",
+                                      daemon=True)
+            self._threads.append(thread)
             thread.start()
 
     # -- TensorFlow's API ---------------------------------------------------------------------------------
@@ -277,6 +293,53 @@ class ClusterCoordinator:
         for channel in self._channels:
             channel.close()
 
+    def active_workers(self) -> int:
+        """Workers not scaled away (alive or expected back)."""
+        with self._cond:
+            return sum(not w.removed for w in self.workers)
+
+    def set_workers(self, addresses: Mapping[int, str]) -> None:
+        """The workers are now exactly ``{index: address}`` (psctl scale, or a move): a new index gets a
+        worker (probed before its first step), a missing one is removed once its step is done (a removed
+        worker drains: what it refuses is handed to the others, not retried), a changed address is followed."""
+        added, removed = [], []
+        with self._cond:
+            for index in sorted(addresses):
+                if index < len(self.workers) and not self.workers[index].removed:
+                    continue
+                worker = WorkerState(index, addresses[index], alive=False)
+                channel = make_channel(worker.address, self._tls)
+                if index < len(self.workers):
+                    close_later(self._channels[index])
+                    self.workers[index], self._channels[index] = worker, channel
+                    self._stubs[index] = pb_grpc.WorkerStub(channel)
+                else:
+                    while len(self.workers) < index:  # never happens with psctl's contiguous indexes
+                        self.workers.append(WorkerState(len(self.workers), "", alive=False, removed=True))
+                        self._channels.append(channel)
+                        self._stubs.append(pb_grpc.WorkerStub(channel))
+                    self.workers.append(worker)
+                    self._channels.append(channel)
+                    self._stubs.append(pb_grpc.WorkerStub(channel))
+                added.append(worker)
+            for worker in self.workers:
+                if worker.index not in addresses and not worker.removed:
+                    worker.removed, worker.alive = True, False
+                    removed.append(worker.index)
+            self._cond.notify_all()
+        for worker in added:
+            self.on_worker_event(f"worker:{worker.index} joins at {worker.address}")
+            self._start_threads(worker)
+        for index in removed:
+            self.on_worker_event(f"worker:{index} leaves (scaled down): it gets no more steps")
+        for index, address in addresses.items():
+            self.set_worker_address(index, address)
+
+    def set_ps_addresses(self, addresses: Sequence[str]) -> None:
+        """The ps layout every later step carries (after the chief resharded the variables onto it)."""
+        with self._cond:
+            self.ps_addresses = list(addresses)
+
     def set_worker_address(self, index: int, address: str) -> None:
         """Worker ``index`` now listens at ``address`` (its supervisor restarted it on another host of its pool).
 
@@ -304,7 +367,7 @@ class ClusterCoordinator:
             dropped = len(self._queue)
             while self._queue:
                 self._queue.popleft().remote._fail(CancelledError("cancelled by a PS restore"))
-            self.cursors = {i: 0 for i in range(len(self.workers))}
+            self.cursors = {i: 0 for i in range(self.num_shards)}
             self.cursors.update(cursors)
             self.params_epoch += 1
             self.ps_failed.clear()
@@ -338,8 +401,14 @@ class ClusterCoordinator:
             return dropped
 
     def _lag(self, worker: WorkerState) -> int:
-        alive = [w.steps for w in self.workers if w.alive]
+        alive = [w.steps for w in self.workers if w.alive and not w.removed]
         return worker.steps - min(alive, default=worker.steps)
+
+    def _shard_for(self, worker: WorkerState) -> int:
+        """The data shard of this worker's next step (caller holds the lock): see SHARD_SLACK."""
+        own = worker.index % self.num_shards
+        least = min(self.cursors, key=lambda shard: (self.cursors[shard], shard))
+        return least if self.cursors[own] - self.cursors[least] > SHARD_SLACK else own
 
     def _next_for(self, worker: WorkerState) -> Closure | None:
         """The first queued closure this worker may run now (caller holds the lock)."""
@@ -355,12 +424,12 @@ class ClusterCoordinator:
     def _take(self, worker: WorkerState) -> Closure | None:
         with self._cond:
             closure = None
-            while not self._stopping.is_set():
+            while not self._stopping.is_set() and not worker.removed:
                 closure = self._next_for(worker)
                 if closure is not None:
                     break
                 self._cond.wait(timeout=0.5)
-            if self._stopping.is_set() or closure is None:
+            if self._stopping.is_set() or worker.removed or closure is None:
                 return None
             self._queue.remove(closure)
             if closure.sync_step is not None:
@@ -397,7 +466,7 @@ class ClusterCoordinator:
 
     def _wait_for_worker(self, worker: WorkerState) -> bool:
         deadline = time.monotonic() + self.worker_wait
-        while not self._stopping.is_set() and time.monotonic() < deadline:
+        while not self._stopping.is_set() and not worker.removed and time.monotonic() < deadline:
             if self._probe(worker):
                 worker.alive = True
                 return True
@@ -414,19 +483,19 @@ class ClusterCoordinator:
                     self._fail_all(StepError("chief", f"coordinator error: {type(exc).__name__}: {exc}"))
 
     def _serve_worker(self, worker: WorkerState) -> None:
-        while not self._stopping.is_set():
+        while not self._stopping.is_set() and not worker.removed:
             if not worker.alive and not self._wait_for_worker(worker):
-                if not self._stopping.is_set():
+                if not self._stopping.is_set() and not worker.removed:
                     self.on_worker_event(f"worker:{worker.index} did not come back within {self.worker_wait:.0f}s")
                 return
             closure = self._take(worker)
             if closure is None:
                 return
             if closure.function == "train" and closure.shard is None:
-                closure.shard = worker.index
                 with self._cond:
-                    closure.position = self.cursors[worker.index]
-                    self.cursors[worker.index] += closure.steps
+                    closure.shard = self._shard_for(worker)
+                    closure.position = self.cursors[closure.shard]
+                    self.cursors[closure.shard] += closure.steps
             closure.attempts += 1
             closure.tried_on.append(worker.index)
             request = pb.StepRequest(
@@ -438,6 +507,7 @@ class ClusterCoordinator:
                 params_epoch=self.params_epoch,
                 steps=closure.steps,
                 chief_incarnation=self.chief_incarnation,
+                ps_addresses=self.ps_addresses,
             )
             try:
                 response = self._stubs[worker.index].RunStep(request, timeout=self.step_timeout)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -67,7 +68,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         on_fenced: threading.Event | None = None,
         progress: Progress = PROGRESS,
         chief_fence: ChiefFence | None = None,
+        relayout: Callable[[Sequence[str]], tuple[ShardedModel, PsClient]] | None = None,
     ) -> None:
+        """``relayout(ps_addresses)``: the model and ps client of another ps layout (psctl scale ps=N), which a
+        step from the chief may carry."""
+        self.relayout = relayout
         self.model = model
         self.ps = ps
         self.task = task
@@ -181,9 +186,27 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"{self.task}: program error: {type(exc).__name__}: {exc}")
         raise AssertionError("unreachable")
 
+    def _follow_layout(self, addresses: Sequence[str]) -> None:
+        """Take the chief's ps layout: another ps count (the chief resharded the variables: no step of the old
+        layout is in flight then), or a ps that moved and whose new address no heartbeat brought yet."""
+        if not addresses or list(addresses) == self.ps.addresses:
+            return
+        with self._lock:
+            if len(addresses) == self.model.num_ps:
+                for index, address in enumerate(addresses):
+                    self.ps.set_address(index, address)
+                return
+            if self.relayout is None:
+                raise ValueError(f"the chief's layout has {len(addresses)} ps, this worker {self.model.num_ps}")
+            old = self.ps
+            self.model, self.ps = self.relayout(addresses)
+            self._prefetched = None
+        old.close()
+
     def _train(self, request: pb.StepRequest) -> pb.StepResponse:
         """One step, or ``request.steps`` consecutive ones (each with its own step id and batch, each pushed
         before the next starts); the reply sums them up."""
+        self._follow_layout(request.ps_addresses)
         if self._ps_was_down:
             self.ps.wait_ready(5.0)
             self._ps_was_down = False
@@ -282,6 +305,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return responses
 
     def _evaluate(self, request: pb.StepRequest) -> pb.StepResponse:
+        self._follow_layout(request.ps_addresses)
         start = time.perf_counter()
         batch = self.dataset("test", request.shard).batch(request.position, self.batch_size)
         metrics, global_step = evaluate_batch(self.model, self.ps, batch)

@@ -86,6 +86,15 @@ class RoleSpec:
     threads: int | None = None
     #: With training.framework: tensorflow, the role's own command line (words, placeholders unfilled).
     command: tuple[str, ...] | None = None
+    #: ps and worker: the bounds of ``psctl scale`` (and the fewest workers training goes on with). Every
+    #: replica up to ``max_replicas`` gets its certificate and port at ``up``: a running cluster mints none.
+    min_replicas: int = 1
+    max_replicas: int | None = None
+
+    @property
+    def slots(self) -> int:
+        """How many replicas the role may ever have (``max_replicas``, else ``replicas``)."""
+        return max(self.replicas, self.max_replicas or self.replicas)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import errno
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from psctl.errors import SpecError
@@ -73,6 +73,11 @@ class Plan:
         """The instances ``host`` may run: those planned there, and those that may move there."""
         return [inst for inst in self.instances if host in self.hosts_of(inst)]
 
+    def spare_slots(self) -> list[tuple[str, tuple[str, ...]]]:
+        """``(name, pool)`` of every replica beyond ``replicas`` up to ``max_replicas`` (``psctl scale``'s)."""
+        return [(f"{role}-{i}", spec.hosts) for role, spec in self.spec.roles.items()
+                for i in range(spec.replicas, spec.slots)]
+
     def cluster_addresses(self) -> dict[str, list[str]]:
         """``{"chief": ["127.0.0.1:7000"], "ps": [...], ...}``: the cluster as every role sees it."""
         out: dict[str, list[str]] = {}
@@ -93,23 +98,25 @@ class Slot:
     port_path: KeyPath
 
 
+def slot(role: str, spec: RoleSpec, index: int, by_name: Mapping[str, HostSpec]) -> Slot:
+    """Replica ``index`` of ``role``: its pool's host (round-robin) and its chosen port, if any."""
+    host = spec.hosts[index % len(spec.hosts)] if spec.hosts else LOCAL_HOST
+    address = by_name[host].address if spec.hosts else LOCAL_ADDRESS
+    port: int | None
+    path: KeyPath
+    if spec.ports is not None:
+        port, path = spec.ports[index], ("roles", role, "ports", index)
+    else:
+        port = None if spec.port is None else spec.port + index
+        path = ("roles", role, "port")
+    return Slot(role, index, host, address, port, path)
+
+
 def layout(roles: Mapping[str, RoleSpec], hosts: Sequence[HostSpec]) -> list[Slot]:
-    """Deal hosts and explicit ports to every replica (KeyError for a host the spec does not define)."""
+    """Deal hosts and explicit ports to every replica a role may ever have (up to ``max_replicas``: a scaled
+    cluster's ports are checked now), KeyError for a host the spec does not define."""
     by_name = {h.name: h for h in hosts}
-    slots = []
-    for role, spec in roles.items():
-        for i in range(spec.replicas):
-            host = spec.hosts[i % len(spec.hosts)] if spec.hosts else LOCAL_HOST
-            address = by_name[host].address if spec.hosts else LOCAL_ADDRESS
-            port: int | None
-            path: KeyPath
-            if spec.ports is not None:
-                port, path = spec.ports[i], ("roles", role, "ports", i)
-            else:
-                port = None if spec.port is None else spec.port + i
-                path = ("roles", role, "port")
-            slots.append(Slot(role, i, host, address, port, path))
-    return slots
+    return [slot(role, spec, i, by_name) for role, spec in roles.items() for i in range(spec.slots)]
 
 
 def port_conflict(slots: Sequence[Slot]) -> tuple[Slot, Slot] | None:
@@ -148,11 +155,12 @@ def make_plan(spec: ClusterSpec, *, check_ports: bool = True) -> Plan:
                 "add port: (a base port); psctl picks free ports only on this machine",
                 key=True,
             )
+    slots = [s for s in slots if s.index < spec.roles[s.role].replicas]  # the rest are for `psctl scale`
     local_chosen = [s for s in slots if s.host == LOCAL_HOST and s.port is not None]
     if check_ports:
         for slot in local_chosen:
             _check_free(spec, slot)
-    free = iter(_free_ports(sum(1 for s in slots if s.port is None), avoid={s.port for s in local_chosen}))
+    free = iter(free_ports(sum(1 for s in slots if s.port is None), avoid={s.port for s in local_chosen}))
     instances = tuple(
         RoleInstance(s.role, s.index, f"{s.role}-{s.index}", s.host, s.address, s.port if s.port else next(free))
         for s in slots
@@ -187,7 +195,7 @@ def _check_free(spec: ClusterSpec, slot: Slot) -> None:
             raise spec.source.error(slot.port_path, what, fix, key=True) from None
 
 
-def _free_ports(count: int, *, avoid: set[int | None]) -> list[int]:
+def free_ports(count: int, *, avoid: Collection[int | None]) -> list[int]:
     """``count`` distinct free ports on 127.0.0.1, none in ``avoid`` (all held open until all are chosen)."""
     socks: list[socket.socket] = []
     ports: list[int] = []

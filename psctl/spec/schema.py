@@ -33,7 +33,10 @@ from psctl.spec.training import check_confined, normalise_training
 TOP_KEYS = ("name", "hosts", "roles", "training", "supervision", "security", "files", "setup")
 HOST_KEYS = ("name", "address", "user", "port", "identity_file", "python", "workdir", "host_key_policy",
              "proxy_jump")
-ROLE_KEYS = ("replicas", "host", "hosts", "port", "ports", "restart", "env", "threads", "command")
+ROLE_KEYS = ("replicas", "min_replicas", "max_replicas", "host", "hosts", "port", "ports", "restart", "env",
+             "threads", "command")
+#: The roles `psctl scale` changes (and that may have min_replicas / max_replicas).
+SCALABLE_ROLES = ("ps", "worker")
 RESTART_KEYS = ("policy", "max_restarts", "backoff_seconds", "max_backoff_seconds", "permanent_exit_codes")
 SUPERVISION_KEYS = ("heartbeat_interval", "heartbeat_timeout", "startup_grace", "stall_timeout",
                     "bench_after_failures", "bench_window", "bench_cooloff", "preemption_grace")
@@ -77,6 +80,12 @@ def build_spec(data: Any, source: SourceMap, *, path: Path | None, base_dir: Pat
         allowed_paths=tuple(Path(p) for p in security.allowed_paths),
     )
     roles = _role_commands(c, roles, top["roles"], training, base_dir)
+    if training.get("framework") == "tensorflow":
+        for role, spec in roles.items():
+            if spec.max_replicas is not None and spec.max_replicas > spec.replicas:
+                c.fail(("roles", role, "max_replicas"),
+                       "a TensorFlow program's cluster is fixed when it starts: it cannot be scaled",
+                       f"remove it, or write {spec.replicas} (replicas)")
     supervision = _supervision(c, top.get("supervision"))
     allowed = tuple(Path(p) for p in security.allowed_paths)
     files = _files(c, top.get("files"), base_dir, allowed)
@@ -303,8 +312,9 @@ def _role(c: Checker, role: str, value: object, hosts: tuple[HostSpec, ...]) -> 
                 f"{replicas} replicas is more than psctl supports ({MAX_REPLICAS})",
                 "use fewer replicas",
             )
+    min_replicas, max_replicas = _bounds(c, p, role, d, replicas)
     pool = _pool(c, p, d, hosts)
-    port, ports = _ports(c, p, d, replicas)
+    port, ports = _ports(c, p, d, max(replicas, max_replicas or replicas), scaled=max_replicas is not None)
     if pool and port is None and ports is None:
         c.fail(
             p,
@@ -324,7 +334,29 @@ def _role(c: Checker, role: str, value: object, hosts: tuple[HostSpec, ...]) -> 
         restart=_restart(c, (*p, "restart"), d.get("restart")),
         env=_env(c, (*p, "env"), d.get("env")),
         threads=threads,
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
     )
+
+
+def _bounds(c: Checker, p: KeyPath, role: str, d: dict[str, Any], replicas: int) -> tuple[int, int | None]:
+    """``min_replicas`` (default 1) and ``max_replicas`` (default: none, so ``replicas``) of a ps or worker."""
+    for key in ("min_replicas", "max_replicas"):
+        if key in d and role not in SCALABLE_ROLES:
+            c.fail((*p, key), f"the {role} has exactly one replica and is never scaled",
+                   f"remove it (only roles.ps and roles.worker have {key})", key=True)
+    low = c.integer((*p, "min_replicas"), d.get("min_replicas", 1), minimum=1, fix="write a whole number such as 1")
+    high = None
+    if d.get("max_replicas") is not None:
+        high = c.integer((*p, "max_replicas"), d["max_replicas"], minimum=1, maximum=MAX_REPLICAS,
+                         fix=f"write a whole number between replicas ({replicas}) and {MAX_REPLICAS}")
+        if high < replicas:
+            c.fail((*p, "max_replicas"), f"{high} is fewer than replicas ({replicas})",
+                   f"write at least {replicas}, or lower replicas")
+    if low > replicas:
+        c.fail((*p, "min_replicas"), f"{low} is more than replicas ({replicas})",
+               f"write at most {replicas}, or raise replicas")
+    return low, high
 
 
 def _pool(c: Checker, p: KeyPath, d: dict[str, Any], hosts: tuple[HostSpec, ...]) -> tuple[str, ...]:
@@ -362,7 +394,10 @@ def _pool(c: Checker, p: KeyPath, d: dict[str, Any], hosts: tuple[HostSpec, ...]
     return tuple(name for _, name in refs)
 
 
-def _ports(c: Checker, p: KeyPath, d: dict[str, Any], replicas: int) -> tuple[int | None, tuple[int, ...] | None]:
+def _ports(c: Checker, p: KeyPath, d: dict[str, Any], replicas: int, *,
+           scaled: bool = False) -> tuple[int | None, tuple[int, ...] | None]:
+    """``port`` or ``ports``, for ``replicas`` (``scaled``: that many is max_replicas)."""
+    many = f"{replicas} replicas" + (" (max_replicas)" if scaled else "")
     if "port" in d and "ports" in d:
         c.fail(
             (*p, "ports"),
@@ -374,7 +409,7 @@ def _ports(c: Checker, p: KeyPath, d: dict[str, Any], replicas: int) -> tuple[in
     if d.get("port") is not None:
         port = c.integer((*p, "port"), d["port"], minimum=1, maximum=65535, fix=_PORT_FIX)
         if port + replicas - 1 > 65535:
-            c.fail((*p, "port"), f"{replicas} replicas from port {port} run past 65535", "pick a lower base port")
+            c.fail((*p, "port"), f"{many} from port {port} run past 65535", "pick a lower base port")
     if d.get("ports") is not None:
         items = c.items((*p, "ports"), d["ports"], fix="write ports: [7000, 7001] or give a base port: 7000")
         ports = tuple(
@@ -383,7 +418,7 @@ def _ports(c: Checker, p: KeyPath, d: dict[str, Any], replicas: int) -> tuple[in
         if len(ports) < replicas:
             c.fail(
                 p,
-                f"{replicas} replicas but {len(ports)} ports",
+                f"{many} but {len(ports)} ports",
                 f"list {replicas} ports or give a base `port:`",
                 at=(*p, "ports"),
                 key=True,

@@ -25,7 +25,7 @@ TRAINING_KEYS = (
     "program", "args", "data", "batch_size", "optimizer", "mode", "replicas_to_aggregate",
     "total_replicas", "staleness", "steps", "seed", "partitioner", "checkpoint",
     "log_every_seconds", "eval_every_steps", "max_evaluations", "replica_timeout", "min_replicas",
-    "distinct_replicas", "pipelined", "steps_per_execution", "framework", "command",
+    "distinct_replicas", "pipelined", "steps_per_execution", "framework", "command", "data_shards",
 )  # fmt: skip
 MODES = ("async", "sync", "bounded")
 #: Each optimizer's parameters besides learning_rate (the runtime's make_optimizer accepts exactly these).
@@ -112,6 +112,8 @@ def normalise_training(
     out["pipelined"] = c.boolean((*T, "pipelined"), t.get("pipelined", False), fix="write true or false")
     out["steps_per_execution"] = _int(c, t, "steps_per_execution", 1, minimum=1, example="10")
     out["steps"] = _int(c, t, "steps", None, minimum=1, example="1000")
+    # Fixed for the cluster's life: workers come and go (psctl scale), the data's split does not.
+    out["data_shards"] = _int(c, t, "data_shards", worker_replicas, minimum=1, example=str(worker_replicas))
     out["seed"] = _int(c, t, "seed", 0, minimum=0, example="0")
     out["partitioner"] = _partitioner(c, t.get("partitioner"))
     out["checkpoint"] = _checkpoint(c, t.get("checkpoint"), base_dir, allowed_paths)

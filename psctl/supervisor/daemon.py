@@ -36,7 +36,7 @@ from psctl.pki import member_files
 from psctl.proto import psctl_pb2 as pb
 from psctl.runtime.cluster import tf_config
 from psctl.spec import ClusterSpec
-from psctl.spec.plan import LOCAL_HOST
+from psctl.spec.plan import LOCAL_HOST, free_ports, slot
 from psctl.supervisor import policy, tensorflow
 from psctl.supervisor.agents import AgentHub, agent_member
 from psctl.supervisor.policy import HostLive, Observation, PolicyState
@@ -166,11 +166,39 @@ class Supervisor:
         with contextlib.suppress(queue.Empty):
             while True:
                 out.append(self.inbox.get_nowait())
+        out.extend(self.scale_requests())
         for obs in out:
             if isinstance(obs, policy.Report):
                 self._running[obs.host] = {r.name for r in obs.report.roles if not r.exited}
             elif isinstance(obs, policy.Detached):
                 self._running.pop(obs.host, None)
+        return out
+
+    def scale_requests(self) -> list[Observation]:
+        """``psctl scale``'s request, if one was left (it checked the bounds), with a slot for every replica it
+        may add: the spec's host and port for it, a free port where it runs on this machine."""
+        path = self.cdir.scale_request
+        try:
+            request = json.loads(path.read_text(encoding="utf-8"))
+            path.unlink()
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring an unreadable scale request: %s", exc)
+            path.unlink(missing_ok=True)
+            return []
+        out: list[Observation] = []
+        hosts = {h.name: h for h in self.spec.hosts}
+        for role, replicas in dict(request.get("replicas", {})).items():
+            spec = self.spec.roles.get(role)
+            if spec is None or not isinstance(replicas, int):
+                continue
+            indexes = range(len(policy.members(self.record, role)), min(replicas, spec.slots))
+            placed = [slot(role, spec, i, hosts) for i in indexes]
+            taken = {r.port for r in self.record.roles}
+            free = iter(free_ports(sum(p.port is None for p in placed), avoid=taken))
+            slots = tuple(policy.Slot(p.index, p.host, p.address, p.port or next(free)) for p in placed)
+            out.append(policy.ScaleRequested(role, replicas, slots))
         return out
 
     # -- actions --------------------------------------------------------------------------------------
@@ -267,7 +295,8 @@ class Supervisor:
         place = self.places[role.host]
         jobs: dict[str, list[str]] = {}
         for r in self.record.roles:
-            jobs.setdefault(r.role, []).append(r.endpoint)
+            if not r.retired:
+                jobs.setdefault(r.role, []).append(r.endpoint)
         if place.remote:
             training = remote_training(self.spec, place.dirs)  # type: ignore[arg-type]  # a HostDir on SSH hosts
         else:
@@ -289,7 +318,7 @@ class Supervisor:
             "chief_incarnation": self.state.chief_incarnation(),
         }
         spec_role = self.spec.roles[role.role]
-        on_host = sum(1 for r in self.record.roles if r.host == role.host)
+        on_host = sum(1 for r in self.record.roles if r.host == role.host and not r.retired)
         threads = spec_role.threads or max(1, place.cpus // max(1, on_host))
         env = {} if not place.remote else dict(place.base_env)  # here the agent's own environment is the base
         env.update(

@@ -103,7 +103,27 @@ class StopRequested:
     reason: str = "stopped by psctl down"
 
 
-Observation = Report | Detached | AgentStartFailed | AgentAlive | StopRequested
+@dataclass(frozen=True)
+class Slot:
+    """Where replica ``index`` of a role goes if it is added (the shell picks free ports on this machine)."""
+
+    index: int
+    host: str
+    address: str
+    port: int
+
+
+@dataclass(frozen=True)
+class ScaleRequested:
+    """``psctl scale``: ``role`` (ps or worker) should have ``replicas`` replicas; ``slots`` places the ones that
+    may be added."""
+
+    role: str
+    replicas: int
+    slots: tuple[Slot, ...] = ()
+
+
+Observation = Report | Detached | AgentStartFailed | AgentAlive | StopRequested | ScaleRequested
 
 
 # -- actions: what the shell must do ---------------------------------------------------------------------
@@ -242,12 +262,15 @@ class PolicyState:
 
 
 def address_map(spec: ClusterSpec, record: ClusterRecord) -> dict[str, dict[str, str]]:
-    """Every ps's and worker's address for the chief, every ps's for a worker (it talks to no other worker: a
-    reply stays O(ps)), none for others; none at all where no ps or worker can move."""
-    if not any(len(set(spec.roles[r.role].hosts)) > 1 and r.role in DIALED_ROLES for r in record.roles):
-        return {}
-    chief = {f"{r.role}:{r.index}": r.endpoint for r in record.roles if r.role in DIALED_ROLES}
+    """Every ps's and worker's address for the chief (which ones there are: psctl scale; where they are: moves),
+    every ps's for a worker (it talks to no other worker: a reply stays O(ps)), none for others."""
+    chief = {f"{r.role}:{r.index}": r.endpoint for r in record.roles if r.role in DIALED_ROLES and not r.retired}
     return {"chief": chief, "worker": {task: at for task, at in chief.items() if task.startswith("ps:")}}
+
+
+def members(record: ClusterRecord, role: str) -> list[RoleRecord]:
+    """The replicas of ``role`` that belong to the cluster now (not scaled away), by index."""
+    return sorted((r for r in record.roles if r.role == role and not r.retired), key=lambda r: r.index)
 
 
 def cluster_view(state: PolicyState) -> pb.ClusterView:
@@ -391,6 +414,8 @@ class _Decision:
                 h.awaited_since = h.awaited_since if h.awaited_since is not None else self.now
         elif isinstance(observation, StopRequested):
             self.finish(ClusterState.STOPPED, observation.reason, grace=observation.grace)
+        elif isinstance(observation, ScaleRequested):
+            self.scale(observation)
 
     def detach(self, host: str, reason: str) -> None:
         h = self.s.hosts[host]
@@ -449,6 +474,8 @@ class _Decision:
         except KeyError:
             role = None
         current = role is not None and role.host == host and rr.incarnation == role.incarnation
+        if current and role is not None and role.retired and rr.exited and role.pid is not None:
+            role.pid, role.exit_code = None, rr.exit_code  # gone: its slot may be scaled up again
         if role is None or not current or role.state.terminal or role.state in (R.LOST, R.RESTARTING):
             # Replaced, moved, lost or given up on: that process must go (a stop sent while its host was cut
             # off may never have arrived). A role stopped on purpose keeps its stop's grace (the agent keeps
@@ -486,6 +513,7 @@ class _Decision:
         if self.record.state.terminal or self.s.finishing:
             return
         self.look_at_hosts()
+        self.retire_resharded_ps()
         for role in self.record.roles:
             if self.s.finishing:
                 return
@@ -495,7 +523,8 @@ class _Decision:
         if self.s.evaluator_deadline is not None and self.now > self.s.evaluator_deadline:
             self.finish(ClusterState.SUCCEEDED, "training finished (the evaluator was stopped after its grace)")
             return
-        if self.record.state == C.STARTING and all(r.state in (R.RUNNING, R.SUCCEEDED) for r in self.record.roles):
+        if self.record.state == C.STARTING and all(r.state in (R.RUNNING, R.SUCCEEDED) for r in self.record.roles
+                                                   if not r.retired):
             self.cluster_transition(C.RUNNING, "every role is up")
 
     def look_at_hosts(self) -> None:
@@ -560,7 +589,7 @@ class _Decision:
             return
         if role.state != R.RUNNING or self.now - live.progressed_at <= self.sup.stall_timeout:
             return
-        others = [self.s.roles[r.name] for r in self.record.roles if r.role == "worker" and r.name != role.name]
+        others = [self.s.roles[r.name] for r in members(self.record, "worker") if r.name != role.name]
         if any(o.progressed_at > live.progressed_at for o in others):
             still = self.now - live.progressed_at
             reason = f"heartbeats arrive but its step has not moved for {still:.0f}s while others progress"
@@ -624,6 +653,9 @@ class _Decision:
     def lose(self, role: RoleRecord, reason: str, code: int | None = None) -> None:
         """The role's process is gone, or never started: on the cluster's first start that fails the
         cluster (a bad spec or program shows at once); else its restart policy decides."""
+        if role.retired:  # scaled away while it ran
+            self.transition(role, R.STOPPED, f"scaled down; {reason}")
+            return
         if self.record.state == C.STARTING and role.attempt == 1:
             self.transition(role, R.FAILED, reason)
             self.finish(ClusterState.FAILED, f"{role.name} failed to start: {reason}")
@@ -647,6 +679,9 @@ class _Decision:
             self.transition(role, R.FAILED, what)
             self.finish(ClusterState.SUCCEEDED, "training finished (the evaluator did not finish cleanly)")
             return
+        if role.retired:
+            self.transition(role, R.STOPPED, f"scaled down; {what}")
+            return
         if code == EXIT_PREEMPTED:  # not a failure: no log lines, no count towards max_restarts or benching
             self.transition(role, R.LOST, what)
             self.restart_uncounted(role, "preempted")
@@ -666,6 +701,10 @@ class _Decision:
         self.s.evaluator_deadline = self.now + EVALUATOR_GRACE
 
     def on_lost(self, role: RoleRecord, reason: str) -> None:
+        if role.retired:
+            self.actions.append(StopRole(role.name, role.host, role.incarnation, KILL))
+            self.transition(role, R.STOPPED, f"scaled down; {reason}")
+            return
         self.transition(role, R.LOST, reason)
         # its host may be cut off: the stop reaches the agent if it can (a returning agent's report of this
         # incarnation is answered with another stop)
@@ -691,10 +730,15 @@ class _Decision:
             why_not = f"restarted {live.failures_in_a_row} times in a row, the limit (max_restarts)"
         if why_not is not None:
             self.transition(role, R.FAILED, f"{role.reason}; not restarted: {why_not}")
-            if role.role in ("chief", "ps") or all(
-                r.state == R.FAILED for r in self.record.roles if r.role == "worker"
-            ):
+            if role.role in ("chief", "ps"):
                 self.finish(ClusterState.FAILED, f"{role.name} failed: {role.reason}")
+                return
+            # workers: training goes on with fewer, down to min_replicas (1 unless the spec says)
+            fewest = self.s.spec.roles["worker"].min_replicas
+            left = [r for r in members(self.record, "worker") if r.state != R.FAILED]
+            if len(left) < fewest:
+                more = f"; {len(left)} worker(s) left, fewer than min_replicas ({fewest})" if left else ""
+                self.finish(ClusterState.FAILED, f"{role.name} failed: {role.reason}{more}")
             return
         backoff = min(policy.max_backoff_seconds, policy.backoff_seconds * (2**live.failures_in_a_row))
         backoff *= self.s.rng.uniform(0.8, 1.2)  # jitter: roles lost together do not restart in lockstep
@@ -718,6 +762,69 @@ class _Decision:
         live.running_since = None
         live.restart_at = self.now + policy.backoff_seconds
         self.transition(role, R.RESTARTING, f"restart {role.restarts} in {policy.backoff_seconds:.1f}s ({why})")
+
+    # -- scaling ----------------------------------------------------------------------------------------
+    def scale(self, request: ScaleRequested) -> None:
+        """``psctl scale``: add replicas (started like any pending role; the chief takes them in through the
+        address map) or retire the highest ones. A retired worker is stopped at once with the preemption
+        grace (it finishes its step, the chief hands the rest to others); a retired ps once the chief says it
+        resharded without it (see retire_resharded_ps)."""
+        role_name, wanted = request.role, request.replicas
+        now = members(self.record, role_name)
+        if self.record.state.terminal or self.s.finishing or wanted == len(now) or wanted < 1:
+            return
+        why = f"psctl scale {role_name}={wanted}"
+        self.actions.append(WriteEvent("cluster", self.record.state.value, self.record.state.value,
+                                       f"{why}: {role_name} {len(now)} -> {wanted}"))
+        if wanted > len(now):
+            slots = {slot.index: slot for slot in request.slots}
+            for index in range(len(now), wanted):
+                slot = slots.get(index)
+                if slot is None:
+                    continue  # the shell checked the bounds: no slot means no certificate and port for it
+                self.add_role(role_name, slot, why)
+        else:
+            for role in now[wanted:]:
+                role.retired = True
+                if role.role == "worker":
+                    self.retire(role, why)
+                else:
+                    self.transition(role, role.state, f"{why}: leaves once the chief has resharded without it")
+        self.s.addresses = address_map(self.s.spec, self.record)
+        self.actions.append(SendView())
+
+    def add_role(self, role_name: str, slot: Slot, why: str) -> None:
+        name = f"{role_name}-{slot.index}"
+        role = RoleRecord(name, role_name, slot.index, slot.host, slot.address, slot.port)
+        try:
+            old = self.record.role(name)  # scaled away before: its attempts (and their logs) count on
+            role.attempt, role.hosts_by_attempt, role.restarts = old.attempt, old.hosts_by_attempt, old.restarts
+            self.record.roles[self.record.roles.index(old)] = role
+        except KeyError:
+            after = max((i for i, r in enumerate(self.record.roles) if r.role == role_name), default=-1)
+            self.record.roles.insert(after + 1, role)
+        self.s.roles[name] = RoleLive()
+        self.actions.append(WriteEvent(name, "", role.state.value, f"{why}: added on {slot.host}"))
+
+    def retire(self, role: RoleRecord, why: str) -> None:
+        if role.state.terminal:
+            return
+        if role.state in (R.STARTING, R.RUNNING, R.STALLED):
+            self.actions.append(StopRole(role.name, role.host, role.incarnation, self.sup.preemption_grace))
+        self.transition(role, R.STOPPED, f"{why}: scaled down")
+
+    def retire_resharded_ps(self) -> None:
+        """Stop a retired ps once the chief reports its ps layout without it (its variables moved to the
+        others), or at once where no chief of psctl's runtime trains."""
+        leaving = [r for r in self.record.roles if r.role == "ps" and r.retired and not r.state.terminal]
+        if not leaving:
+            return
+        chief = self.s.chief
+        layout = chief.metrics.get("ps_layout") if chief is not None else None
+        training = chief is not None and chief.state in (R.STARTING, R.RUNNING, R.STALLED)
+        if not training or layout == len(members(self.record, "ps")):
+            for role in leaving:
+                self.retire(role, f"resharded onto {len(members(self.record, 'ps'))} ps")
 
     def finish(self, how: ClusterState, reason: str, *, grace: float = 5.0) -> None:
         """Order every running role stopped and hand over to the shell (once)."""

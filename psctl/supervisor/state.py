@@ -86,6 +86,8 @@ class RoleRecord:
     #: ``[first attempt, host]``: where the role started, then every host it moved to (each attempt's log stays
     #: on the host that ran it).
     hosts_by_attempt: list[list[Any]] = field(default_factory=list)
+    #: Scaled away (psctl scale): stopped and never restarted; out of the cluster every role sees.
+    retired: bool = False
 
     def host_of(self, attempt: int) -> str:
         """The host where ``attempt`` of the role ran (or runs)."""
