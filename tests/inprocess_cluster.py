@@ -7,7 +7,7 @@ everything it started is stopped when the test ends.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +51,9 @@ class Cluster:
     worker: WorkerServicer
     worker_address: str
     coordinator: ClusterCoordinator
+    #: Servers of ps started outside the layout (``spare_ps``): where ``psctl scale ps=N`` reshards onto.
+    spare: list[CountingServicer]
+    spare_addresses: list[str]
 
     def pulls(self) -> list[int]:
         return [s.calls["pull"] for s in self.ps]
@@ -77,10 +80,11 @@ def cluster_factory() -> Iterator[MakeCluster]:
     servers: list[grpc.Server] = []
     closers: list[Callable[[], object]] = []
 
-    def make(program: ProgramRef, num_ps: int = 1, batch_size: int = 20) -> Cluster:
-        model = ShardedModel(load_program(program), num_ps)
+    def make(program: ProgramRef, num_ps: int = 1, batch_size: int = 20, spare_ps: int = 0) -> Cluster:
+        loaded = load_program(program)
+        model = ShardedModel(loaded, num_ps)
         servicers, addresses = [], []
-        for _ in range(num_ps):
+        for _ in range(num_ps + spare_ps):
             server, port = make_server("127.0.0.1:0")
             servicer = CountingServicer(VariableStore(cluster_id=CLUSTER_ID))
             add_to_server(servicer, server)
@@ -88,12 +92,20 @@ def cluster_factory() -> Iterator[MakeCluster]:
             servers.append(server)
             servicers.append(servicer)
             addresses.append(f"127.0.0.1:{port}")
+        servicers, spare = servicers[:num_ps], servicers[num_ps:]
+        addresses, spare_addresses = addresses[:num_ps], addresses[num_ps:]
         chief = PsClient(addresses, timeout=30)
         worker_ps = PsClient(addresses, timeout=30)
+
+        def relayout(ps_addresses: Sequence[str]) -> tuple[ShardedModel, PsClient]:
+            client = PsClient(ps_addresses, timeout=30)
+            closers.append(client.close)
+            return ShardedModel(loaded, len(ps_addresses)), client
+
         closers.extend([chief.close, worker_ps.close])
         chief.init(model.shard_specs(0), pb.OptimizerConfig(name="adam", learning_rate=0.01), CLUSTER_ID)
         worker = WorkerServicer(model, worker_ps, task="worker:0", incarnation=1, batch_size=batch_size,
-                                num_shards=1)  # fmt: skip
+                                num_shards=1, relayout=relayout)  # fmt: skip
         server, port = make_server("127.0.0.1:0")
         pb_grpc.add_WorkerServicer_to_server(worker, server)
         server.start()
@@ -101,7 +113,7 @@ def cluster_factory() -> Iterator[MakeCluster]:
         coordinator = ClusterCoordinator([f"127.0.0.1:{port}"], probe_interval=0.05)
         closers.append(coordinator.shutdown)
         assert coordinator.wait_for_workers(10) == 1
-        return Cluster(model, servicers, chief, worker, f"127.0.0.1:{port}", coordinator)
+        return Cluster(model, servicers, chief, worker, f"127.0.0.1:{port}", coordinator, spare, spare_addresses)
 
     try:
         yield make

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from psctl.proto import psctl_pb2 as pb
@@ -30,6 +30,7 @@ class FakeProcess:
     beat: float | None = None
     local_step: int = 0
     global_step: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class FakeCluster:
@@ -75,7 +76,8 @@ class FakeCluster:
             pb.RoleReport(name=p.name, incarnation=p.incarnation, attempt=p.attempt, pid=p.pid,
                           exited=p.exit_code is not None, exit_code=p.exit_code or 0,
                           heartbeat_age=self.now - p.beat if p.beat is not None else -1.0,
-                          last=pb.HeartbeatRequest(local_step=p.local_step, global_step=p.global_step))
+                          last=pb.HeartbeatRequest(local_step=p.local_step, global_step=p.global_step,
+                                                   metrics=p.metrics))
             for p in self.processes[host].values()
         ]
         return pb.AgentReport(host=host, agent_pid=1, hello=hello, roles=roles)

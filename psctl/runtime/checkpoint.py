@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from psctl.proto import psctl_pb2 as pb
 from psctl.runtime.atomic import write_json_atomic
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.ps_client import PsClient
@@ -129,6 +130,19 @@ def restore_snapshot(model: ShardedModel, ps: PsClient, snapshot: Snapshot) -> N
                 # np.require keeps 0-d arrays 0-d (np.ascontiguousarray would make them 1-d)
                 per_ps[shard.ps].append(Entry(f"{shard.name}#{slot}", SLOT, np.require(piece, requirements="C")))
     ps.assign(per_ps, snapshot.global_step, snapshot.shard_positions)
+
+
+def reshard_onto(snapshot: Snapshot, model: ShardedModel, ps: PsClient, *, seed: int, optimizer: pb.OptimizerConfig,
+                 cluster_id: str, replicas_to_aggregate: int = 0, distinct_replicas: bool = False) -> None:
+    """Put ``snapshot`` onto another layout (``model`` over the ps of ``ps``: psctl scale ps=N): re-create the
+    layout's shards on every ps (whatever they held), assign the snapshot split for it, and read it all back:
+    CheckpointError unless every variable, slot, the global step and the data positions are the snapshot's."""
+    ps.init(model.shard_specs(seed), optimizer, cluster_id, reset=True, replicas_to_aggregate=replicas_to_aggregate,
+            distinct_replicas=distinct_replicas)
+    restore_snapshot(model, ps, snapshot)
+    differs = snapshot_difference(snapshot, take_snapshot(model, ps))
+    if differs:
+        raise CheckpointError(f"the variables read back from {model.num_ps} ps differ from the snapshot: {differs}")
 
 
 # -- files ------------------------------------------------------------------------------------------------

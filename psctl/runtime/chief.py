@@ -19,10 +19,11 @@ import grpc
 from psctl.runtime.atomic import write_json_atomic
 from psctl.runtime.checkpoint import (
     Checkpointer,
+    CheckpointError,
     latest_checkpoint,
     mark_finished,
+    reshard_onto,
     restore_snapshot,
-    snapshot_difference,
     take_snapshot,
 )
 from psctl.runtime.cluster import ClusterInfo
@@ -460,21 +461,18 @@ class Chief:
         ps = PsClient(addresses, tls=self.info.tls, chief_incarnation=self.info.incarnation)
         try:
             ps.wait_ready(self.ps_wait)
-            r = int(cfg.replicas_to_aggregate or len(self.info.workers)) if cfg.mode == "sync" else 0
-            ps.init(model.shard_specs(cfg.seed), cfg.optimizer_proto(), self.info.cluster_id, reset=True,
-                    replicas_to_aggregate=r, distinct_replicas=bool(cfg.distinct_replicas))
-            restore_snapshot(model, ps, before)
-            after = take_snapshot(model, ps)
+            reshard_onto(before, model, ps, seed=cfg.seed, optimizer=cfg.optimizer_proto(),
+                         cluster_id=self.info.cluster_id, distinct_replicas=bool(cfg.distinct_replicas),
+                         replicas_to_aggregate=int(cfg.replicas_to_aggregate or 0) if cfg.mode == "sync" else 0)
+        except CheckpointError as exc:  # never expected: stop rather than train on another model than the paused
+            ps.close()
+            raise StepError("chief", f"resharding onto {len(addresses)} ps: {exc}; training stopped at global "
+                                     f"step {before.global_step} (the checkpoints hold the model)") from None
         except BaseException:
             ps.close()
             raise
-        differs = snapshot_difference(before, after)
-        if differs:  # never expected: stop rather than train on a model that is not the one paused
-            ps.close()
-            raise StepError("chief", f"resharding onto {len(addresses)} ps changed {differs}; training stopped "
-                                     f"at global step {before.global_step} (the checkpoints hold the model)")
         old, self.ps, self.model, self._ps_wanted = self.ps, ps, model, None
-        old.close()
+        old.close_later()  # the metrics thread may be asking it for a state now
         coordinator.set_ps_addresses(addresses)
         PROGRESS.metrics = {**PROGRESS.metrics, "ps_layout": len(addresses)}
         self._resumed_at(before.global_step)

@@ -23,7 +23,7 @@ from psctl.runtime import wire
 from psctl.runtime.cluster import TlsFiles
 from psctl.runtime.fencing import ChiefReplaced, replaced
 from psctl.runtime.heartbeat import tasks_of
-from psctl.runtime.rpc import close_later, make_channel
+from psctl.runtime.rpc import REPLACED_CHANNEL_GRACE, close_later, make_channel
 from psctl.runtime.wire import Entry
 
 log = logging.getLogger("psctl.ps_client")
@@ -111,6 +111,12 @@ class PsClient:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for channel in self._channels:
             channel.close()
+
+    def close_later(self) -> None:
+        """Close once no call can still be starting on it (a client replaced by another ps layout)."""
+        timer = threading.Timer(REPLACED_CHANNEL_GRACE, self.close)
+        timer.daemon = True
+        timer.start()
 
     def set_address(self, ps: int, address: str) -> None:
         """PS ``ps`` now listens at ``address`` (its supervisor restarted it on another host of its pool): later

@@ -201,7 +201,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             old = self.ps
             self.model, self.ps = self.relayout(addresses)
             self._prefetched = None
-        old.close()
+        old.close_later()
 
     def _train(self, request: pb.StepRequest) -> pb.StepResponse:
         """One step, or ``request.steps`` consecutive ones (each with its own step id and batch, each pushed

@@ -12,6 +12,7 @@ tables below do not allow (see :mod:`psctl.supervisor.state` for the diagram).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import signal
 from collections.abc import Iterable
@@ -481,8 +482,10 @@ class _Decision:
             # off may never have arrived). A role stopped on purpose keeps its stop's grace (the agent keeps
             # the first deadline: a stop sent again does not shorten it).
             if not rr.exited:
-                stopped = current and role is not None and role.state == R.STOPPED
-                self.actions.append(StopRole(rr.name, host, rr.incarnation, self.s.stop_grace if stopped else KILL))
+                grace = KILL
+                if current and role is not None and role.state == R.STOPPED:
+                    grace = self.sup.preemption_grace if role.retired else self.s.stop_grace
+                self.actions.append(StopRole(rr.name, host, rr.incarnation, grace))
             return
         live = self.s.roles[role.name]
         if rr.start_error:
@@ -796,13 +799,10 @@ class _Decision:
     def add_role(self, role_name: str, slot: Slot, why: str) -> None:
         name = f"{role_name}-{slot.index}"
         role = RoleRecord(name, role_name, slot.index, slot.host, slot.address, slot.port)
-        try:
+        with contextlib.suppress(KeyError):
             old = self.record.role(name)  # scaled away before: its attempts (and their logs) count on
             role.attempt, role.hosts_by_attempt, role.restarts = old.attempt, old.hosts_by_attempt, old.restarts
-            self.record.roles[self.record.roles.index(old)] = role
-        except KeyError:
-            after = max((i for i, r in enumerate(self.record.roles) if r.role == role_name), default=-1)
-            self.record.roles.insert(after + 1, role)
+        self.record.put_role(role)
         self.s.roles[name] = RoleLive()
         self.actions.append(WriteEvent(name, "", role.state.value, f"{why}: added on {slot.host}"))
 

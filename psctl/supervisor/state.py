@@ -154,6 +154,16 @@ class ClusterRecord:
             self.__dict__["_index"] = index
         return index[1][name]
 
+    def put_role(self, role: RoleRecord) -> None:
+        """Add ``role`` after the last of its kind, or in place of the record of the same name (psctl scale)."""
+        self.__dict__.pop("_index", None)
+        for i, old in enumerate(self.roles):
+            if old.name == role.name:
+                self.roles[i] = role
+                return
+        after = max((i for i, r in enumerate(self.roles) if r.role == role.role), default=len(self.roles) - 1)
+        self.roles.insert(after + 1, role)
+
     def to_dict(self) -> dict[str, Any]:
         """The record as JSON-ready data (written every second for a thousand roles: no ``asdict`` deep copy;
         the nested values are plain JSON data)."""

@@ -1,0 +1,117 @@
+"""``psctl scale`` on a running local cluster, with real processes: workers 2 -> 4 -> 1 and ps 2 -> 3 while it
+trains. Exactly the steps asked for, every batch taken once (the data shards' last positions sum to the steps),
+nothing retried, and the ps' variables resharded without a change."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import textwrap
+from typing import Any
+
+import pytest
+from cluster_helpers import wait_until
+from conftest import PsctlEnv
+from supervised_cluster import SupervisedCluster
+
+from psctl.runtime.checkpoint import list_checkpoints
+
+pytestmark = pytest.mark.slow
+
+RUN_TIMEOUT = 240.0
+
+
+def spec_text(name: str, steps: int) -> str:
+    return textwrap.dedent(
+        f"""\
+        name: {name}
+        roles:
+          chief: {{}}
+          ps: {{replicas: 2, max_replicas: 3}}
+          worker: {{replicas: 2, max_replicas: 4}}
+        training:
+          program: psctl.models.mlp
+          args: {{hidden_units: 32}}
+          data: {{name: digits}}
+          batch_size: 50
+          optimizer: {{name: adam, learning_rate: 0.01}}
+          steps: {steps}
+          log_every_seconds: 0.2s
+          checkpoint: {{every_steps: 1000, every_seconds: 0, max_to_keep: 100}}
+        supervision: {{heartbeat_interval: 0.2s, heartbeat_timeout: 5s, preemption_grace: 20s}}
+        """
+    )
+
+
+def scale(penv: PsctlEnv, cluster: SupervisedCluster, *targets: str) -> str:
+    done = penv.run("scale", cluster.name, *targets, timeout=60)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{cluster.describe()}"
+    return done.stdout
+
+
+def assert_every_batch_once(cluster: SupervisedCluster, steps: int) -> dict[str, Any]:
+    cluster.wait_finished(RUN_TIMEOUT)
+    result = cluster.result()
+    assert result["global_step"] == steps, cluster.describe()
+    # one batch per step, each shard read from its start without a gap: no step applied twice, none skipped
+    assert sum(p + 1 for p in result["shard_positions"]) == steps, result
+    assert result["retried_steps"] == 0 and result["ps_restores"] == 0, result
+    progress = [r["global_step"] for r in cluster.progress_records()]
+    assert all(b >= a for a, b in itertools.pairwise(progress)), progress  # never went back
+    assert result["metrics"]["accuracy"] > 0.8, result
+    return result
+
+
+def test_workers_scaled_2_to_4_to_1_while_training_take_every_batch_exactly_once(psctl_env: PsctlEnv) -> None:
+    steps = 12000
+    cluster = SupervisedCluster(psctl_env, "scalew", spec_text("scalew", steps))
+    cluster.up()
+    wait_until(lambda: cluster.progress() >= 300, timeout=120, what="global step 300", detail=cluster.describe)
+
+    assert "worker 2 -> 4" in scale(psctl_env, cluster, "worker=4")
+    for name in ("worker-2", "worker-3"):  # they joined and got work
+        wait_until(lambda name=name: cluster.role(name)["state"] == "running" and cluster.role(name)["local_step"] > 0,
+                   timeout=60, what=f"{name} training", detail=cluster.describe)
+    assert cluster.progress() < steps, "training ended before the scale-down"
+
+    assert "worker 4 -> 1" in scale(psctl_env, cluster, "worker=1")
+    for name in ("worker-1", "worker-2", "worker-3"):
+        wait_until(lambda name=name: cluster.role(name)["pid"] is None, timeout=60, what=f"{name} to leave",
+                   detail=cluster.describe)
+        assert cluster.role(name)["state"] == "stopped" and cluster.role(name)["retired"]
+        assert "stopping: its steps finished" in cluster.log(name), cluster.log(name)[-2000:]
+    status = cluster.status()
+    assert [r["name"] for r in status["roles"] if r["state"] == "running"] == ["chief-0", "ps-0", "ps-1", "worker-0"]
+    assert cluster.progress() < steps, "training ended before the last scale was seen through"
+
+    result = assert_every_batch_once(cluster, steps)
+    assert result["workers"] == 1
+    assert cluster.role("worker-0")["attempt"] == 1  # nothing else was restarted
+    reasons = [e["reason"] for e in cluster.events("cluster")]
+    assert "psctl scale worker=4: worker 2 -> 4" in reasons and "psctl scale worker=1: worker 4 -> 1" in reasons
+    chief = cluster.log("chief-0")
+    assert "worker:3 joins at" in chief and "worker:3 leaves (scaled down)" in chief
+
+
+def test_ps_scaled_2_to_3_while_training_reshards_every_variable_unchanged(psctl_env: PsctlEnv) -> None:
+    steps = 10000
+    cluster = SupervisedCluster(psctl_env, "scaleps", spec_text("scaleps", steps))
+    cluster.up()
+    wait_until(lambda: cluster.progress() >= 300, timeout=120, what="global step 300", detail=cluster.describe)
+
+    assert "ps 2 -> 3" in scale(psctl_env, cluster, "ps=3")
+    resharded = wait_until(
+        lambda: re.search(r"resharded from 2 to 3 ps at global step (\d+): every variable and slot verified",
+                          cluster.log("chief-0")),
+        timeout=60, what="the chief to reshard onto 3 ps", detail=cluster.describe)
+    at = int(resharded[1])
+    assert at < steps
+    # the snapshot taken at the pause is a checkpoint of its own (a chief lost half-way restores it)
+    assert f"ckpt-{at:012d}" in [p.name for p in list_checkpoints(cluster.root / "checkpoints")]
+    wait_until(lambda: cluster.role("ps-2")["metrics"].get("bytes_held", 0) > 0, timeout=30,
+               what="ps-2 to hold a share of the variables", detail=cluster.describe)
+
+    result = assert_every_batch_once(cluster, steps)
+    assert result["ps"] == 3
+    for name in ("chief-0", "ps-0", "ps-1", "ps-2", "worker-0", "worker-1"):
+        assert cluster.role(name)["attempt"] == 1, cluster.describe()  # a reshard, not a restart

@@ -1,0 +1,192 @@
+"""psctl scale: the policy's side (replicas added and retired, a retired ps stopped only once the chief has
+resharded without it, min_replicas), the command's checks, and the spec's bounds. The runtime's side (the
+chief resharding, workers joining and leaving) is tested with real processes in test_scale_local.py."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+from policy_driver import FakeCluster
+
+from psctl.errors import SpecError, UsageError
+from psctl.scaling import check_request, parse_targets
+from psctl.spec import load_spec_text, make_plan
+from psctl.supervisor import policy
+from psctl.supervisor.policy import ScaleRequested, Slot, members
+from psctl.supervisor.state import ClusterState, RoleState
+
+SPEC = """\
+name: elastic
+roles:
+  chief: {}
+  ps: {replicas: 2, max_replicas: 3}
+  worker: {replicas: 2, min_replicas: 2, max_replicas: 4, restart: {max_restarts: 0}}
+training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+supervision: {heartbeat_interval: 1s, heartbeat_timeout: 5s, preemption_grace: 25s}
+security: {tls: false}
+"""
+
+
+@pytest.fixture
+def c(tmp_path: Path) -> FakeCluster:
+    cluster = FakeCluster(SPEC, tmp_path)
+    cluster.step()
+    cluster.step(1)
+    assert set(cluster.states().values()) == {RoleState.RUNNING}
+    return cluster
+
+
+def slots(role: str, *indexes: int) -> tuple[Slot, ...]:
+    return tuple(Slot(i, "localhost", "127.0.0.1", 9000 + i) for i in indexes)
+
+
+def chief_view(c: FakeCluster) -> dict[str, str]:
+    return dict(policy.cluster_view(c.state).addresses["chief"].addresses)
+
+
+def test_scaling_workers_up_starts_the_new_ones_and_tells_the_chief(c: FakeCluster) -> None:
+    actions = c.step(observations=[ScaleRequested("worker", 4, slots("worker", 2, 3))])
+    assert [r.name for r in members(c.record, "worker")] == ["worker-0", "worker-1", "worker-2", "worker-3"]
+    # listed after the other workers (status shows them together), started at once, on their slot's port
+    assert [r.name for r in c.record.roles] == ["chief-0", "ps-0", "ps-1", "worker-0", "worker-1", "worker-2",
+                                                "worker-3"]
+    starts = {a.name for a in actions if isinstance(a, policy.StartRole)}
+    assert starts == {"worker-2", "worker-3"}
+    assert c.role("worker-3").port == 9003
+    assert any(isinstance(a, policy.SendView) for a in actions)
+    assert {"worker:2", "worker:3"} <= set(chief_view(c))
+    assert [e.reason for e in c.events("cluster")][-1] == "psctl scale worker=4: worker 2 -> 4"
+    c.step(1)
+    assert c.role("worker-3").state == RoleState.RUNNING
+
+
+def test_scaling_workers_down_drains_the_highest_with_the_preemption_grace_and_never_restarts_them(
+    c: FakeCluster,
+) -> None:
+    actions = c.step(observations=[ScaleRequested("worker", 1)])  # below min_replicas: the command refuses that
+    stops = [a for a in actions if isinstance(a, policy.StopRole)]
+    assert {(a.name, a.grace) for a in stops} == {("worker-1", 25.0)}  # (sent again: the agent keeps the first)
+    assert c.role("worker-1").state == RoleState.STOPPED and c.role("worker-1").retired
+    assert "worker:1" not in chief_view(c) and "worker:0" in chief_view(c)
+    c.process("worker-1").exit_code = 75  # it drained and left
+    for _ in range(5):
+        actions = c.step(2)
+        assert not [a for a in actions if isinstance(a, policy.StartRole)]
+    assert c.role("worker-1").pid is None  # gone: the slot may be scaled up again
+    assert c.record.state == ClusterState.RUNNING
+
+    c.step(observations=[ScaleRequested("worker", 2, slots("worker", 1))])
+    again = c.role("worker-1")
+    assert not again.retired and again.attempt == 2  # its attempts go on: the first one's log stays
+    c.step(1)
+    assert again.state == RoleState.RUNNING
+
+
+def test_a_retired_ps_is_stopped_only_once_the_chief_has_resharded_without_it(c: FakeCluster) -> None:
+    c.step(observations=[ScaleRequested("ps", 3, slots("ps", 2))])
+    c.step(1)
+    assert c.role("ps-2").state == RoleState.RUNNING
+    c.process("chief-0").metrics = {"ps_layout": 3.0}
+    c.step(1)
+
+    actions = c.step(observations=[ScaleRequested("ps", 2)])
+    assert "ps:2" not in chief_view(c)
+    assert not [a for a in actions if isinstance(a, policy.StopRole)]  # the chief still reads it
+    for _ in range(3):
+        c.step(1)
+    assert c.role("ps-2").state == RoleState.RUNNING
+    c.process("chief-0").metrics = {"ps_layout": 2.0}
+    actions = c.step(1)
+    assert [a.name for a in actions if isinstance(a, policy.StopRole)] == ["ps-2"]
+    assert c.role("ps-2").state == RoleState.STOPPED
+    assert c.role("ps-2").reason == "resharded onto 2 ps: scaled down"
+
+
+def test_workers_failing_for_good_end_the_cluster_below_min_replicas(tmp_path: Path) -> None:
+    c = FakeCluster(SPEC.replace("min_replicas: 2", "min_replicas: 1"), tmp_path)
+    c.step()
+    c.step(1)
+    c.process("worker-1").exit_code = 1  # max_restarts 0: failed for good
+    c.step(1)
+    assert c.role("worker-1").state == RoleState.FAILED
+    assert c.record.state == ClusterState.RUNNING  # one worker left, min_replicas 1: training goes on
+
+    c = FakeCluster(SPEC, tmp_path)
+    c.step()
+    c.step(1)
+    c.process("worker-1").exit_code = 1
+    c.step(1)
+    assert c.record.state == ClusterState.FAILED
+    assert "1 worker(s) left, fewer than min_replicas (2)" in c.record.reason
+
+
+def record_for(tmp_path: Path, text: str, **fields: object) -> tuple[object, object]:
+    spec = load_spec_text(text, filename=str(tmp_path / "spec.yaml"))
+    plan = make_plan(spec, check_ports=False)
+    cluster = FakeCluster(text, tmp_path)
+    cluster.record.spec_path = str(tmp_path / "spec.yaml")
+    cluster.record.supervisor_pid = os.getpid()
+    cluster.record.supervisor_create_time = psutil.Process().create_time()
+    cluster.record.state = ClusterState.RUNNING
+    for key, value in fields.items():
+        setattr(cluster.record, key, value)
+    assert plan.spare_slots() == [("ps-2", ()), ("worker-2", ()), ("worker-3", ())]
+    return spec, cluster.record
+
+
+@pytest.mark.parametrize(("targets", "message"), [
+    ([], "say what to scale, e.g. `psctl scale NAME worker=4` (or ps=3)"),
+    (["worker"], "'worker' is not ROLE=N; write e.g. worker=4 or ps=3"),
+    (["chief=2"], "chief cannot be scaled: only worker and ps have replicas to change"),
+    (["worker=2", "worker=3"], "worker is given twice; give it once"),
+])
+def test_scale_targets_that_are_not_role_equals_n_are_usage_errors(targets: list[str], message: str) -> None:
+    with pytest.raises(UsageError) as caught:
+        parse_targets(targets)
+    assert caught.value.format_message() == message
+    assert caught.value.exit_code == 2
+
+
+def test_scale_requests_outside_the_specs_bounds_name_the_line_to_change(tmp_path: Path) -> None:
+    spec, record = record_for(tmp_path, SPEC)
+    check_request(spec, record, {"worker": 4, "ps": 3})  # within bounds: no error
+    cases = {
+        "worker=5": ({"worker": 5}, f"worker=5 is more than roles.worker.max_replicas (4) in {tmp_path}/spec.yaml:5 "
+                     "(raise max_replicas there and `psctl up` again: every replica's certificate and port are "
+                     "made at up)"),
+        "worker=1": ({"worker": 1}, f"worker=1 is fewer than roles.worker.min_replicas (2) in {tmp_path}/spec.yaml:5"
+                     " (scale to at least 2)"),
+    }
+    for name, (wanted, message) in cases.items():
+        with pytest.raises(UsageError) as caught:
+            check_request(spec, record, wanted)
+        assert str(caught.value) == message, name
+
+    record.supervisor_pid = None  # type: ignore[attr-defined]
+    with pytest.raises(UsageError, match="no supervisor running.*psctl supervise elastic"):
+        check_request(spec, record, {"worker": 3})
+    record.state = ClusterState.SUCCEEDED  # type: ignore[attr-defined]
+    with pytest.raises(UsageError, match="has succeeded; there is nothing to scale"):
+        check_request(spec, record, {"worker": 3})
+
+
+def test_spec_bounds_are_checked_where_they_are_written(tmp_path: Path) -> None:
+    def error(roles: str) -> str:
+        text = (f"name: b\nroles:\n  chief: {{}}\n  {roles}\n"
+                "training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}\n")
+        with pytest.raises(SpecError) as caught:
+            load_spec_text(text, filename="b.yaml")
+        return str(caught.value)
+
+    assert error("ps: {replicas: 2, max_replicas: 1}\n  worker: {}") == (
+        "b.yaml:4: roles.ps.max_replicas: 1 is fewer than replicas (2); write at least 2, or lower replicas")
+    assert error("ps: {}\n  worker: {replicas: 2, min_replicas: 3}") == (
+        "b.yaml:5: roles.worker.min_replicas: 3 is more than replicas (2); write at most 2, or raise replicas")
+    assert error("ps: {}\n  worker: {}\n  evaluator: {max_replicas: 2}") == (
+        "b.yaml:6: roles.evaluator.max_replicas: the evaluator has exactly one replica and is never scaled; "
+        "remove it (only roles.ps and roles.worker have max_replicas)")
+    assert error("ps: {}\n  worker: {max_replicas: 3, ports: [7001, 7002]}") == (
+        "b.yaml:5: roles.worker: 3 replicas (max_replicas) but 2 ports; list 3 ports or give a base `port:`")
