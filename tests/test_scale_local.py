@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import re
 import textwrap
+from functools import partial
 from typing import Any
 
 import pytest
@@ -69,15 +70,19 @@ def test_workers_scaled_2_to_4_to_1_while_training_take_every_batch_exactly_once
     wait_until(lambda: cluster.progress() >= 300, timeout=120, what="global step 300", detail=cluster.describe)
 
     assert "worker 2 -> 4" in scale(psctl_env, cluster, "worker=4")
+    def training(name: str) -> bool:
+        return bool(cluster.role(name)["state"] == "running" and cluster.role(name)["local_step"] > 0)
+
+    def left(name: str) -> bool:
+        return cluster.role(name)["pid"] is None
+
     for name in ("worker-2", "worker-3"):  # they joined and got work
-        wait_until(lambda name=name: cluster.role(name)["state"] == "running" and cluster.role(name)["local_step"] > 0,
-                   timeout=60, what=f"{name} training", detail=cluster.describe)
+        wait_until(partial(training, name), timeout=60, what=f"{name} training", detail=cluster.describe)
     assert cluster.progress() < steps, "training ended before the scale-down"
 
     assert "worker 4 -> 1" in scale(psctl_env, cluster, "worker=1")
     for name in ("worker-1", "worker-2", "worker-3"):
-        wait_until(lambda name=name: cluster.role(name)["pid"] is None, timeout=60, what=f"{name} to leave",
-                   detail=cluster.describe)
+        wait_until(partial(left, name), timeout=60, what=f"{name} to leave", detail=cluster.describe)
         assert cluster.role(name)["state"] == "stopped" and cluster.role(name)["retired"]
         assert "stopping: its steps finished" in cluster.log(name), cluster.log(name)[-2000:]
     status = cluster.status()

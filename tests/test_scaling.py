@@ -13,10 +13,10 @@ from policy_driver import FakeCluster
 
 from psctl.errors import SpecError, UsageError
 from psctl.scaling import check_request, parse_targets
-from psctl.spec import load_spec_text, make_plan
+from psctl.spec import ClusterSpec, load_spec_text, make_plan
 from psctl.supervisor import policy
 from psctl.supervisor.policy import ScaleRequested, Slot, members
-from psctl.supervisor.state import ClusterState, RoleState
+from psctl.supervisor.state import ClusterRecord, ClusterState, RoleState
 
 SPEC = """\
 name: elastic
@@ -123,7 +123,7 @@ def test_workers_failing_for_good_end_the_cluster_below_min_replicas(tmp_path: P
     assert "1 worker(s) left, fewer than min_replicas (2)" in c.record.reason
 
 
-def record_for(tmp_path: Path, text: str, **fields: object) -> tuple[object, object]:
+def record_for(tmp_path: Path, text: str) -> tuple[ClusterSpec, ClusterRecord]:
     spec = load_spec_text(text, filename=str(tmp_path / "spec.yaml"))
     plan = make_plan(spec, check_ports=False)
     cluster = FakeCluster(text, tmp_path)
@@ -131,8 +131,6 @@ def record_for(tmp_path: Path, text: str, **fields: object) -> tuple[object, obj
     cluster.record.supervisor_pid = os.getpid()
     cluster.record.supervisor_create_time = psutil.Process().create_time()
     cluster.record.state = ClusterState.RUNNING
-    for key, value in fields.items():
-        setattr(cluster.record, key, value)
     assert plan.spare_slots() == [("ps-2", ()), ("worker-2", ()), ("worker-3", ())]
     return spec, cluster.record
 
@@ -165,10 +163,10 @@ def test_scale_requests_outside_the_specs_bounds_name_the_line_to_change(tmp_pat
             check_request(spec, record, wanted)
         assert str(caught.value) == message, name
 
-    record.supervisor_pid = None  # type: ignore[attr-defined]
-    with pytest.raises(UsageError, match="no supervisor running.*psctl supervise elastic"):
+    record.supervisor_pid = None
+    with pytest.raises(UsageError, match=r"no supervisor running.*psctl supervise elastic"):
         check_request(spec, record, {"worker": 3})
-    record.state = ClusterState.SUCCEEDED  # type: ignore[attr-defined]
+    record.state = ClusterState.SUCCEEDED
     with pytest.raises(UsageError, match="has succeeded; there is nothing to scale"):
         check_request(spec, record, {"worker": 3})
 

@@ -669,3 +669,37 @@ def test_a_new_supervisor_adopts_the_roles_on_the_hosts_and_training_ends_exactl
     later = [r for r in map(json.loads, metrics.read_text().splitlines())
              if r.get("event") == "progress" and r["time"] > adopted_at + 1]
     assert later and min(r["global_step"] for r in later) < steps, later[:3]
+
+
+def test_workers_and_ps_scaled_on_ssh_hosts_start_on_their_pools_and_training_ends_exactly(remote: Remote) -> None:
+    """`psctl scale` over SSH: the new worker starts on the next host of its pool (h3, whose key the supervisor
+    sends with its start), a third ps on h1; the chief reshards and takes the worker in; exact step count."""
+    steps = 12000
+    roles = textwrap.dedent("""\
+          chief: {host: h1, port: 7100}
+          ps: {replicas: 2, max_replicas: 3, hosts: [h2, h3, h1], port: 7110}
+          worker: {replicas: 2, max_replicas: 3, hosts: [h1, h2, h3], port: 7120}
+        """)
+    spec, _ = write_spec(remote.bed, remote.folder, remote.name, steps=steps, roles=roles)
+    remote.psctl("up", str(spec), "--detach")
+    wait_until(lambda: remote.status()["roles"][0]["global_step"] >= 300, timeout=120, what="training to pass 300")
+    done = remote.psctl("scale", remote.name, "worker=3", "ps=3")
+    assert "worker 2 -> 3" in done.stdout and "ps 2 -> 3" in done.stdout
+
+    def running(name: str) -> dict[str, Any] | None:
+        role = next((r for r in remote.status()["roles"] if r["name"] == name), None)
+        return role if role is not None and role["state"] == "running" and role["local_step"] > 0 else None
+
+    worker = wait_until(lambda: running("worker-2"), timeout=120, what="worker-2 training",
+                        detail=remote.supervisor_log)
+    assert worker["host"] == "h3" and worker["port"] == 7122
+    wait_until(lambda: "resharded from 2 to 3 ps" in remote.psctl("logs", "chief-0", remote.name).stdout,
+               timeout=120, what="the chief to reshard", detail=remote.supervisor_log)
+    ps = next(r for r in remote.status()["roles"] if r["name"] == "ps-2")
+    assert (ps["host"], ps["port"], ps["state"]) == ("h1", 7112, "running")
+    final = wait_until(lambda: (s := remote.status())["state"] in ("succeeded", "failed") and s, timeout=240,
+                       what="training to finish", detail=remote.supervisor_log)
+    assert final["state"] == "succeeded", final["reason"]
+    result = final["result"]
+    assert result["global_step"] == steps and sum(p + 1 for p in result["shard_positions"]) == steps, result
+    assert (result["ps"], result["workers"], result["retried_steps"]) == (3, 3, 0), result

@@ -436,6 +436,8 @@ class Chief:
         if len(wanted) == len(self.ps.addresses):
             self.ps.follow(addresses)
             self._ps_wanted = None  # (a scale undone before it was carried out)
+            if self._coordinator is not None:  # a worker just started learns the layout from the steps
+                self._coordinator.set_ps_addresses(self.ps.addresses)
         else:
             self._ps_wanted = [wanted[i] for i in range(len(wanted))]
 

@@ -187,14 +187,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         raise AssertionError("unreachable")
 
     def _follow_layout(self, addresses: Sequence[str]) -> None:
-        """Take the chief's ps layout: another ps count (the chief resharded the variables: no step of the old
-        layout is in flight then), or a ps that moved and whose new address no heartbeat brought yet."""
-        if not addresses or list(addresses) == self.ps.addresses:
+        """Take the chief's ps layout when its ps count differs (the chief resharded the variables: no step of
+        the old layout is in flight then). A ps that moved is followed through the heartbeats' address map,
+        which may be newer than the chief's."""
+        if len(addresses) == self.model.num_ps or not addresses:
             return
         with self._lock:
             if len(addresses) == self.model.num_ps:
-                for index, address in enumerate(addresses):
-                    self.ps.set_address(index, address)
                 return
             if self.relayout is None:
                 raise ValueError(f"the chief's layout has {len(addresses)} ps, this worker {self.model.num_ps}")
