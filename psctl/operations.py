@@ -62,6 +62,10 @@ def plan_spec(path: str | Path) -> tuple[ClusterSpec, Plan]:
 
 
 def supervisor_alive(record: ClusterRecord) -> bool:
+    if record.backend == "slurm":  # it runs in the cluster's job, on a node of its own
+        from psctl.slurm_cluster import job_alive
+
+        return job_alive(record)
     if not record.supervisor_pid:
         return False
     try:
@@ -185,6 +189,10 @@ def bring_up(
     """Check the hosts, persist the plan, prepare the hosts and start the cluster's supervisor; returns once
     the supervisor is running. ``warn`` gets the preflight's warnings (clock skew)."""
     refuse_if_up(spec)  # before the preflight: the cluster's own roles would read as ports taken
+    if spec.backend == "slurm":
+        from psctl.slurm_cluster import submit_cluster
+
+        return submit_cluster(spec, plan, wait_started=wait_started)
     check_local_program(spec, plan)
     runners = ssh_runners(spec, plan)
     try:
@@ -387,7 +395,11 @@ def _tear_down(
     cdir: ClusterDir, record: ClusterRecord, runners: Mapping[str, Runner], *, grace: float, purge: bool
 ) -> TeardownReport:
     stopped_by_supervisor = 0
-    if supervisor_alive(record):
+    if record.backend == "slurm":
+        from psctl.slurm_cluster import stop_job
+
+        stopped_by_supervisor = stop_job(cdir, record, grace=grace)
+    elif supervisor_alive(record):
         assert record.supervisor_pid is not None
         running = {r.name for r in record.roles if not r.state.terminal and r.pid}
         write_json_atomic(cdir.root / "stop-request.json", {"grace": grace})

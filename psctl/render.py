@@ -89,6 +89,10 @@ def progress_line(cdir: ClusterDir, record: ClusterRecord) -> str:
 def status_dict(cdir: ClusterDir, record: ClusterRecord, *, stale: bool) -> dict[str, Any]:
     data = record.to_dict()
     data["stale"] = stale
+    if record.backend == "slurm":
+        from psctl.slurm_cluster import job_id
+
+        data["slurm"] = {**record.slurm, "job_id": job_id(record)}
     data["progress"] = progress(cdir, record)
     data["logs"] = str(cdir.logs)
     return data
@@ -98,7 +102,7 @@ def _role_row(role: RoleRecord, now: float) -> list[Any]:
     alive = not role.state.terminal and role.state != RoleState.RESTARTING
     return [
         role.name,
-        role.host,
+        role.node or role.host,  # a Slurm job step's node
         str(role.pid) if role.pid and alive else "-",
         Text(role.state.value, style=STATE_STYLE.get(role.state, "")),
         f"{role.attempt}/{role.restarts}",
@@ -117,6 +121,13 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
     header.append(record.state.value, style="bold red" if record.state.value == "failed" else "bold")
     if stale:
         header.append("  (stale: the supervisor is not running; this is the last known state)", style="yellow")
+    if record.backend == "slurm":
+        from psctl.slurm_cluster import job_id
+
+        nodes = record.slurm.get("nodes")
+        where = f" on {', '.join(nodes)}" if nodes else "" if record.state.terminal else " (waiting for its nodes)"
+        again = f", requeued {record.slurm['restarts']}x" if record.slurm.get("restarts") else ""
+        header.append(f"\nSlurm job {job_id(record) or '-'}{where}{again}")
     header.append(f"\nglobal step {step}/{record.steps}")
     if prog.get("loss") is not None:
         header.append(f"  loss {prog['loss']:.4f}")
@@ -138,7 +149,8 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
         for host, problem in sorted(record.host_problems.items()):
             header.append(f"\nhost {host}: {problem}", style="yellow")
     table = Table(box=None, pad_edge=False)
-    for col in ("role", "host", "pid", "state", "attempt/restarts", "uptime", "heartbeat", "step"):
+    where = "node" if record.backend == "slurm" else "host"
+    for col in ("role", where, "pid", "state", "attempt/restarts", "uptime", "heartbeat", "step"):
         table.add_column(col)
     for role in record.roles:
         table.add_row(*_role_row(role, now))

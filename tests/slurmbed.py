@@ -121,9 +121,9 @@ def slurmbed_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm
     try:
         _start_munge()
         for daemon in ("slurmctld", "slurmd"):
-            daemons.append(subprocess.Popen(
-                [daemon, "-D", "-f", str(conf)], env={**os.environ, **bed.env}, start_new_session=True,
-                stdout=open(root / f"{daemon}.out", "wb"), stderr=subprocess.STDOUT))  # noqa: SIM115
+            with open(root / f"{daemon}.out", "wb") as out:
+                daemons.append(subprocess.Popen([daemon, "-D", "-f", str(conf)], env={**os.environ, **bed.env},
+                                                start_new_session=True, stdout=out, stderr=subprocess.STDOUT))
         _wait_idle(bed)
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         for proc in daemons:

@@ -74,7 +74,7 @@ MISTAKES = [
         colour: red
         """,
         "cluster.yaml:1: colour: unknown key; expected one of: name, hosts, roles, training, supervision, security, "
-        "files, setup",
+        "files, setup, backend, slurm",
     ),
     (
         "unknown nested key",

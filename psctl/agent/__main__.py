@@ -31,7 +31,8 @@ def main() -> int:
         cluster_id = os.environ["PSCTL_CLUSTER_ID"]
         tls = TlsFiles(**config["tls"]) if config.get("tls") else None
         agent = Agent(str(config["host"]), str(config["supervisor"]), cluster_id=cluster_id, tls=tls,
-                      interval=float(config.get("interval", 1.0)))
+                      interval=float(config.get("interval", 1.0)),
+                      heartbeat_host=str(config.get("heartbeat_host", "127.0.0.1")))
         grace = float(config.get("grace", STOP_GRACE))
     except (KeyError, ValueError, TypeError) as exc:
         print(f"psctl.agent: bad configuration in PSCTL_AGENT / PSCTL_CLUSTER_ID: {exc!r}", file=sys.stderr)

@@ -203,7 +203,10 @@ class Agent:
         spawn: Spawn = spawn_process,
         serve_heartbeats: bool = True,
         get_time: Callable[[], float] = time.monotonic,
+        heartbeat_host: str = "127.0.0.1",
     ) -> None:
+        """``heartbeat_host``: where the roles' heartbeats reach this agent (loopback unless its roles run on
+        other machines: the nodes of a Slurm job)."""
         self.host = host
         self.supervisor = supervisor
         self.cluster_id = cluster_id
@@ -212,6 +215,7 @@ class Agent:
         self.spawn = spawn
         self.time = get_time
         self._serve = serve_heartbeats
+        self.heartbeat_host = heartbeat_host
         self.heartbeat_address = ""
         self.roles: dict[str, RoleProcess] = {}
         self.lock = threading.Lock()
@@ -228,11 +232,12 @@ class Agent:
     # -- life -----------------------------------------------------------------------------------------
     def start(self) -> None:
         if self._serve:
-            server, port = make_server("127.0.0.1:0", self.tls, max_workers=4)
+            loopback = self.heartbeat_host in ("127.0.0.1", "localhost")
+            server, port = make_server(f"{self.heartbeat_host if loopback else '0.0.0.0'}:0", self.tls, max_workers=4)
             pb_grpc.add_SupervisorServicer_to_server(HeartbeatEndpoint(self), server)
             server.start()
             self._server = server
-            self.heartbeat_address = f"127.0.0.1:{port}"
+            self.heartbeat_address = f"{self.heartbeat_host}:{port}"
         for target, name in ((self._watch, "watch"), (self._link, "link")):
             thread = threading.Thread(target=target, name=f"psctl-agent-{name}-{self.host}", daemon=True)
             thread.start()

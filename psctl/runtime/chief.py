@@ -42,6 +42,8 @@ log = logging.getLogger("psctl.chief")
 #: A restarted chief numbers its steps this far above the newest id any PS has seen, so they never collide
 #: with the ids of steps the previous chief still had in flight (at most a few per worker).
 STEP_ID_GAP = 1 << 20
+#: Seconds a stopping chief waits for the steps running on workers (they finish theirs when stopped too).
+STOP_JOIN = 5.0
 #: Synchronous mode: extra seconds a round with no gradient at all may take (workers still starting).
 FIRST_ROUND_GRACE = 120.0
 
@@ -142,11 +144,14 @@ class Chief:
                     log.warning("ps lost (%s): restoring every ps and resuming", exc)
                     self.stop.wait(backoff)
                     self._restore_after_ps_loss(coordinator)
-            if not self.stop.is_set() and self.checkpointer is not None:
-                self._checkpoint()
+            if self.checkpointer is not None:
+                if not self.stop.is_set():
+                    self._checkpoint()
+                else:
+                    self._checkpoint_on_stop(coordinator)
         finally:
-            if self.stop.is_set():
-                self._release(sorted(self._leaving))
+            if self.stop.is_set():  # every ps: they may all be leaving now (psctl down, a job's preemption)
+                self._release(list(range(len(self.ps.addresses))))
             unsubscribe()
             coordinator.shutdown()
             self._reporting_done.set()
@@ -197,7 +202,9 @@ class Chief:
         remaining = max(0, self.config.steps - self.ps.state(0).global_step)
         per_call = max(1, self.config.steps_per_execution)
         while remaining > 0 and not self.stop.is_set():
-            coordinator.wait_below(2 * coordinator.active_workers() + 2)
+            coordinator.wait_below(2 * coordinator.active_workers() + 2, give_up=self.stop.is_set)
+            if self.stop.is_set():
+                break
             if self._ps_wanted is not None:
                 self._reshard(coordinator)
                 remaining = max(0, self.config.steps - self.ps.state(0).global_step)
@@ -212,7 +219,31 @@ class Chief:
             steps = min(per_call, remaining)
             coordinator.schedule("train", steps=steps)
             remaining -= steps
+        if self.stop.is_set():
+            self._stop_scheduling(coordinator)
+            return
         coordinator.join()
+
+    @staticmethod
+    def _stop_scheduling(coordinator: ClusterCoordinator) -> None:
+        """Stopping (SIGTERM): drop the steps not started and wait a little for those running; the workers are
+        stopping too, and a step they refuse now would wait forever for another worker."""
+        coordinator.settle(STOP_JOIN)
+
+    def _checkpoint_on_stop(self, coordinator: ClusterCoordinator) -> None:
+        """Stopped before the end (psctl down, a preempted or requeued Slurm job): a last checkpoint if nothing
+        is in flight, so the next start resumes exactly here; the ps still serve for a moment (see leave)."""
+        assert self.checkpointer is not None
+        if coordinator.in_flight():
+            log.warning("stopping without a final checkpoint: %d step(s) still in flight", coordinator.in_flight())
+            return
+        try:
+            self._checkpoint()
+            self.checkpointer.wait()
+        except (PsUnavailable, PsFailure, grpc.RpcError, OSError) as exc:
+            log.warning("stopping without a final checkpoint: %s", exc)
+            return
+        log.info("stopping: checkpoint %s taken at global step %d", self.checkpointer.latest, self.meter.global_step)
 
     def _train_sync(self, coordinator: ClusterCoordinator) -> None:
         """One round per global step: schedule max(N, R) steps, wait until every PS applied the step (R fresh
@@ -247,7 +278,7 @@ class Chief:
             while True:
                 with self._advanced:  # wake on the result that completed the round (no missed notification)
                     done = self._advanced.wait_for(partial(self._past, step), timeout=0.5)
-                if done:
+                if done or self.stop.is_set():
                     break
                 coordinator.check()  # raises a non-retryable error, or PsFailure
                 now = time.monotonic()
@@ -258,6 +289,8 @@ class Chief:
                     self._flush_short_step(step, r, min_replicas, timeout)
                     break
             coordinator.drop_queued()
+        if self.stop.is_set():
+            self._stop_scheduling(coordinator)
 
     def _past(self, step: int) -> bool:
         """Every PS has applied ``step`` (caller holds ``_advanced``)."""

@@ -264,16 +264,35 @@ class ClusterCoordinator:
             self._raise_error()
             self._raise_ps_failure()
 
+    def settle(self, timeout: float) -> int:
+        """Stopping: cancel what is queued (and what workers hand back meanwhile) and wait up to ``timeout``
+        seconds for the closures running; returns how many still run."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                while self._queue:
+                    self._queue.popleft().remote._fail(CancelledError("cancelled: the chief is stopping"))
+                remaining = deadline - time.monotonic()
+                if self._inflight == 0 or remaining <= 0:
+                    return self._inflight
+                self._cond.wait(min(0.2, remaining))
+
+    def in_flight(self) -> int:
+        """Closures running on workers now (a queued one has touched nothing)."""
+        with self._cond:
+            return self._inflight
+
     def pending(self) -> int:
         with self._cond:
             return len(self._queue) + self._inflight
 
-    def wait_below(self, limit: int) -> None:
-        """Block until fewer than ``limit`` closures are pending (keeps the queue short), or an error."""
+    def wait_below(self, limit: int, *, give_up: Callable[[], bool] = lambda: False) -> None:
+        """Block until fewer than ``limit`` closures are pending (keeps the queue short), an error, or
+        ``give_up()`` (the chief is stopping: its workers too, so the queue may never shrink)."""
         with self._cond:
-            while len(self._queue) + self._inflight >= limit and self._error is None:
+            while len(self._queue) + self._inflight >= limit and self._error is None and not give_up():
                 self._raise_ps_failure()
-                self._cond.wait(timeout=0.5)
+                self._cond.wait(timeout=0.2)
             self._raise_error()
 
     @staticmethod

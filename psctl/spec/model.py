@@ -128,6 +128,23 @@ class SecuritySpec:
 
 
 @dataclass(frozen=True)
+class SlurmSpec:
+    """``backend: slurm``: the one batch job the cluster runs in (sbatch's options of the same names)."""
+
+    partition: str | None = None
+    account: str | None = None
+    #: Slurm's time format (``MM``, ``HH:MM:SS``, ``D-HH:MM``...), or None for the partition's default.
+    time: str | None = None
+    qos: str | None = None
+    nodes: int = 1
+    cpus_per_task: int | None = None
+    #: ``--requeue``: a preempted or failed node's job comes back and resumes from its latest checkpoint.
+    requeue: bool = True
+    #: More sbatch options, as written (``--exclusive``, ``--constraint=skylake``).
+    sbatch_options: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """A whole validated spec. ``training`` is the normalised, JSON-serialisable dict the runtime gets.
 
@@ -147,6 +164,10 @@ class ClusterSpec:
     files: tuple[str, ...] = ()
     #: Shell commands run once on every host at ``up``, in that folder, before any role starts.
     setup: tuple[str, ...] = ()
+    #: Where the roles run: ``local`` (this machine), ``ssh`` (the hosts: under ``hosts:``) or ``slurm``
+    #: (one batch job; its settings in ``slurm``).
+    backend: str = "local"
+    slurm: SlurmSpec | None = None
 
     @property
     def is_local(self) -> bool:

@@ -24,13 +24,18 @@ from psctl.spec.model import (
     RestartPolicy,
     RoleSpec,
     SecuritySpec,
+    SlurmSpec,
     SupervisionSpec,
     parse_jump,
 )
 from psctl.spec.plan import LOCAL_HOST, conflict_error, layout, port_conflict
 from psctl.spec.training import check_confined, normalise_training
 
-TOP_KEYS = ("name", "hosts", "roles", "training", "supervision", "security", "files", "setup")
+TOP_KEYS = ("name", "hosts", "roles", "training", "supervision", "security", "files", "setup", "backend", "slurm")
+BACKENDS = ("local", "ssh", "slurm")
+SLURM_KEYS = ("partition", "account", "time", "qos", "nodes", "cpus_per_task", "requeue", "sbatch_options", "login")
+#: Slurm's time limit formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or UNLIMITED.
+_SLURM_TIME = re.compile(r"(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+(:\d{1,2}){0,2}|unlimited|infinite)", re.I)
 HOST_KEYS = ("name", "address", "user", "port", "identity_file", "python", "workdir", "host_key_policy",
              "proxy_jump")
 ROLE_KEYS = ("replicas", "min_replicas", "max_replicas", "host", "hosts", "port", "ports", "restart", "env",
@@ -71,7 +76,8 @@ def build_spec(data: Any, source: SourceMap, *, path: Path | None, base_dir: Pat
     clash = port_conflict(layout(roles, hosts))
     if clash is not None:
         raise conflict_error(source, *clash)
-    security = _security(c, top.get("security"), local=not hosts, base_dir=base_dir)
+    backend, slurm = _backend(c, top, hosts, roles)
+    security = _security(c, top.get("security"), local=backend == "local", base_dir=base_dir)
     training = normalise_training(
         c,
         c.require((), top, "training", "add training: with at least program:, data: and steps:"),
@@ -93,10 +99,69 @@ def build_spec(data: Any, source: SourceMap, *, path: Path | None, base_dir: Pat
         c.string(("setup", i), item, fix="write a shell command as a string")
         for i, item in enumerate(c.items(("setup",), top.get("setup") or [], fix="list shell commands"))
     )
-    if hosts:
+    if backend == "slurm" and training.get("framework") == "tensorflow":
+        c.fail(("backend",), "TensorFlow programs do not run through Slurm yet",
+               "use backend: ssh with the allocation's hosts, or psctl's own runtime")
+    if backend == "ssh":
         _check_single_role_pools(c, roles, training)
         _check_evaluator_host(c, roles, training, top["roles"].get("evaluator") or {})
-    return ClusterSpec(name, path, hosts, roles, training, supervision, security, source, files=files, setup=setup)
+    return ClusterSpec(name, path, hosts, roles, training, supervision, security, source, files=files, setup=setup,
+                       backend=backend, slurm=slurm)
+
+
+def _backend(c: Checker, top: dict[str, Any], hosts: tuple[HostSpec, ...],
+             roles: dict[str, RoleSpec]) -> tuple[str, SlurmSpec | None]:
+    """``backend:`` (default: ssh with hosts, else local) and, for slurm, ``slurm:``."""
+    backend = c.choice(("backend",), top.get("backend", "ssh" if hosts else "local"), BACKENDS, noun="backend")
+    if "slurm" in top and backend != "slurm":
+        c.fail(("slurm",), "only used with backend: slurm", "add backend: slurm, or remove slurm:", key=True)
+    if backend == "ssh" and not hosts:
+        c.fail(("backend",), "ssh needs hosts: to run on", "list them under hosts:, or use backend: local")
+    if backend == "local" and hosts and any(r.hosts for r in roles.values()):
+        c.fail(("backend",), "local runs every role on this machine, but roles name hosts",
+               "use backend: ssh (the default with hosts:), or remove the roles' hosts")
+    if backend != "slurm":
+        return backend, None
+    for name, role in roles.items():
+        if role.hosts:
+            c.fail(("roles", name, "hosts"), "Slurm chooses the nodes: a role of backend slurm names no host",
+                   "remove it (slurm.nodes sets how many nodes the job gets)", key=True)
+        if role.port is None and role.ports is None:
+            c.fail(("roles", name), "runs through Slurm but has no port: or ports:",
+                   "add port: (a base port: replica i listens on port + i); psctl cannot pick free ports on the "
+                   "nodes before the job runs", key=True)
+    p: KeyPath = ("slurm",)
+    d = c.mapping(p, top.get("slurm"), SLURM_KEYS, example="{partition: debug, time: '01:00:00', nodes: 2}",
+                  none_ok=True)
+    if "login" in d:
+        c.fail((*p, "login"), "submitting over SSH to a login node is not built yet",
+               "run psctl on a login node of the cluster (where sbatch is), and remove login", key=True)
+    text: dict[str, str | None] = {}
+    for key in ("partition", "account", "qos", "time"):
+        value = d.get(key)
+        text[key] = None if value is None else c.string((*p, key), str(value) if key == "time" else value,
+                                                         fix=f"write the {key} as Slurm names it")
+    if text["time"] is not None and not _SLURM_TIME.fullmatch(text["time"]):
+        c.fail((*p, "time"), f"{text['time']!r} is not a Slurm time limit",
+               "write minutes (90), HH:MM:SS ('01:30:00') or D-HH:MM ('1-12:00'), quoted")
+    options = tuple(
+        c.string((*p, "sbatch_options", i), item, fix="write an option such as '--exclusive'")
+        for i, item in enumerate(c.items((*p, "sbatch_options"), d.get("sbatch_options") or [],
+                                         fix="list options, e.g. ['--exclusive']"))
+    )
+    for i, option in enumerate(options):
+        if not option.startswith("-"):
+            c.fail((*p, "sbatch_options", i), f"{option!r} is not an sbatch option", "write e.g. '--exclusive'")
+    cpus = d.get("cpus_per_task")
+    slurm = SlurmSpec(
+        partition=text["partition"], account=text["account"], time=text["time"], qos=text["qos"],
+        nodes=c.integer((*p, "nodes"), d.get("nodes", 1), minimum=1, fix="write how many nodes, e.g. 2"),
+        cpus_per_task=None if cpus is None else c.integer((*p, "cpus_per_task"), cpus, minimum=1,
+                                                          fix="write e.g. 4"),
+        requeue=c.boolean((*p, "requeue"), d.get("requeue", True), fix="write true or false"),
+        sbatch_options=options,
+    )
+    return backend, slurm
 
 
 def _files(c: Checker, value: object, base_dir: Path, allowed: tuple[Path, ...]) -> tuple[str, ...]:

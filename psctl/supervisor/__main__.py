@@ -23,6 +23,10 @@ def main(argv: list[str]) -> int:
     cdir = ClusterDir(Path(argv[1]))
     record = load_state(cdir.state_file)
     spec = load_spec(record.spec_path)
+    if record.backend == "slurm":  # in the cluster's job: its nodes, and a requeue's fresh start
+        from psctl.slurm_cluster import prepare_run
+
+        prepare_run(record)
     record.supervisor_pid = os.getpid()
     record.supervisor_create_time = psutil.Process().create_time()
     save_state(cdir.state_file, record)
@@ -32,6 +36,10 @@ def main(argv: list[str]) -> int:
 
     def on_term(signum: int, _frame: object) -> None:
         logging.info("received %s: stopping the cluster", signal.Signals(signum).name)
+        if record.backend == "slurm" and not (cdir.root / "stop-request.json").exists():
+            # not psctl down: Slurm preempts, requeues or cancels the job, or its time is up
+            supervisor.stop_reason = "stopped by Slurm (preempted, requeued, cancelled or out of time)"
+            supervisor.default_grace = spec.supervision.preemption_grace
         supervisor.stop_requested.set()
 
     signal.signal(signal.SIGTERM, on_term)

@@ -16,6 +16,7 @@ import json
 import logging
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -28,6 +29,7 @@ from typing import Any
 from psctl.agent.core import HOST_VARIABLE
 from psctl.errors import LaunchError, PsctlError
 from psctl.home import ClusterDir
+from psctl.launch import slurm
 from psctl.launch.base import ProcessHandle, Runner
 from psctl.launch.env import tuning_env
 from psctl.launch.hostset import Placement, placements
@@ -80,6 +82,10 @@ class Supervisor:
         hosts = {name: HostLive(remote=p.remote, address=p.address) for name, p in self.places.items()}
         self.state = PolicyState(record, spec, hosts, wall_offset=time.time() - get_time())
         self.stop_requested = threading.Event()
+        #: Why and with what grace the cluster stops when ``stop_requested`` is set (``psctl down`` leaves its
+        #: grace in stop-request.json).
+        self.stop_reason = "stopped by psctl down"
+        self.default_grace = 5.0
         self._starters = ThreadPoolExecutor(AGENT_STARTERS, thread_name_prefix="psctl-agent-start")
         self._starting: set[str] = set()  # hosts whose agent a starter thread is starting now
         #: Per host, the roles its agent's last report shows running (the finish waits for them to exit).
@@ -108,7 +114,7 @@ class Supervisor:
             while not self.record.state.terminal:
                 observations = self.drain()
                 if self.stop_requested.is_set() and not self.state.finishing:
-                    observations.append(policy.StopRequested(self.stop_grace()))
+                    observations.append(policy.StopRequested(self.stop_grace(), self.stop_reason))
                 self.act(policy.decide(self.state, observations, self.time()))
                 self.save()
                 if self.time() - self._mirrored_at > MIRROR_INTERVAL and self._mirror_lock.acquire(blocking=False):
@@ -244,6 +250,8 @@ class Supervisor:
         config = {"host": host, "supervisor": f"127.0.0.1:{supervisor_port}", "tls": tls,
                   "interval": self.spec.supervision.heartbeat_interval,
                   "grace": self.spec.supervision.preemption_grace}
+        if len(set(self.record.slurm.get("nodes", ()))) > 1:  # roles on other nodes heartbeat to this one
+            config["heartbeat_host"] = socket.gethostname()
         return {**place.base_env, "PSCTL_AGENT": json.dumps(config), "PSCTL_CLUSTER_ID": self.record.cluster_id,
                 "PYTHONUNBUFFERED": "1"}
 
@@ -285,6 +293,8 @@ class Supervisor:
         watched_only = self.spec.training.get("framework") == "tensorflow"
         if watched_only:  # the user's TensorFlow program, or psctl's TensorFlow server
             argv, env["TF_CONFIG"] = tensorflow.start(self.spec, self.record.roles, role, place)
+        if self.record.backend == "slurm":  # a job step on the role's node: its exit is the srun's
+            argv = slurm.step_argv(str(self.record.slurm["job_id"]), role.node, role.name, argv)
         start = pb.StartRole(name=role.name, incarnation=action.incarnation, attempt=action.attempt, argv=argv,
                              env=env, cwd=place.cwd, log_path=str(place.dirs.role_log(role.name, action.attempt)),
                              files=files, watched_only=watched_only)
@@ -357,7 +367,7 @@ class Supervisor:
         try:
             return float(json.loads((self.cdir.root / "stop-request.json").read_text())["grace"])
         except (OSError, ValueError, KeyError, TypeError):
-            return 5.0
+            return self.default_grace
 
     def save(self, *, force: bool = False) -> None:
         now = self.time()

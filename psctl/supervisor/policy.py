@@ -831,7 +831,7 @@ class _Decision:
         if self.record.state.terminal or self.s.finishing:
             return
         self.s.finishing, self.s.stop_grace = True, grace
-        why = "stopped by psctl down" if how == ClusterState.STOPPED else "cluster finished"
+        why = reason if how == ClusterState.STOPPED else "cluster finished"
         for role in self.record.roles:
             if not role.state.terminal:
                 self.actions.append(StopRole(role.name, role.host, role.incarnation, grace))

@@ -88,6 +88,8 @@ class RoleRecord:
     hosts_by_attempt: list[list[Any]] = field(default_factory=list)
     #: Scaled away (psctl scale): stopped and never restarted; out of the cluster every role sees.
     retired: bool = False
+    #: backend slurm: the allocated node the role's job step runs on.
+    node: str = ""
 
     def host_of(self, attempt: int) -> str:
         """The host where ``attempt`` of the role ran (or runs)."""
@@ -145,6 +147,10 @@ class ClusterRecord:
     #: The agent of every host: ``{"pid", "create_time", "forward_port"}`` (the port on an SSH host that
     #: forwards to the supervisor), so that a restarted supervisor finds them and listens where they dial.
     agents: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: ``local``, ``ssh`` or ``slurm`` (the spec's backend).
+    backend: str = "local"
+    #: backend slurm: ``{"job_id", "restarts", "nodes"}`` as the supervisor found them in its job.
+    slurm: dict[str, Any] = field(default_factory=dict)
 
     def role(self, name: str) -> RoleRecord:
         """The role named ``name`` (KeyError if none): by an index, rebuilt when the list of roles changed."""
@@ -170,7 +176,7 @@ class ClusterRecord:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["state"] = self.state.value
         data["roles"] = [role.to_dict() for role in self.roles]
-        for name in ("hosts", "host_problems", "agents"):
+        for name in ("hosts", "host_problems", "agents", "slurm"):
             data[name] = {k: dict(v) if isinstance(v, dict) else v for k, v in data[name].items()}
         return data
 

@@ -1,0 +1,231 @@
+"""``backend: slurm`` against a real Slurm (tests/slurmbed.py: munged, slurmctld and slurmd on this machine):
+the digits MLP trains through one job whose roles are job steps; a cancelled step and a killed worker come
+back as new steps; a requeued job resumes from its checkpoint at the exact step; ``down`` leaves no job and
+no process; what Slurm refuses is one line."""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from cluster_helpers import wait_until
+from conftest import PsctlEnv
+from slurmbed import SlurmBed, slurmbed_fixture
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+RUN_TIMEOUT = 180.0
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmBed]:
+    yield from slurmbed_fixture(tmp_path_factory)
+
+
+@pytest.fixture
+def penv(psctl_env: PsctlEnv, slurm: SlurmBed) -> PsctlEnv:
+    psctl_env.env.update(slurm.env)
+    return psctl_env
+
+
+def write_spec(penv: PsctlEnv, name: str, *, steps: int, slurm: str = "{partition: debug, time: '00:10:00'}") -> Path:
+    path = penv.tmp_path / f"{name}.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        name: {name}
+        backend: slurm
+        slurm: {slurm}
+        roles:
+          chief: {{port: 7400}}
+          ps: {{replicas: 2, port: 7410}}
+          worker: {{replicas: 2, port: 7420, restart: {{backoff_seconds: 0.5}}}}
+          evaluator: {{port: 7430}}
+        training:
+          program: psctl.models.mlp
+          args: {{hidden_units: 64}}
+          data: {{name: digits}}
+          batch_size: 50
+          optimizer: {{name: adam, learning_rate: 0.01}}
+          steps: {steps}
+          log_every_seconds: 0.2s
+          checkpoint: {{every_steps: 1000}}
+        supervision: {{heartbeat_interval: 0.5s, heartbeat_timeout: 5s}}
+        """))
+    return path
+
+
+def status(penv: PsctlEnv, name: str) -> dict[str, Any]:
+    done = penv.run("status", name, "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def up(penv: PsctlEnv, spec: Path) -> str:
+    done = penv.run("up", "--detach", str(spec), timeout=120)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    job = (penv.home / spec.stem / "slurm-job-id").read_text().strip()
+    penv.state(spec.stem)  # the fixture's teardown hunts this cluster's processes
+    return job
+
+
+def training(penv: PsctlEnv, name: str, at_least: int) -> dict[str, Any]:
+    def reached() -> dict[str, Any] | None:
+        s = status(penv, name)
+        assert s["state"] in ("starting", "running"), s
+        return s if s["progress"].get("global_step", 0) >= at_least else None
+
+    return wait_until(reached, timeout=120, what=f"global step {at_least}", detail=lambda: describe(penv, name))
+
+
+def finished(penv: PsctlEnv, name: str) -> dict[str, Any]:
+    done = wait_until(lambda: (s := status(penv, name))["state"] in ("succeeded", "failed", "stopped") and s,
+                      timeout=RUN_TIMEOUT, what=f"{name} to finish", detail=lambda: describe(penv, name))
+    assert done["state"] == "succeeded", describe(penv, name)
+    return done
+
+
+def describe(penv: PsctlEnv, name: str) -> str:
+    root = penv.home / name
+    parts = [f"{p.name}: {p.read_text(errors='replace')[-1500:]}" for p in sorted(root.glob("slurm-*.out"))]
+    events = root / "events.jsonl"
+    if events.exists():
+        parts.append("events: " + events.read_text()[-3000:])
+    return "\n".join(parts)
+
+
+def task_process(penv: PsctlEnv, cluster_id: str, role: str) -> psutil.Process:
+    """The role's own python process (the job step's task), not the srun that started it."""
+    for proc in penv.processes(cluster_id):
+        try:
+            if proc.environ().get("PSCTL_ROLE") == role and proc.cmdline()[1:3] == ["-m", "psctl.runtime"]:
+                return proc
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no process of {role}")
+
+
+def test_the_digits_mlp_trains_through_one_slurm_job_whose_roles_are_steps(penv: PsctlEnv, slurm: SlurmBed) -> None:
+    spec = write_spec(penv, "sl-train", steps=3000)
+    job = up(penv, spec)
+    running = training(penv, "sl-train", 100)
+    assert running["slurm"]["job_id"] == job and running["slurm"]["nodes"] == ["localhost"]
+    assert {r["name"]: r["node"] for r in running["roles"]} == dict.fromkeys(
+        ["chief-0", "ps-0", "ps-1", "worker-0", "worker-1", "evaluator-0"], "localhost")
+    assert set(slurm.steps(job)) >= {"chief-0", "ps-0", "ps-1", "worker-0", "worker-1", "batch"}
+    shown = penv.run("status", "sl-train").stdout
+    assert f"Slurm job {job} on localhost" in shown and re.search(r"worker-1\s+localhost", shown), shown
+
+    done = finished(penv, "sl-train")
+    assert done["result"]["global_step"] == 3000
+    assert done["result"]["metrics"]["accuracy"] >= 0.95, done["result"]
+    assert wait_until(lambda: job not in slurm.jobs(), timeout=30, what="the job to leave squeue")
+
+
+def test_a_cancelled_step_and_a_killed_worker_come_back_as_new_steps(penv: PsctlEnv, slurm: SlurmBed) -> None:
+    steps = 12000
+    spec = write_spec(penv, "sl-fault", steps=steps)
+    job = up(penv, spec)
+    training(penv, "sl-fault", 500)
+    cluster_id = penv.state("sl-fault")["cluster_id"]
+    first = slurm.steps(job)["worker-1"]
+    slurm.run("scancel", first)  # the scheduler (or an admin) ends one role's step
+    victim = task_process(penv, cluster_id, "worker-0")
+    victim.kill()
+
+    def back(role: str) -> bool:
+        record = penv.role("sl-fault", role)
+        return bool(record["attempt"] == 2 and record["state"] == "running" and role in slurm.steps(job))
+
+    for role in ("worker-1", "worker-0"):
+        wait_until(lambda role=role: back(role), timeout=60, what=f"{role} as a new step",  # type: ignore[misc]
+                   detail=lambda: describe(penv, "sl-fault"))
+    assert slurm.steps(job)["worker-1"] != first
+    lost = {e["role"]: e["reason"] for e in map(json.loads, (penv.home / "sl-fault" / "events.jsonl").read_text()
+                                                .splitlines()) if e["to"] == "lost"}
+    assert "CANCELLED" in lost["worker-1"] and "worker-0" in lost, lost
+    done = finished(penv, "sl-fault")
+    result = done["result"]
+    assert result["global_step"] == steps and sum(p + 1 for p in result["shard_positions"]) == steps, result
+    assert penv.role("sl-fault", "chief-0")["attempt"] == 1
+
+
+def test_a_requeued_job_resumes_from_its_last_checkpoint_at_the_exact_step(penv: PsctlEnv, slurm: SlurmBed) -> None:
+    steps = 12000
+    spec = write_spec(penv, "sl-requeue", steps=steps)
+    job = up(penv, spec)
+    training(penv, "sl-requeue", 500)
+    slurm.run("scontrol", "requeue", job)  # what a preemption with requeue, or a failed node, does
+    stopped = wait_until(lambda: (s := status(penv, "sl-requeue"))["state"] == "stopped" and s, timeout=60,
+                         what="the job's supervisor to stop the roles", detail=lambda: describe(penv, "sl-requeue"))
+    assert stopped["reason"] == "stopped by Slurm (preempted, requeued, cancelled or out of time)"
+    chief = (penv.home / "sl-requeue" / "logs" / "chief-0.1.log").read_text()
+    taken = re.search(r"stopping: checkpoint (\S+) taken at global step (\d+)", chief)
+    assert taken is not None, chief[-2000:]
+
+    def released() -> bool:  # a requeued job waits (BeginTime) before it may start again: let it start now
+        slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+        return bool(status(penv, "sl-requeue")["slurm"].get("restarts") == 1)
+
+    wait_until(released, timeout=60, interval=1.0, what="the requeued job to start again",
+               detail=lambda: describe(penv, "sl-requeue"))
+    done = finished(penv, "sl-requeue")
+    assert done["result"]["global_step"] == steps
+    resumed = (penv.home / "sl-requeue" / "logs" / "chief-0.2.log").read_text()
+    assert f"restored {taken[1]} (global step {taken[2]})" in resumed, resumed[:2000]
+    assert done["result"]["steps_this_run"] == steps - int(taken[2])  # nothing recomputed, nothing skipped
+
+
+def test_down_stops_the_roles_and_leaves_no_job_and_no_process(penv: PsctlEnv, slurm: SlurmBed) -> None:
+    spec = write_spec(penv, "sl-down", steps=100000)
+    job = up(penv, spec)
+    training(penv, "sl-down", 200)
+    cluster_id = penv.state("sl-down")["cluster_id"]
+    started = time.monotonic()
+    done = penv.run("down", "sl-down", timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert "stopped 6 process(es); no process of it is left" in " ".join(done.stdout.split()), done.stdout
+    assert job not in slurm.jobs()
+    assert penv.processes(cluster_id) == []
+    assert time.monotonic() - started < 30
+    state = penv.state("sl-down")
+    assert state["state"] == "stopped" and all(r["state"] == "stopped" for r in state["roles"]), state
+
+
+@pytest.mark.parametrize(("options", "code", "message"), [
+    ("{partition: nope}", 2, "{spec}:3: slurm.partition: partition 'nope' does not exist; use one of: debug, short"),
+    ("{partition: short, time: '01:00:00'}", 2,
+     "{spec}:3: slurm.time: 01:00:00 is longer than partition 'short' allows (5:00); ask for less, or pick a "
+     "partition with a longer limit"),
+    ("{partition: debug, sbatch_options: ['--nodes=5']}", 1,
+     "Slurm queued job {job} but would never start it ({reason}) (change the slurm: options in {spec}:3)"),
+    ("{partition: debug, sbatch_options: ['--mem-per-cpu=nonsense']}", 1,
+     "sbatch refused the job: Invalid --mem-per-cpu specification (change the slurm: options in {spec}:3)"),
+])
+def test_what_slurm_refuses_is_one_line_and_nothing_runs(penv: PsctlEnv, slurm: SlurmBed, options: str, code: int,
+                                                          message: str) -> None:
+    spec = write_spec(penv, "sl-bad", steps=100, slurm=options)
+    before = slurm.jobs()
+    done = penv.run("up", "--detach", str(spec))
+    assert done.returncode == code, done.stdout + done.stderr
+    job = (penv.home / "sl-bad" / "slurm-job-id").read_text().strip() if "{job}" in message else ""
+    reason = re.search(r"\((Partition\w+)\)", done.stderr)  # Slurm settles on one of its words for it
+    expected = message.format(spec=spec, job=job, reason=reason[1] if reason else "?")
+    assert done.stderr.strip() == "error: " + expected, done.stderr
+    assert slurm.jobs() == before  # nothing left queued
+    state = penv.state("sl-bad") if penv.state_file("sl-bad").exists() else {"state": "none"}
+    assert state["state"] in ("failed", "none"), state
+
+
+def test_without_slurm_commands_up_says_where_to_run_it(psctl_env: PsctlEnv) -> None:
+    spec = write_spec(psctl_env, "sl-none", steps=100)
+    psctl_env.env["PATH"] = str(Path(psctl_env.env["PATH"].split(":")[0]))  # the venv's bin only: no sbatch
+    done = psctl_env.run("up", "--detach", str(spec))
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("error: backend slurm, but sbatch, squeue, scancel, sinfo not found on this machine "
+                                   "(run psctl on a login node of the Slurm cluster (with Slurm's client commands))")
