@@ -32,10 +32,11 @@ STATE_STYLE = {
 
 def plan_table(plan: Plan) -> Table:
     table = Table(title=f"plan for cluster {plan.spec.name!r}", title_justify="left")
-    for col in ("role", "host", "address", "port"):
+    slurm = plan.spec.backend == "slurm"  # the job's nodes are known once it runs
+    for col in ("role", "node" if slurm else "host", "address", "port"):
         table.add_column(col)
     for inst in plan.instances:
-        table.add_row(inst.name, inst.host, inst.address, str(inst.port))
+        table.add_row(inst.name, "(Slurm's)" if slurm else inst.host, "-" if slurm else inst.address, str(inst.port))
     return table
 
 

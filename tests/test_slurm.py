@@ -181,15 +181,22 @@ def test_a_requeued_job_resumes_from_its_last_checkpoint_at_the_exact_step(penv:
     assert done["result"]["steps_this_run"] == steps - int(taken[2])  # nothing recomputed, nothing skipped
 
 
-def test_down_stops_the_roles_and_leaves_no_job_and_no_process(penv: PsctlEnv, slurm: SlurmBed) -> None:
+def test_a_scaled_worker_is_a_new_step_and_down_leaves_no_job_and_no_process(penv: PsctlEnv,
+                                                                             slurm: SlurmBed) -> None:
     spec = write_spec(penv, "sl-down", steps=100000)
+    spec.write_text(spec.read_text().replace("worker: {replicas: 2,", "worker: {replicas: 2, max_replicas: 3,"))
     job = up(penv, spec)
     training(penv, "sl-down", 200)
     cluster_id = penv.state("sl-down")["cluster_id"]
+    scaled = penv.run("scale", "sl-down", "worker=3")
+    assert scaled.returncode == 0, scaled.stderr
+    wait_until(lambda: "worker-2" in slurm.steps(job) and penv.role("sl-down", "worker-2")["local_step"] > 0,
+               timeout=60, what="worker-2 training as a step of the job", detail=lambda: describe(penv, "sl-down"))
+    assert penv.role("sl-down", "worker-2")["node"] == "localhost"
     started = time.monotonic()
     done = penv.run("down", "sl-down", timeout=90)
     assert done.returncode == 0, done.stderr
-    assert "stopped 6 process(es); no process of it is left" in " ".join(done.stdout.split()), done.stdout
+    assert "stopped 7 process(es); no process of it is left" in " ".join(done.stdout.split()), done.stdout
     assert job not in slurm.jobs()
     assert penv.processes(cluster_id) == []
     assert time.monotonic() - started < 30

@@ -197,15 +197,19 @@ def place(roles: Sequence[tuple[str, str]], nodes: Sequence[str]) -> dict[str, s
     out: dict[str, str] = {}
     count: dict[str, int] = {}
     for name, job in roles:
-        i = count.get(job, 0)
-        count[job] = i + 1
-        if job in ("chief", "evaluator"):
-            out[name] = nodes[0]
-        elif job == "worker":
-            out[name] = nodes[len(nodes) - 1 - i % len(nodes)]
-        else:
-            out[name] = nodes[i % len(nodes)]
+        index = count.get(job, 0)
+        count[job] = index + 1
+        out[name] = node_for(job, index, nodes)
     return out
+
+
+def node_for(job: str, index: int, nodes: Sequence[str]) -> str:
+    """Replica ``index`` of ``job``'s node (see :func:`place`; also where ``psctl scale`` adds one)."""
+    if job in ("chief", "evaluator"):
+        return nodes[0]
+    if job == "worker":
+        return nodes[len(nodes) - 1 - index % len(nodes)]
+    return nodes[index % len(nodes)]
 
 
 def step_argv(job: str, node: str, name: str, argv: Sequence[str]) -> list[str]:

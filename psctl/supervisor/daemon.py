@@ -203,8 +203,16 @@ class Supervisor:
             placed = [slot(role, spec, i, hosts) for i in indexes]
             taken = {r.port for r in self.record.roles}
             free = iter(free_ports(sum(p.port is None for p in placed), avoid=taken))
-            slots = tuple(policy.Slot(p.index, p.host, p.address, p.port or next(free)) for p in placed)
-            out.append(policy.ScaleRequested(role, replicas, slots))
+            nodes = self.record.slurm.get("nodes")
+            slots = []
+            for p in placed:
+                port = p.port or next(free)
+                if nodes:  # backend slurm: a node of the job, which is its address too
+                    node = slurm.node_for(role, p.index, nodes)
+                    slots.append(policy.Slot(p.index, p.host, node, port, node=node))
+                else:
+                    slots.append(policy.Slot(p.index, p.host, p.address, port))
+            out.append(policy.ScaleRequested(role, replicas, tuple(slots)))
         return out
 
     # -- actions --------------------------------------------------------------------------------------

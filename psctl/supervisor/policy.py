@@ -112,6 +112,8 @@ class Slot:
     host: str
     address: str
     port: int
+    #: backend slurm: the node of the job it runs on (its address too).
+    node: str = ""
 
 
 @dataclass(frozen=True)
@@ -798,7 +800,7 @@ class _Decision:
 
     def add_role(self, role_name: str, slot: Slot, why: str) -> None:
         name = f"{role_name}-{slot.index}"
-        role = RoleRecord(name, role_name, slot.index, slot.host, slot.address, slot.port)
+        role = RoleRecord(name, role_name, slot.index, slot.host, slot.address, slot.port, node=slot.node)
         with contextlib.suppress(KeyError):
             old = self.record.role(name)  # scaled away before: its attempts (and their logs) count on
             role.attempt, role.hosts_by_attempt, role.restarts = old.attempt, old.hosts_by_attempt, old.restarts
