@@ -144,6 +144,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     training["pipelined"] = args.pipelined
     training["steps_per_execution"] = args.steps_per_execution
+    training["placement"] = args.placement
     params = {
         "benchmark": args.workload,
         "ps": args.ps,
@@ -153,6 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "threads_per_role": args.threads,
         "pipelined": args.pipelined,
         "steps_per_execution": args.steps_per_execution,
+        "placement": args.placement,
         "program": Path(training["program"]).name if args.workload == "w3" else training["program"],
         "optimizer": training["optimizer"]["name"],
     }
@@ -211,13 +213,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="w2: Zipf exponent of the ids (> 1), 0 for uniform ids (default)")
     parser.add_argument("--vocab", type=int, default=1_000_000, help="w2: embedding rows (default 1000000)")
     parser.add_argument("--shards", type=int, default=0,
-                        help="cut every variable in N row shards, placed round-robin over the ps (default: w2 "
+                        help="cut every variable in N row shards, placed over the ps (default: w2 "
                              "max(2, ps), w1 and w3 none: each variable whole on one ps)")
     parser.add_argument("--warmup-fraction", type=float, default=0.1,
                         help="steps/s is measured from this fraction of the steps to the last (default 0.1)")
     parser.add_argument("--pipelined", action="store_true", help="training.pipelined: two steps in flight per worker")
     parser.add_argument("--steps-per-execution", type=int, default=1,
                         help="training.steps_per_execution: steps per call from the chief (default 1)")
+    parser.add_argument("--placement", choices=("balanced", "round_robin"), default="balanced",
+                        help="training.placement: by bytes (psctl's default) or TensorFlow's round-robin")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
     parser.add_argument("--run-dir", help="keep logs, metrics.jsonl and result.json here (default: a temp dir)")

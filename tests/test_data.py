@@ -185,3 +185,22 @@ def test_unreadable_npz(tmp_path: Path) -> None:
     path.write_text("not a zip file")
     with pytest.raises(ValueError, match=r"cannot read .* as \.npz"):
         load_dataset({"path": str(path)}, split="train", shard=0, num_shards=1, seed=0)
+
+
+def test_zipf_ids_follow_a_bounded_power_law_scattered_over_the_vocabulary() -> None:
+    """The reference workload's ids (W2 Zipf): rank popularity ~ rank^-1.1 over ranks 1..vocab, no clipping,
+    each rank hashed to an id: a batch of 512 x 10 touches the distinct ids the law predicts, spread out."""
+    from psctl.models.data import zipf_ids
+
+    vocab, s = 1_000_000, 1.1
+    ranks = np.arange(1, vocab + 1, dtype=np.float64)
+    p = ranks ** -s / (ranks ** -s).sum()
+    expected = float((1 - (1 - p) ** 5120).sum())  # E[distinct ids among 5,120 draws] = 2,113
+    seen = [len(np.unique(zipf_ids(np.random.default_rng(seed), s, vocab, (512, 10)))) for seed in range(5)]
+    assert abs(np.mean(seen) - expected) < 0.03 * expected, (seen, expected)
+    ids = zipf_ids(np.random.default_rng(0), s, vocab, (200_000,))
+    assert ids.min() >= 0 and ids.max() < vocab
+    assert np.count_nonzero(ids == vocab - 1) < 10  # nothing piles up at the end (the old generator clipped there)
+    # the popular ids are spread over the table: a 4-way row split sees each quarter used
+    quarters = np.bincount(ids // (vocab // 4), minlength=4) / ids.size
+    assert quarters.min() > 0.1, quarters

@@ -114,7 +114,11 @@ def test_mlp_on_digits_trains_to_accuracy_with_each_step_applied_once(
     """Also pipelined (two steps in flight per worker), and with several steps per call from the chief
     (steps_per_execution; 600 is not a multiple of 8): the same steps, each applied once, each batch once."""
     steps = 600
-    cluster = make_cluster({**mlp_training(steps), "pipelined": pipelined, "steps_per_execution": per_call})
+    # a step pipelined behind another sees variables one update staler: a smaller step size keeps async Adam
+    # from overshooting (at 0.01 the final accuracy now and then fell below 0.9 on a loaded machine)
+    training = {**mlp_training(steps, learning_rate=0.005 if pipelined else 0.01), "pipelined": pipelined,
+                "steps_per_execution": per_call, "placement": "round_robin"}
+    cluster = make_cluster(training)
     cluster.start_servers()
     cluster.wait_serving()
     cluster.start_chief()

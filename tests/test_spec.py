@@ -723,6 +723,7 @@ def test_valid_spec_is_normalised_with_defaults(tmp_path: Path) -> None:
         "steps": 2000,
         "seed": 0,
         "partitioner": None,
+        "placement": "balanced",
         "checkpoint": {"dir": None, "every_steps": 0, "every_seconds": 60.0, "max_to_keep": 5, "keep_every_hours": 0.0},
         "log_every_seconds": 1.0,
         "eval_every_steps": 0,

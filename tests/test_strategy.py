@@ -258,3 +258,39 @@ def test_shard_slices_for_global() -> None:
         shard_slices_for_global(layout, np.array([1, 1]), np.zeros((2, 4)))
     with pytest.raises(ValueError, match="do not match"):
         shard_slices_for_global(layout, np.array([1, 2]), np.zeros((2, 3)))
+
+
+def held_bytes(layouts: dict[str, VariableLayout], num_ps: int) -> list[int]:
+    held = [0] * num_ps
+    for layout in layouts.values():
+        for shard in layout.shards:
+            held[shard.ps] += int(np.prod(shard.shape)) * np.dtype(layout.variable.dtype).itemsize
+    return held
+
+
+def test_balanced_placement_spreads_the_bytes_where_round_robin_piles_them_on_one_ps() -> None:
+    """A 1024-1024-1024-10 MLP (W3) on 2 ps: TensorFlow's round-robin puts every kernel on ps 0."""
+    variables = []
+    for i, (rows, cols) in enumerate([(1024, 1024), (1024, 1024), (1024, 1024), (1024, 10)]):
+        variables += [VariableDef(f"l{i}/kernel", (rows, cols)), VariableDef(f"l{i}/bias", (cols,))]
+    tf_order = plan_layout(variables, 2, None, placement="round_robin")
+    assert {name: layout.shards[0].ps for name, layout in tf_order.items() if name.endswith("kernel")} == {
+        "l0/kernel": 0, "l1/kernel": 0, "l2/kernel": 0, "l3/kernel": 0}
+    assert held_bytes(tf_order, 2)[0] > 300 * held_bytes(tf_order, 2)[1]
+
+    balanced = plan_layout(variables, 2, None, placement="balanced")
+    held = held_bytes(balanced, 2)
+    assert sum(held) == sum(held_bytes(tf_order, 2))
+    assert max(held) - min(held) <= 1024 * 1024 * 4  # within one kernel: 2 kernels on one ps, 1 on the other
+    assert balanced == plan_layout(variables, 2, None, placement="balanced")  # every role computes the same
+    # the partitioning itself is TensorFlow's whatever the placement
+    assert [s.shape for lay in balanced.values() for s in lay.shards] == [
+        s.shape for lay in tf_order.values() for s in lay.shards]
+
+
+def test_balanced_placement_deals_an_embeddings_equal_shards_one_per_ps() -> None:
+    layouts = plan_layout([VariableDef("bias", (1,)), VariableDef("table", (1000, 64))], 4, FixedShards(4),
+                          placement="balanced")
+    assert sorted(s.ps for s in layouts["table"].shards) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="placement must be one of balanced, round_robin"):
+        plan_layout([VariableDef("v", (4,))], 2, None, placement="random")

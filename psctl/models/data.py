@@ -8,6 +8,7 @@ examples. Nothing here depends on wall-clock time or on process state beyond cac
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 import zipfile
 from collections.abc import Mapping
@@ -244,15 +245,33 @@ def _synthetic_classification(opts: dict[str, Any], seed: int) -> tuple[np.ndarr
 
 
 def _synthetic_embedding(opts: dict[str, Any], seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Id lists labelled by a hidden per-id weight: y = mean(w_true[ids]) > 0."""
+    """Id lists labelled by a hidden per-id weight: y = mean(w_true[ids]) above its median."""
     rng = np.random.default_rng([seed, 2])
     n, vocab, k, zipf = opts["num_examples"], opts["vocab_size"], opts["ids_per_example"], opts["zipf"]
-    if zipf:
-        ids = np.minimum(rng.zipf(float(zipf), size=(n, k)) - 1, vocab - 1).astype(np.int64)
-    else:
-        ids = rng.integers(0, vocab, size=(n, k), dtype=np.int64)
+    uniform = not zipf
+    ids = rng.integers(0, vocab, size=(n, k), dtype=np.int64) if uniform else zipf_ids(rng, float(zipf), vocab, (n, k))
     w_true = rng.standard_normal(vocab)
-    return ids, (w_true[ids].mean(axis=1) > 0).astype(np.int64)
+    score = w_true[ids].mean(axis=1)
+    # split at the median: both labels stay common however skewed the ids (with Zipf ids the few most popular
+    # ids' weights would otherwise decide most labels alike)
+    return ids, (score > np.median(score)).astype(np.int64)
+
+
+#: Scatters Zipf ranks over the vocabulary (odd, and coprime with the vocabulary size once adjusted).
+_SCATTER = 2_654_435_761
+
+
+def zipf_ids(rng: np.random.Generator, s: float, vocab: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Ids whose popularity follows a power law of exponent ``s`` over the vocabulary's ranks (1..vocab, no
+    clipping: the rarest rank is as rare as the law says), each rank then scattered to an id by a
+    multiplicative hash, so popular ids fall on every shard of a table (as real ids do), not all at its start."""
+    ranks = np.arange(1, vocab + 1, dtype=np.float64)
+    cdf = np.cumsum(ranks ** -s)
+    rank = np.searchsorted(cdf, rng.random(shape) * cdf[-1], side="right").astype(np.int64)  # 0-based
+    step = _SCATTER % vocab or 1
+    while math.gcd(step, vocab) != 1:
+        step += 1
+    return np.asarray((rank * step) % vocab, dtype=np.int64)
 
 
 def _read_npz(opts: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:

@@ -53,7 +53,8 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
         cfg = TrainingConfig.from_dict(info.training)
         program = load_program(ProgramRef(cfg.program, cfg.args, cfg.data, cfg.seed))
         def layout(addresses: Sequence[str]) -> tuple[ShardedModel, PsClient]:
-            return ShardedModel(program, len(addresses), cfg.partitioner), PsClient(addresses, tls=info.tls)
+            return (ShardedModel(program, len(addresses), cfg.partitioner, cfg.placement),
+                    PsClient(addresses, tls=info.tls))
 
         model, ps = layout(info.ps)
         num_shards = cfg.data_shards or len(info.workers)

@@ -65,7 +65,7 @@ class Chief:
         self.ready_timeout = ready_timeout
         cfg = self.config
         self.program = load_program(ProgramRef(cfg.program, cfg.args, cfg.data, cfg.seed))
-        self.model = ShardedModel(self.program, len(info.ps), cfg.partitioner)
+        self.model = ShardedModel(self.program, len(info.ps), cfg.partitioner, cfg.placement)
         self.ps = PsClient(info.ps, tls=info.tls, chief_incarnation=info.incarnation)
         PROGRESS.metrics = {**PROGRESS.metrics, "ps_layout": len(info.ps)}  # the supervisor retires ps by it
         #: The ps addresses of a layout with another ps count (psctl scale ps=N), until resharded onto it.
@@ -492,7 +492,7 @@ class Chief:
             self.checkpointer.wait()
         old_count = len(self.ps.addresses)
         log.info("resharding from %d to %d ps at global step %d", old_count, len(addresses), before.global_step)
-        model = ShardedModel(self.program, len(addresses), cfg.partitioner)
+        model = ShardedModel(self.program, len(addresses), cfg.partitioner, cfg.placement)
         ps = PsClient(addresses, tls=self.info.tls, chief_incarnation=self.info.incarnation)
         try:
             ps.wait_ready(self.ps_wait)

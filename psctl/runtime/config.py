@@ -35,6 +35,8 @@ class TrainingConfig:
     #: chief's round trip is paid once per call instead of once per step.
     steps_per_execution: int = 1
     steps: int = 1000
+    #: Where variables go: "balanced" (by bytes, psctl's default) or "round_robin" (TensorFlow's order).
+    placement: str = "balanced"
     #: The training data's shards (the worker count at ``up``); any worker may read any shard.
     data_shards: int | None = None
     seed: int = 0

@@ -28,11 +28,12 @@ PerPs = dict[int, list[Entry]]
 
 
 class ShardedModel:
-    def __init__(self, program: Program, num_ps: int, partitioner: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, program: Program, num_ps: int, partitioner: Mapping[str, Any] | None = None,
+                 placement: str = "balanced") -> None:
         self.program = program
         self.num_ps = num_ps
         self.layouts: dict[str, VariableLayout] = plan_layout(
-            program.variables(), num_ps, partitioner_from_config(partitioner)
+            program.variables(), num_ps, partitioner_from_config(partitioner), placement=placement
         )
         # Bytes of each shard, whole and per row: computed once, read on every step.
         whole: dict[str, int] = {}

@@ -16,7 +16,7 @@ from typing import Any
 
 from psctl.home import psctl_home
 from psctl.runtime.optimizers import make_optimizer
-from psctl.runtime.strategy import partitioner_from_config
+from psctl.runtime.strategy import PLACEMENTS, partitioner_from_config
 from psctl.spec.checks import INT64_MAX, Checker, show, suggestion
 from psctl.spec.framework import FRAMEWORKS, normalise_tensorflow
 from psctl.spec.loader import KeyPath
@@ -25,7 +25,7 @@ TRAINING_KEYS = (
     "program", "args", "data", "batch_size", "optimizer", "mode", "replicas_to_aggregate",
     "total_replicas", "staleness", "steps", "seed", "partitioner", "checkpoint",
     "log_every_seconds", "eval_every_steps", "max_evaluations", "replica_timeout", "min_replicas",
-    "distinct_replicas", "pipelined", "steps_per_execution", "framework", "command", "data_shards",
+    "distinct_replicas", "pipelined", "steps_per_execution", "framework", "command", "data_shards", "placement",
 )  # fmt: skip
 MODES = ("async", "sync", "bounded")
 #: Each optimizer's parameters besides learning_rate (the runtime's make_optimizer accepts exactly these).
@@ -116,6 +116,7 @@ def normalise_training(
     out["data_shards"] = _int(c, t, "data_shards", worker_replicas, minimum=1, example=str(worker_replicas))
     out["seed"] = _int(c, t, "seed", 0, minimum=0, example="0")
     out["partitioner"] = _partitioner(c, t.get("partitioner"))
+    out["placement"] = c.choice((*T, "placement"), t.get("placement", "balanced"), PLACEMENTS, noun="placement")
     out["checkpoint"] = _checkpoint(c, t.get("checkpoint"), base_dir, allowed_paths)
     out["log_every_seconds"] = c.duration((*T, "log_every_seconds"), t.get("log_every_seconds", 1.0))
     out["eval_every_steps"] = _int(c, t, "eval_every_steps", 0, minimum=0, example="100")
