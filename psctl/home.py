@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Generic, TypeVar
@@ -72,9 +73,27 @@ class ClusterDir(RoleFolders[Path]):
         return self.root / "events.jsonl"
 
     @property
+    def stop_request(self) -> Path:
+        """``psctl down`` leaves the grace it asks for here before it signals the supervisor."""
+        return self.root / "stop-request.json"
+
+    @property
+    def slurm_job_file(self) -> Path:
+        """backend slurm: ``up`` writes the job's id here (the supervisor records it in the state once it runs)."""
+        return self.root / "slurm-job-id"
+
+    @property
     def scale_request(self) -> Path:
         """``psctl scale`` leaves its request here for the supervisor (which takes it within 0.1 s)."""
         return self.root / "scale-request.json"
+
+    def clear_last_run(self) -> None:
+        """Before a new ``up`` of this name: the last run's logs, results, events and requests go (its
+        checkpoints stay: the new run resumes from them)."""
+        for stale in (self.logs, self.run_dir):
+            shutil.rmtree(stale, ignore_errors=True)
+        for path in (self.events_file, self.stop_request, self.scale_request, self.slurm_job_file):
+            path.unlink(missing_ok=True)
 
     def create(self) -> None:
         for path in (self.root, self.logs, self.run_dir):

@@ -8,7 +8,6 @@ import importlib.util
 import os
 import queue
 import re
-import secrets
 import shutil
 import signal
 import subprocess
@@ -52,6 +51,7 @@ from psctl.supervisor.state import (
     RoleRecord,
     RoleState,
     load_state,
+    new_record,
     save_state,
 )
 
@@ -257,22 +257,9 @@ def _start(
     cdir = ClusterDir.named(spec.name)
     if cdir.state_file.is_file():
         _refuse_if_left_on_hosts(spec.name, load_state(cdir.state_file), runners)
-        for stale in (cdir.logs, cdir.run_dir):
-            shutil.rmtree(stale, ignore_errors=True)
-        cdir.events_file.unlink(missing_ok=True)
-        (cdir.root / "stop-request.json").unlink(missing_ok=True)
+        cdir.clear_last_run()
     cdir.create()
-    record = ClusterRecord(
-        name=spec.name,
-        cluster_id=f"{spec.name}-{secrets.token_hex(4)}",
-        spec_path=str(Path(spec.path).resolve()) if spec.path else "",
-        steps=int(spec.training.get("steps") or 0),
-        roles=[
-            RoleRecord(name=i.name, role=i.role, index=i.index, host=i.host, address=i.address, port=i.port)
-            for i in plan.instances
-        ],
-    )
-    record.tls = spec.security.tls
+    record = new_record(spec, plan)
     if record.tls:
         addresses = {h.name: h.address for h in spec.hosts}
 
@@ -402,7 +389,7 @@ def _tear_down(
     elif supervisor_alive(record):
         assert record.supervisor_pid is not None
         running = {r.name for r in record.roles if not r.state.terminal and r.pid}
-        write_json_atomic(cdir.root / "stop-request.json", {"grace": grace})
+        write_json_atomic(cdir.stop_request, {"grace": grace})
         with contextlib.suppress(ProcessLookupError):
             os.kill(record.supervisor_pid, signal.SIGTERM)
         deadline = time.monotonic() + grace + 10.0

@@ -6,10 +6,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
 import shutil
 import time
-from pathlib import Path
 
 from psctl.errors import LaunchError, UsageError
 from psctl.home import ClusterDir
@@ -20,19 +18,13 @@ from psctl.runtime.atomic import write_json_atomic
 from psctl.spec import ClusterSpec, Plan
 from psctl.spec.plan import LOCAL_ADDRESS, LOCAL_HOST
 from psctl.supervisor.agents import agent_member
-from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, load_state, save_state
+from psctl.supervisor.state import ClusterRecord, ClusterState, RoleState, load_state, new_record, save_state
 
 log = logging.getLogger("psctl.slurm")
 
 #: Job states in which the cluster's job may still run its supervisor.
 LIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED",
                "REQUEUE_HOLD", "REQUEUE_FED", "STAGE_OUT", "SIGNALING")
-STOP_REQUEST = "stop-request.json"
-
-
-def job_file(cdir: ClusterDir) -> Path:
-    """``up`` writes the job id here (the supervisor records it in the state once it runs)."""
-    return cdir.root / "slurm-job-id"
 
 
 def job_id(record: ClusterRecord) -> str | None:
@@ -40,7 +32,7 @@ def job_id(record: ClusterRecord) -> str | None:
     if job:
         return str(job)
     with contextlib.suppress(OSError):
-        return job_file(ClusterDir.named(record.name)).read_text().strip() or None
+        return ClusterDir.named(record.name).slurm_job_file.read_text().strip() or None
     return None
 
 
@@ -78,21 +70,9 @@ def submit_cluster(spec: ClusterSpec, plan: Plan, *, wait_started: float = 30.0)
     assert spec.slurm is not None
     cdir = ClusterDir.named(spec.name)
     if cdir.state_file.is_file():
-        for stale in (cdir.logs, cdir.run_dir):
-            shutil.rmtree(stale, ignore_errors=True)
-        for name in ("events.jsonl", STOP_REQUEST, job_file(cdir).name):
-            (cdir.root / name).unlink(missing_ok=True)
+        cdir.clear_last_run()
     cdir.create()
-    record = ClusterRecord(
-        name=spec.name,
-        cluster_id=f"{spec.name}-{secrets.token_hex(4)}",
-        spec_path=str(Path(spec.path).resolve()) if spec.path else "",
-        steps=int(spec.training.get("steps") or 0),
-        roles=[RoleRecord(name=i.name, role=i.role, index=i.index, host=i.host, address=i.address, port=i.port)
-               for i in plan.instances],
-        backend="slurm",
-    )
-    record.tls = spec.security.tls
+    record = new_record(spec, plan)
     if record.tls:
         members: list[tuple[str, str | list[str]]] = [(i.name, [LOCAL_ADDRESS]) for i in plan.instances]
         members += [(name, [LOCAL_ADDRESS]) for name, _ in plan.spare_slots()]
@@ -116,7 +96,7 @@ def submit_cluster(spec: ClusterSpec, plan: Plan, *, wait_started: float = 30.0)
         record.state, record.reason = ClusterState.FAILED, "sbatch refused the job"
         save_state(cdir.state_file, record)
         raise
-    job_file(cdir).write_text(job + "\n")
+    cdir.slurm_job_file.write_text(job + "\n")
     deadline = time.monotonic() + wait_started
     #: A reason the job would never start, and since when Slurm has given it (it settles within a second).
     never: tuple[str, float] | None = None
@@ -179,7 +159,7 @@ def stop_job(cdir: ClusterDir, record: ClusterRecord, *, grace: float) -> int:
     running = sum(1 for r in record.roles if not r.state.terminal and r.pid)
     state = slurm.job_state(job)
     if state == "RUNNING":
-        write_json_atomic(cdir.root / STOP_REQUEST, {"grace": grace})
+        write_json_atomic(cdir.stop_request, {"grace": grace})
         slurm.cancel(job, signal="TERM", batch_only=True)
         slurm.wait_gone(job, grace + 20.0)
     if state is not None:

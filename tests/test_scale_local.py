@@ -64,7 +64,7 @@ def assert_every_batch_once(cluster: SupervisedCluster, steps: int) -> dict[str,
 
 
 def test_workers_scaled_2_to_4_to_1_while_training_take_every_batch_exactly_once(psctl_env: PsctlEnv) -> None:
-    steps = 12000
+    steps = 6000
     cluster = SupervisedCluster(psctl_env, "scalew", spec_text("scalew", steps))
     cluster.up()
     wait_until(lambda: cluster.progress() >= 300, timeout=120, what="global step 300", detail=cluster.describe)
@@ -99,7 +99,7 @@ def test_workers_scaled_2_to_4_to_1_while_training_take_every_batch_exactly_once
 
 
 def test_ps_scaled_2_to_3_while_training_reshards_every_variable_unchanged(psctl_env: PsctlEnv) -> None:
-    steps = 10000
+    steps = 5000
     cluster = SupervisedCluster(psctl_env, "scaleps", spec_text("scaleps", steps))
     cluster.up()
     wait_until(lambda: cluster.progress() >= 300, timeout=120, what="global step 300", detail=cluster.describe)

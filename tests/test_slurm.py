@@ -128,7 +128,7 @@ def test_the_digits_mlp_trains_through_one_slurm_job_whose_roles_are_steps(penv:
 
 
 def test_a_cancelled_step_and_a_killed_worker_come_back_as_new_steps(penv: PsctlEnv, slurm: SlurmBed) -> None:
-    steps = 12000
+    steps = 5000
     spec = write_spec(penv, "sl-fault", steps=steps)
     job = up(penv, spec)
     training(penv, "sl-fault", 500)
@@ -156,7 +156,7 @@ def test_a_cancelled_step_and_a_killed_worker_come_back_as_new_steps(penv: Psctl
 
 
 def test_a_requeued_job_resumes_from_its_last_checkpoint_at_the_exact_step(penv: PsctlEnv, slurm: SlurmBed) -> None:
-    steps = 12000
+    steps = 5000
     spec = write_spec(penv, "sl-requeue", steps=steps)
     job = up(penv, spec)
     training(penv, "sl-requeue", 500)

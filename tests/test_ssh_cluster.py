@@ -674,7 +674,7 @@ def test_a_new_supervisor_adopts_the_roles_on_the_hosts_and_training_ends_exactl
 def test_workers_and_ps_scaled_on_ssh_hosts_start_on_their_pools_and_training_ends_exactly(remote: Remote) -> None:
     """`psctl scale` over SSH: the new worker starts on the next host of its pool (h3, whose key the supervisor
     sends with its start), a third ps on h1; the chief reshards and takes the worker in; exact step count."""
-    steps = 12000
+    steps = 6000
     roles = textwrap.dedent("""\
           chief: {host: h1, port: 7100}
           ps: {replicas: 2, max_replicas: 3, hosts: [h2, h3, h1], port: 7110}

@@ -214,15 +214,18 @@ class Chief:
                 remaining = max(0, self.config.steps - self.ps.state(0).global_step)
                 continue
             if self.checkpointer is not None and self.checkpointer.due(self.meter.global_step):
-                coordinator.join()
+                if not self._join(coordinator):
+                    break  # stopping: nothing to checkpoint consistently now (the stop path tries)
                 self._checkpoint()
             steps = min(per_call, remaining)
             coordinator.schedule("train", steps=steps)
             remaining -= steps
-        if self.stop.is_set():
+        if self.stop.is_set() or not self._join(coordinator):
             self._stop_scheduling(coordinator)
-            return
-        coordinator.join()
+
+    def _join(self, coordinator: ClusterCoordinator) -> bool:
+        """Wait until no step is queued or running; False if the chief is being stopped meanwhile."""
+        return coordinator.join(give_up=self.stop.is_set)
 
     @staticmethod
     def _stop_scheduling(coordinator: ClusterCoordinator) -> None:
@@ -443,7 +446,8 @@ class Chief:
         """A ps is leaving (preempted) and waits for it: with nothing in flight, checkpoint every ps, wait until
         the leaving ones are gone, and restore that checkpoint into their successors: no step is recomputed."""
         leaving = sorted(self._leaving)
-        coordinator.join()
+        if not self._join(coordinator):
+            return
         assert self.checkpointer is not None
         self._checkpoint()
         self.checkpointer.wait()
@@ -482,7 +486,8 @@ class Chief:
         addresses = self._ps_wanted
         assert addresses is not None
         cfg = self.config
-        coordinator.join()
+        if not self._join(coordinator):
+            return
         if self.checkpointer is not None:
             self.checkpointer.wait()
         before = take_snapshot(self.model, self.ps)

@@ -235,18 +235,23 @@ class ClusterCoordinator:
             self._raise_error()
             return not self._queue and self._inflight == 0
 
-    def join(self, timeout: float | None = None) -> None:
+    def join(self, timeout: float | None = None, *, give_up: Callable[[], bool] = lambda: False) -> bool:
+        """Wait until nothing is queued or running (True), or ``give_up()`` says to stop waiting (False: the
+        chief is stopping, and so are the workers that would take what is queued)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._queue or self._inflight:
                 if self._error is not None:
                     break
+                if give_up():
+                    return False
                 self._raise_ps_failure()
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"{len(self._queue)} queued and {self._inflight} running steps remain")
                 self._cond.wait(timeout=0.5 if remaining is None else min(0.5, remaining))
             self._raise_error()
+            return True
 
     def wait_for_workers(self, timeout: float) -> int:
         """Wait (bounded) until every worker answers, so the first steps are not all taken by the quickest

@@ -16,6 +16,10 @@ from psctl.spec import load_spec
 from psctl.supervisor.daemon import Supervisor
 from psctl.supervisor.state import ClusterState, load_state, save_state
 
+#: Seconds the supervisor of a Slurm job that Slurm stops waits for its roles to go before it records the
+#: outcome: Slurm signals every step itself and SIGKILLs what is left after its KillWait (30 s by default).
+SLURM_FINISH_WAIT = 5.0
+
 
 def main(argv: list[str]) -> int:
     os.umask(0o077)  # logs, metrics, results and checkpoints are private to their owner
@@ -36,10 +40,11 @@ def main(argv: list[str]) -> int:
 
     def on_term(signum: int, _frame: object) -> None:
         logging.info("received %s: stopping the cluster", signal.Signals(signum).name)
-        if record.backend == "slurm" and not (cdir.root / "stop-request.json").exists():
+        if record.backend == "slurm" and not cdir.stop_request.exists():
             # not psctl down: Slurm preempts, requeues or cancels the job, or its time is up
             supervisor.stop_reason = "stopped by Slurm (preempted, requeued, cancelled or out of time)"
             supervisor.default_grace = spec.supervision.preemption_grace
+            supervisor.finish_wait = SLURM_FINISH_WAIT
         supervisor.stop_requested.set()
 
     signal.signal(signal.SIGTERM, on_term)

@@ -86,6 +86,9 @@ class Supervisor:
         #: grace in stop-request.json).
         self.stop_reason = "stopped by psctl down"
         self.default_grace = 5.0
+        #: How long the finish waits for the roles to be reported gone (None: their stop's grace and 5 s). A
+        #: Slurm job being stopped SIGKILLs everything after its KillWait: the outcome is recorded first.
+        self.finish_wait: float | None = None
         self._starters = ThreadPoolExecutor(AGENT_STARTERS, thread_name_prefix="psctl-agent-start")
         self._starting: set[str] = set()  # hosts whose agent a starter thread is starting now
         #: Per host, the roles its agent's last report shows running (the finish waits for them to exit).
@@ -356,7 +359,7 @@ class Supervisor:
     def finish(self, action: policy.Finish) -> None:
         """The policy ordered every role stopped: wait for the agents to report them gone, collect the result,
         record the outcome, and end the agents."""
-        deadline = self.time() + action.grace + 5.0
+        deadline = self.time() + (action.grace + 5.0 if self.finish_wait is None else self.finish_wait)
         while any(self._running.get(h) for h in self._running) and self.time() < deadline:
             self.act([a for a in policy.decide(self.state, self.drain(), self.time())
                       if not isinstance(a, policy.Finish)])
@@ -373,7 +376,7 @@ class Supervisor:
     def stop_grace(self) -> float:
         """Seconds between SIGTERM and SIGKILL: ``psctl down --grace`` leaves it in stop-request.json."""
         try:
-            return float(json.loads((self.cdir.root / "stop-request.json").read_text())["grace"])
+            return float(json.loads(self.cdir.stop_request.read_text())["grace"])
         except (OSError, ValueError, KeyError, TypeError):
             return self.default_grace
 

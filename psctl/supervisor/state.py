@@ -16,6 +16,7 @@ STOPPING → STOPPED on ``psctl down``.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from dataclasses import dataclass, field, fields
 from enum import Enum
@@ -23,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from psctl.runtime.atomic import write_json_atomic
-from psctl.spec.plan import endpoint
+from psctl.spec.model import ClusterSpec
+from psctl.spec.plan import Plan, endpoint
 
 
 class RoleState(str, Enum):
@@ -187,6 +189,21 @@ class ClusterRecord:
         data["state"] = ClusterState(data.get("state", "starting"))
         data["roles"] = [RoleRecord.from_dict(r) for r in data.get("roles", [])]
         return cls(**data)
+
+
+def new_record(spec: ClusterSpec, plan: Plan) -> ClusterRecord:
+    """The record of a cluster about to start: a fresh id, every planned role pending."""
+    record = ClusterRecord(
+        name=spec.name,
+        cluster_id=f"{spec.name}-{secrets.token_hex(4)}",
+        spec_path=str(Path(spec.path).resolve()) if spec.path else "",
+        steps=int(spec.training.get("steps") or 0),
+        roles=[RoleRecord(name=i.name, role=i.role, index=i.index, host=i.host, address=i.address, port=i.port)
+               for i in plan.instances],
+        backend=spec.backend,
+    )
+    record.tls = spec.security.tls
+    return record
 
 
 def save_state(path: Path, record: ClusterRecord) -> None:
