@@ -155,7 +155,9 @@ def test_sync_training_survives_repeated_worker_kills(psctl_env: PsctlEnv) -> No
     # as good a model as the fault-free run
     acc, ref_acc = result["metrics"]["accuracy"], reference["metrics"]["accuracy"]
     assert ref_acc > 0.95, reference
-    assert abs(acc - ref_acc) <= 0.01, (acc, ref_acc)
+    # 359 test examples: two runs that see their batches in another order differ by a point or two by chance
+    # (a binomial standard error of ~0.8 points each); a run that lost or doubled updates falls much further
+    assert abs(acc - ref_acc) <= 0.02, (acc, ref_acc)
 
     # every kill was seen as that, and answered with a restart that came up and ran
     per_role = Counter(k.role for k in kills)
