@@ -234,9 +234,11 @@ class Supervisor:
                 self.command(action.host, pb.AgentCommand(stop=pb.StopRole(
                     name=action.name, incarnation=action.incarnation, grace_seconds=action.grace)))
             elif isinstance(action, policy.SendView):
-                view = pb.AgentCommand(view=policy.cluster_view(self.state))
+                chief = self.state.chief
+                views = {with_chief: pb.AgentCommand(view=policy.cluster_view(self.state, for_chief=with_chief))
+                         for with_chief in (True, False)}
                 for host in [action.host] if action.host else list(self.places):
-                    self.command(host, view)
+                    self.command(host, views[chief is not None and chief.host == host])
             elif isinstance(action, policy.Finish):
                 self.finish(action)
 

@@ -276,11 +276,14 @@ def members(record: ClusterRecord, role: str) -> list[RoleRecord]:
     return sorted((r for r in record.roles if r.role == role and not r.retired), key=lambda r: r.index)
 
 
-def cluster_view(state: PolicyState) -> pb.ClusterView:
-    """What the agents answer their roles' heartbeats with: the dialled roles' addresses, the chief's incarnation."""
+def cluster_view(state: PolicyState, *, for_chief: bool = True) -> pb.ClusterView:
+    """What the agents answer their roles' heartbeats with: the dialled roles' addresses, the chief's incarnation.
+    Every worker's address goes only to the chief's host (``for_chief``): with a thousand workers, the other
+    hosts' agents would get tens of kB each they never use."""
     view = pb.ClusterView(chief_incarnation=state.chief_incarnation())
     for job, addresses in state.addresses.items():
-        view.addresses[job].addresses.update(addresses)
+        if job != "chief" or for_chief:
+            view.addresses[job].addresses.update(addresses)
     return view
 
 
