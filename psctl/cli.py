@@ -327,6 +327,9 @@ def scale(name: str, targets: tuple[str, ...]) -> None:
     """
     from psctl import scaling
 
+    if "=" in name:
+        raise UsageError(f"{name!r} is a change, not a cluster: give the cluster's name first",
+                         hint=f"psctl scale NAME {' '.join((name, *targets))}")
     wanted = scaling.parse_targets(targets)
     cdir = operations.resolve_cluster(name)
     for change in scaling.scale(cdir, wanted):

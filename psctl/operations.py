@@ -261,17 +261,7 @@ def _start(
     cdir.create()
     record = new_record(spec, plan)
     if record.tls:
-        addresses = {h.name: h.address for h in spec.hosts}
-
-        def where(i: RoleInstance) -> list[str]:  # the addresses of every host the instance may run on
-            return [addresses.get(h, i.address) for h in plan.hosts_of(i)]
-
-        hosts = {LOCAL_HOST, *(h.name for h in spec.hosts)}
-        members = [(i.name, where(i)) for i in plan.instances] + [("supervisor", ["127.0.0.1"])]
-        members += [(name, [addresses.get(h, LOCAL_ADDRESS) for h in pool] or [LOCAL_ADDRESS])
-                    for name, pool in plan.spare_slots()]  # psctl scale's: no CA key is kept to mint them later
-        members += [(agent_member(h), ["127.0.0.1"]) for h in sorted(hosts)]
-        create_cluster_pki(cdir.tls_dir, record.cluster_id, members)
+        create_cluster_pki(cdir.tls_dir, record.cluster_id, pki_members(spec, plan))
     try:
         record.hosts = prepare_hosts(spec, plan, cdir, runners, reports)
     except PsctlError:
@@ -294,6 +284,23 @@ def _start(
         f"the supervisor of {spec.name!r} did not start within {wait_started:.0f}s; "
         f"see {cdir.supervisor_log}"
     )
+
+
+def pki_members(spec: ClusterSpec, plan: Plan) -> list[tuple[str, list[str]]]:
+    """Who gets a certificate at ``up``, with the addresses it may listen on: every role (its whole pool),
+    every replica ``psctl scale`` may add (no CA key is kept to mint them later), the supervisor, and the
+    agent of every host."""
+    addresses = {h.name: h.address for h in spec.hosts}
+
+    def where(i: RoleInstance) -> list[str]:  # the addresses of every host the instance may run on
+        return [addresses.get(h, i.address) for h in plan.hosts_of(i)]
+
+    members = [(i.name, where(i)) for i in plan.instances]
+    members += [(name, [addresses.get(h, LOCAL_ADDRESS) for h in pool] or [LOCAL_ADDRESS])
+                for name, pool in plan.spare_slots()]
+    members.append(("supervisor", [LOCAL_ADDRESS]))
+    members += [(agent_member(h), [LOCAL_ADDRESS]) for h in sorted({LOCAL_HOST, *addresses})]
+    return members
 
 
 def spawn_supervisor(cdir: ClusterDir, record: ClusterRecord) -> None:

@@ -13,11 +13,10 @@ from psctl.errors import LaunchError, UsageError
 from psctl.home import ClusterDir
 from psctl.launch import slurm
 from psctl.launch.slurm import SlurmRefused
+from psctl.operations import pki_members
 from psctl.pki import create_cluster_pki
 from psctl.runtime.atomic import write_json_atomic
 from psctl.spec import ClusterSpec, Plan
-from psctl.spec.plan import LOCAL_ADDRESS, LOCAL_HOST
-from psctl.supervisor.agents import agent_member
 from psctl.supervisor.state import ClusterRecord, ClusterState, RoleState, load_state, new_record, save_state
 
 log = logging.getLogger("psctl.slurm")
@@ -73,19 +72,13 @@ def submit_cluster(spec: ClusterSpec, plan: Plan, *, wait_started: float = 30.0)
         cdir.clear_last_run()
     cdir.create()
     record = new_record(spec, plan)
-    if record.tls:
-        members: list[tuple[str, str | list[str]]] = [(i.name, [LOCAL_ADDRESS]) for i in plan.instances]
-        members += [(name, [LOCAL_ADDRESS]) for name, _ in plan.spare_slots()]
-        members += [("supervisor", [LOCAL_ADDRESS]), (agent_member(LOCAL_HOST), [LOCAL_ADDRESS])]
-        create_cluster_pki(cdir.tls_dir, record.cluster_id, members)
+    if record.tls:  # (roles are named, not addressed: TLS checks the cluster's server name, see pki)
+        create_cluster_pki(cdir.tls_dir, record.cluster_id, pki_members(spec, plan))
     save_state(cdir.state_file, record)  # before sbatch: the job may start at once and read it
     script = cdir.root / "slurm-job.sh"
     slurm.write_script(script, cdir.root)
     argv = slurm.sbatch_argv(
-        {"partition": spec.slurm.partition, "account": spec.slurm.account, "time": spec.slurm.time,
-         "qos": spec.slurm.qos, "nodes": spec.slurm.nodes, "cpus_per_task": spec.slurm.cpus_per_task,
-         "requeue": spec.slurm.requeue, "sbatch_options": spec.slurm.sbatch_options},
-        name=spec.name, script=script, output=cdir.root / "slurm-%j.out",
+        spec.slurm, name=spec.name, script=script, output=cdir.root / "slurm-%j.out",
         workdir=spec.path.parent if spec.path else cdir.root, tasks=len(plan.instances),
     )
     where = f"{spec.source.filename}:{spec.source.line(('slurm',), key=True)}"

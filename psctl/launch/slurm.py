@@ -23,9 +23,9 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from psctl.errors import LaunchError, PsctlError
+from psctl.spec.model import SlurmSpec
 
 #: Commands psctl runs on the submit host.
 CLIENT_COMMANDS = ("sbatch", "squeue", "scancel", "sinfo")
@@ -96,21 +96,18 @@ NEVER_RUNS = ("PartitionConfig", "PartitionTimeLimit", "PartitionNodeLimit", "In
               "AccountNotAllowed", "QOSMaxWallDurationPerJobLimit", "BadConstraints")
 
 
-def sbatch_argv(slurm: Mapping[str, Any], *, name: str, script: Path, output: Path, workdir: Path,
+def sbatch_argv(slurm: SlurmSpec, *, name: str, script: Path, output: Path, workdir: Path,
                 tasks: int) -> list[str]:
     """``sbatch`` for the cluster's job: its name, output file, allocation and the spec's options."""
-    nodes = int(slurm.get("nodes") or 1)
     argv = ["sbatch", "--parsable", f"--job-name=psctl-{name}", f"--output={output}", f"--chdir={workdir}",
-            f"--nodes={nodes}", f"--ntasks-per-node={max(1, -(-tasks // nodes))}"]
-    for key in ("partition", "account", "time", "qos"):
-        if slurm.get(key):
-            argv.append(f"--{key}={slurm[key]}")
-    if slurm.get("cpus_per_task"):
-        argv.append(f"--cpus-per-task={slurm['cpus_per_task']}")
-    if slurm.get("requeue", True):
+            f"--nodes={slurm.nodes}", f"--ntasks-per-node={max(1, -(-tasks // slurm.nodes))}"]
+    for key, value in (("partition", slurm.partition), ("account", slurm.account), ("time", slurm.time),
+                       ("qos", slurm.qos), ("cpus-per-task", slurm.cpus_per_task)):
+        if value:
+            argv.append(f"--{key}={value}")
+    if slurm.requeue:
         argv.append("--requeue")
-    argv += list(slurm.get("sbatch_options") or ())
-    return [*argv, str(script)]
+    return [*argv, *slurm.sbatch_options, str(script)]
 
 
 def write_script(path: Path, cluster_dir: Path, *, python: str = sys.executable) -> None:

@@ -119,6 +119,8 @@ class WorkerState:
     last_round: int | None = None
     #: Scaled away (psctl scale): its thread ends once its step is done; it is never given work again.
     removed: bool = False
+    #: The ps layout (ClusterCoordinator.layout) this process has been sent; -1: none yet.
+    layout_sent: int = -1
 
 
 ResultCallback = Callable[[Closure, pb.StepResponse, int], None]
@@ -157,6 +159,8 @@ class ClusterCoordinator:
         self.chief_incarnation = chief_incarnation
         self.num_shards = num_shards or len(workers)
         self.ps_addresses = list(ps_addresses)
+        #: Bumped with every new ps layout: a step carries the layout only to a worker process not yet sent it.
+        self.layout = 0
         # Every worker is probed before its first step: its incarnation is known from the start (so a restart
         # is recognised), and one still starting is waited for rather than counted as lost.
         self.workers = [WorkerState(i, a, alive=False) for i, a in enumerate(workers)]
@@ -363,6 +367,7 @@ class ClusterCoordinator:
         """The ps layout every later step carries (after the chief resharded the variables onto it)."""
         with self._cond:
             self.ps_addresses = list(addresses)
+            self.layout += 1
 
     def set_worker_address(self, index: int, address: str) -> None:
         """Worker ``index`` now listens at ``address`` (its supervisor restarted it on another host of its pool).
@@ -485,6 +490,8 @@ class ClusterCoordinator:
             return False
         if worker.incarnation is not None and reply.incarnation != worker.incarnation:
             self.on_worker_event(f"worker:{worker.index} is back as a new process (incarnation {reply.incarnation})")
+        if reply.incarnation != worker.incarnation:
+            worker.layout_sent = -1  # a new process: it learns the layout again with its next step
         worker.incarnation = reply.incarnation
         return True
 
@@ -531,8 +538,9 @@ class ClusterCoordinator:
                 params_epoch=self.params_epoch,
                 steps=closure.steps,
                 chief_incarnation=self.chief_incarnation,
-                ps_addresses=self.ps_addresses,
+                ps_addresses=self.ps_addresses if worker.layout_sent != self.layout else (),
             )
+            layout = self.layout
             try:
                 response = self._stubs[worker.index].RunStep(request, timeout=self.step_timeout)
             except grpc.RpcError as exc:
@@ -540,6 +548,7 @@ class ClusterCoordinator:
                 continue
             with self._cond:
                 worker.steps += closure.steps
+                worker.layout_sent = layout
                 self._cond.notify_all()  # a slow worker's progress may unblock workers held by the bound
             if self.on_result is not None:
                 self.on_result(closure, response, worker.index)
