@@ -232,6 +232,10 @@ class BenchCluster:
         )
         return env
 
+    def command(self, task_type: str, index: int) -> list[str]:
+        """What a role runs (its configuration comes in :meth:`env`)."""
+        return [sys.executable, "-m", "psctl.runtime"]
+
     def start(self, task_type: str, index: int) -> Role:
         log_path = self.run_dir / f"{task_type}-{index}.log"
         reservation = self._reservations.pop(self.jobs[task_type][index], None)
@@ -240,7 +244,7 @@ class BenchCluster:
         started_at = time.time()
         with log_path.open("wb") as out:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "psctl.runtime"],
+                self.command(task_type, index),
                 env=self.env(task_type, index),
                 cwd=REPO_ROOT,
                 stdout=out,
@@ -364,6 +368,8 @@ class Monitor:
     #: False: sample memory only (a benchmark that must not send the PS any extra rpc).
     poll_steps: bool = True
     samples: list[StepSample] = field(default_factory=list)
+    #: (time.time(), CPU seconds so far per role), one entry per memory sample.
+    cpu_samples: list[tuple[float, dict[str, float]]] = field(default_factory=list)
     ps_initialized_at: float | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -386,6 +392,7 @@ class Monitor:
                 role.peak_rss = max(role.peak_rss, _tree_rss(role.process))
                 cpu = role.process.cpu_times()
                 role.cpu_seconds = max(role.cpu_seconds, cpu.user + cpu.system)
+        self.cpu_samples.append((time.time(), {r.task: r.cpu_seconds for r in self.cluster.roles}))
 
     def _run(self) -> None:
         ps = self.cluster.jobs.get("ps", []) if self.poll_steps else []
@@ -422,16 +429,34 @@ class Monitor:
     def first_step_at(self) -> float | None:
         return next((s.time for s in self.samples if s.global_step > 0), None)
 
-    def rate(self, start_step: int, end_step: int) -> tuple[float, int, float]:
-        """(steps/s, steps counted, seconds) between the first samples at or past ``start_step`` and
-        ``end_step`` (or the last sample, if training never got that far)."""
+    def window(self, start_step: int, end_step: int) -> tuple[StepSample, StepSample] | None:
+        """The first samples at or past ``start_step`` and ``end_step`` (or the last sample, if training never
+        got that far); None without two distinct times."""
         start = next((s for s in self.samples if s.global_step >= start_step), None)
         end = next((s for s in self.samples if s.global_step >= end_step), self.samples[-1] if self.samples else None)
         if start is None or end is None or end.time <= start.time:
+            return None
+        return start, end
+
+    def rate(self, start_step: int, end_step: int) -> tuple[float, int, float]:
+        """(steps/s, steps counted, seconds) over :meth:`window`."""
+        window = self.window(start_step, end_step)
+        if window is None:
             return float("nan"), 0, 0.0
+        start, end = window
         steps = end.global_step - start.global_step
         seconds = end.time - start.time
         return steps / seconds, steps, seconds
+
+    def cpu_between(self, start: float, end: float) -> dict[str, float]:
+        """CPU seconds each role used between two wall times, from the samples nearest outside them (so at
+        most one sampling interval more at each end)."""
+        before = [s for s in self.cpu_samples if s[0] <= start] or self.cpu_samples[:1]
+        after = [s for s in self.cpu_samples if s[0] >= end] or self.cpu_samples[-1:]
+        if not before or not after:
+            return {}
+        first, last = before[-1][1], after[0][1]
+        return {task: round(last[task] - first.get(task, 0.0), 3) for task in last}
 
     def peak_rss_mb(self) -> dict[str, float]:
         return {r.task: round(r.peak_rss / MIB, 1) for r in self.cluster.roles}

@@ -124,6 +124,15 @@ def startup(cluster: BenchCluster, launched: float, first_step: float | None) ->
     return marks
 
 
+def cpu_ms_per_step(window_cpu: dict[str, float], steps: int) -> dict[str, float | None]:
+    """CPU milliseconds per global step of each role over the measured window, and of all roles together."""
+    if not steps or not window_cpu:
+        return {}
+    out: dict[str, float | None] = {task: rounded(1000 * cpu / steps, 2) for task, cpu in window_cpu.items()}
+    out["total"] = rounded(1000 * sum(window_cpu.values()) / steps, 2)
+    return out
+
+
 def wait_for_chief(cluster: BenchCluster, timeout: float) -> int:
     chief = cluster.role("chief")
     deadline = time.monotonic() + timeout
@@ -181,6 +190,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError(f"the chief exited with code {rc}")
         warm = max(1, round(args.steps * args.warmup_fraction))
         steps_per_s, counted, seconds = monitor.rate(warm, args.steps)
+        window = monitor.window(warm, args.steps)
+        window_cpu = monitor.cpu_between(window[0].time, window[1].time) if window else {}
         first = monitor.first_step_at()
         init = monitor.ps_initialized_at
         return {
@@ -195,6 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "wall_s": rounded(finished - launched),
             "peak_rss_mb": monitor.peak_rss_mb(),
             "cpu_s": monitor.cpu_seconds(),
+            "cpu_ms_per_step": cpu_ms_per_step(window_cpu, counted),
             **chief_figures(run_dir, launched),
             "machine": machine(),
         }
