@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import sys
 import time
@@ -121,7 +122,7 @@ def build(workload: str, training: dict[str, Any], strategy: tf.distribute.Strat
     hidden = training["args"]["hidden_units"]
     widths = [data["num_features"], *(hidden if isinstance(hidden, list) else [hidden]), data["num_classes"]]
     layers = []
-    for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
+    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
         layers.append((variable(glorot_uniform, (fan_in, fan_out), f"layer{i}/kernel"),
                        variable(zeros, (fan_out,), f"layer{i}/bias")))
 

@@ -14,7 +14,16 @@ import numpy as np
 
 from psctl.models import compute_dtype, dense, resolve_args
 from psctl.models.data import ArrayDataset, data_shape, load_dataset
-from psctl.runtime.program import Batch, EmbeddingRows, Grads, Params, Program, SparseGrad, VariableDef
+from psctl.runtime.program import (
+    Batch,
+    EmbeddingRows,
+    Grads,
+    Params,
+    Program,
+    SparseGrad,
+    VariableDef,
+    unique_ids,
+)
 
 NAME = "psctl.models.wide_embedding"
 TABLE = "emb/table"
@@ -40,7 +49,7 @@ class WideEmbedding:
         ]
 
     def embedding_ids(self, batch: Batch) -> dict[str, np.ndarray]:
-        return {TABLE: np.unique(self._ids(batch)).astype(np.int64)}
+        return {TABLE: unique_ids(self._ids(batch)).astype(np.int64, copy=False)}
 
     def loss_and_grads(self, params: Params, batch: Batch) -> tuple[float, Grads]:
         kernel, bias = dense(params, "head/kernel"), dense(params, "head/bias")
@@ -48,12 +57,14 @@ class WideEmbedding:
         rows, pos, pooled, z = self._forward(params, ids)
         y = binary_labels(batch, z.dtype)
         dz = (sigmoid(z) - y) / len(y)
-        # Each of an example's k ids receives 1/k of the pooled gradient; bincount sums repeated ids.
-        per_id = np.repeat((dz[:, None] * kernel[:, 0]) / ids.shape[1], ids.shape[1], axis=0)
-        flat = (pos.reshape(-1, 1) * self.dim + np.arange(self.dim)).reshape(-1)
-        table_grad = np.bincount(flat, weights=per_id.reshape(-1), minlength=len(rows.ids) * self.dim)
+        # Each of an example's k ids receives 1/k of the pooled gradient dz_i * kernel, so a row's gradient is
+        # kernel times the sum of dz_i / k over its occurrences: one weight per id to sum (bincount, repeated
+        # ids included), not one per id and dimension.
+        k = ids.shape[1]
+        per_row = np.bincount(pos.reshape(-1), weights=np.repeat(dz / k, k), minlength=len(rows.ids))
+        table_grad = np.multiply.outer(per_row.astype(rows.rows.dtype), kernel[:, 0].astype(rows.rows.dtype))
         return binary_cross_entropy(z, y), {
-            TABLE: SparseGrad(rows.ids, table_grad.reshape(len(rows.ids), self.dim).astype(rows.rows.dtype)),
+            TABLE: SparseGrad(rows.ids, table_grad),
             "head/kernel": (pooled.T @ dz)[:, None].astype(kernel.dtype, copy=False),
             "head/bias": np.array([dz.sum()], dtype=bias.dtype),
         }
@@ -95,7 +106,7 @@ def embedding_rows(table: np.ndarray | EmbeddingRows, ids: np.ndarray) -> Embedd
     """The runtime passes rows; a whole table (local runs, tests) is reduced to the rows ``ids`` need."""
     if isinstance(table, EmbeddingRows):
         return table
-    unique = np.unique(ids).astype(np.int64)
+    unique = unique_ids(ids).astype(np.int64, copy=False)
     return EmbeddingRows(unique, np.asarray(table)[unique])
 
 

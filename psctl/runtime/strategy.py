@@ -290,12 +290,19 @@ def _num_shards(var: VariableDef, partitioner: Partitioner) -> int:
     return 1 if n == 1 else max(1, min(n, shape[0]))
 
 
-Routed = list[tuple[ShardInfo, np.ndarray, np.ndarray]]
+#: (shard, positions in the flat ids: an index array, or a slice when they are a contiguous run, local rows).
+Routed = list[tuple[ShardInfo, np.ndarray | slice, np.ndarray]]
 
 
 def route_ids(layout: VariableLayout, ids: np.ndarray) -> Routed:
     """For each shard holding some of ``ids``: (shard, flat positions in ``ids``, local rows), so a worker
-    can send one gather per shard in parallel. Duplicates are kept: rows align with positions."""
+    can send one gather per shard in parallel. Duplicates are kept: rows align with positions.
+
+    Sorted ids (what a step's unique ids and sparse gradients are) fall on the shards in runs, since shards are
+    row ranges: each shard's positions are then a slice, so its ids and values are views, not gathered copies."""
+    flat = np.asarray(ids).reshape(-1)
+    if flat.size and np.issubdtype(flat.dtype, np.integer) and bool(np.all(flat[1:] >= flat[:-1])):
+        return _route_sorted(layout, flat)
     shard, row = layout.locate(ids)
     shard, row = shard.reshape(-1), row.reshape(-1)
     order = np.argsort(shard, kind="stable")
@@ -310,6 +317,17 @@ def route_ids(layout: VariableLayout, ids: np.ndarray) -> Routed:
     return routed
 
 
+def _route_sorted(layout: VariableLayout, ids: np.ndarray) -> Routed:
+    layout.locate(ids[[0, -1]])  # the range check (the smallest and the largest id), with its error
+    offsets = [s.row_offset for s in layout.shards]
+    cuts = np.searchsorted(ids, offsets[1:], side="left").tolist()
+    routed: Routed = []
+    for info, start, end in zip(layout.shards, [0, *cuts], [*cuts, len(ids)], strict=True):
+        if end > start:
+            routed.append((info, slice(start, end), ids[start:end].astype(np.int64) - info.row_offset))
+    return routed
+
+
 def stitch_rows(
     layout: VariableLayout, ids: np.ndarray, routed: Routed, rows_per_shard: Sequence[np.ndarray]
 ) -> np.ndarray:
@@ -320,9 +338,9 @@ def stitch_rows(
     tail = tuple(layout.variable.shape[1:])
     dtype = np.result_type(*rows_per_shard) if rows_per_shard else np.dtype(layout.variable.dtype)
     out = np.empty((ids.size, *tail), dtype=dtype)
-    for (info, positions, _), rows in zip(routed, rows_per_shard, strict=True):
-        if np.shape(rows) != (len(positions), *tail):
-            raise ValueError(f"shard {info.name!r} answered shape {np.shape(rows)}, expected {(len(positions), *tail)}")
+    for (info, positions, local), rows in zip(routed, rows_per_shard, strict=True):
+        if np.shape(rows) != (len(local), *tail):
+            raise ValueError(f"shard {info.name!r} answered shape {np.shape(rows)}, expected {(len(local), *tail)}")
         out[positions] = rows
     return out.reshape(ids.shape + tail)
 
@@ -337,6 +355,6 @@ def shard_slices_for_global(
         raise ValueError(f"sparse gradient ids must be 1-d, got shape {ids.shape}")
     if values.shape != (len(ids), *layout.variable.shape[1:]):
         raise ValueError(f"values of shape {values.shape} do not match {len(ids)} rows of {layout.variable.shape}")
-    if np.unique(ids).size != ids.size:
+    if not bool(np.all(ids[1:] > ids[:-1])) and np.unique(ids).size != ids.size:  # sorted unique: no sort
         raise ValueError(f"sparse gradient ids for {layout.variable.name!r} must be unique")
     return [(info, rows, values[positions]) for info, positions, rows in route_ids(layout, ids)]
