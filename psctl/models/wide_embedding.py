@@ -22,8 +22,8 @@ from psctl.runtime.program import (
     Program,
     SparseGrad,
     VariableDef,
-    unique_ids,
 )
+from psctl.runtime.rows import unique_ids
 
 NAME = "psctl.models.wide_embedding"
 TABLE = "emb/table"

@@ -25,6 +25,8 @@ from typing import ClassVar
 
 import numpy as np
 
+from psctl.runtime.rows import gather_rows, scatter_rows, unique_ids
+
 __all__ = [
     "OPTIMIZERS",
     "SGD",
@@ -105,23 +107,23 @@ class Optimizer(ABC):
             bad = rows[(rows < 0) | (rows >= num_rows)]
             raise ValueError(f"row index {int(bad[0])} out of range for a variable with {num_rows} rows")
 
-        unique, inverse = np.unique(rows, return_inverse=True)
         grad_rows = grad_rows.astype(var.dtype, copy=False)
-        summed = np.zeros((unique.shape[0], *var.shape[1:]), dtype=var.dtype)
-        if unique.shape[0] == rows.shape[0]:
-            summed[inverse.reshape(-1)] = grad_rows
+        if bool(np.all(rows[1:] > rows[:-1])):  # sorted and unique already (what workers send)
+            unique, summed = rows, grad_rows.copy()
         else:
-            np.add.at(summed, inverse.reshape(-1), grad_rows)
+            unique, inverse = unique_ids(rows, return_inverse=True)
+            summed = np.zeros((unique.shape[0], *var.shape[1:]), dtype=var.dtype)
+            np.add.at(summed, inverse, grad_rows)
 
         # the rule on gathered copies of the rows (scalar slots as they are), then the rows scattered back
-        rows_var = var[unique]
-        row_slots = {key: slots[key] if key in self.scalar_slot_names else slots[key][unique]
+        rows_var = gather_rows(var, unique)
+        row_slots = {key: slots[key] if key in self.scalar_slot_names else gather_rows(slots[key], unique)
                      for key in self.slot_names}  # fmt: skip
         self._apply_in_place(rows_var, summed, row_slots)
-        var[unique] = rows_var
+        scatter_rows(var, unique, rows_var)
         for key in self.slot_names:
             if key not in self.scalar_slot_names:
-                slots[key][unique] = row_slots[key]
+                scatter_rows(slots[key], unique, row_slots[key])
 
     def config(self) -> dict[str, float]:
         """The hyperparameters in effect (defaults included), for logs."""

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from psctl.runtime.rows import unique_ids
+
 Batch = dict[str, np.ndarray]
 
 
@@ -50,22 +52,6 @@ class EmbeddingRows:
             return inverse.reshape(batch_ids.shape)
         return np.searchsorted(self.ids, batch_ids)
 
-
-def unique_ids(ids: np.ndarray, *, return_inverse: bool = False) -> Any:
-    """``np.unique`` of integer ids, flattened, by one sort (numpy 2's hashing ``np.unique`` is ~15x slower on a
-    batch's few thousand ids); with ``return_inverse``, also each id's index into the unique ones."""
-    flat = np.asarray(ids).reshape(-1)
-    order = np.argsort(flat, kind="stable") if return_inverse else None
-    ordered = flat[order] if order is not None else np.sort(flat)
-    first = np.empty(len(ordered), dtype=bool)
-    first[:1] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-    unique = ordered[first]
-    if order is None:
-        return unique
-    inverse = np.empty(len(flat), dtype=np.intp)
-    inverse[order] = np.cumsum(first) - 1
-    return unique, inverse
 
 
 @dataclass

@@ -32,6 +32,7 @@ from psctl.runtime.accumulator import StepAccumulator
 from psctl.runtime.fencing import ChiefFence, ChiefReplaced
 from psctl.runtime.initializers import initialize
 from psctl.runtime.optimizers import Optimizer, make_optimizer
+from psctl.runtime.rows import gather_rows
 from psctl.runtime.wire import DENSE, IDS, ROWS, SLOT, Entry, SplitArray, WireError
 
 #: Step ids this far below the newest one seen count as applied; older retries are refused as duplicates.
@@ -207,7 +208,7 @@ class VariableStore:
                 out.append(Entry(entry.name, DENSE, shard.value))
             elif entry.kind == IDS:
                 rows = _check_ids(entry, shard)
-                out.append(Entry(entry.name, ROWS, shard.value[rows]))
+                out.append(Entry(entry.name, ROWS, gather_rows(shard.value, rows)))
             else:
                 raise WireError(f"pull of {entry.name!r}: only DENSE names and IDS can be asked for")
         return out
