@@ -96,7 +96,7 @@ class Mlp:
             grads[f"{names[i]}/bias"] = delta.sum(axis=0).astype(w.dtype, copy=False)
             if i:
                 delta = delta @ w.T
-                delta[pres[i - 1] <= 0] = 0  # relu passes gradient only where it was active
+                np.multiply(delta, pres[i - 1] > 0, out=delta)  # relu passes gradient only where it was active
         return loss, grads
 
     def evaluate(self, params: Params, batch: Batch) -> dict[str, float]:
