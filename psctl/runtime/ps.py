@@ -43,8 +43,20 @@ DEDUPE_WINDOW = 1_000_000
 #: SGD 6 ms instead of 21, Adam 26 instead of 90; smaller blocks pay more per-call overhead). The rules are
 #: elementwise, so the result is bit for bit that of one whole update.
 UPDATE_BLOCK = 1 << 18
+
+
+def _thread_budget() -> int:
+    """The cores this role may use: its launcher's thread count (OMP_NUM_THREADS, from the cores of its host
+    divided among the roles there), else the machine's: roles that share a machine's cores gain nothing from
+    more threads, only hand-offs."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
+    except ValueError:
+        return os.cpu_count() or 1
+
+
 #: Dense updates and finite checks of shards of at least PARALLEL_MIN elements are split over this many threads.
-UPDATE_THREADS = min(4, os.cpu_count() or 1)
+UPDATE_THREADS = min(4, _thread_budget())
 PARALLEL_MIN = 1 << 20
 _EMPTY = np.zeros(0, dtype=np.float32)
 T = TypeVar("T")

@@ -34,9 +34,11 @@ MAX_RANK = 8
 #: Payload of each frame of a stream. Measured (64 MiB push+pull, 1 / 2 / 4 MiB): 2 MiB moves the most bytes per
 #: second; larger messages cost gRPC Python more per byte (it gathers each one into a growing bytearray).
 CHUNK_BYTES = 2 << 20
-#: Requests and responses up to this size go in one unary message; larger ones are streamed (measured: above
-#: a few MiB gRPC's unary path is slower than streaming the same bytes in chunks).
-UNARY_MAX_BYTES = CHUNK_BYTES
+#: Requests and responses up to this size go in one unary message; larger ones are streamed. Measured with the
+#: roles' malloc settings (grpcio 1.85, 2 cores): up to 8-16 MiB one message costs less CPU than 2 MiB frames
+#: (no frames to join, no request-iterator thread) and a push can bring the variables back in its answer; at
+#: 32-64 MiB gRPC Python's unary path costs 2-4x the stream's.
+UNARY_MAX_BYTES = 8 << 20
 #: gRPC's message size limit, raised deliberately to fit a unary message plus its framing.
 MAX_MESSAGE_BYTES = UNARY_MAX_BYTES + (1 << 20)
 #: Every array in a frame starts at a multiple of this many bytes, so that it decodes aligned, in place.
