@@ -67,6 +67,7 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
             num_shards=num_shards,
             chief_fence=CHIEF_FENCE,
             relayout=layout,
+            serial=not cfg.pipelined,
         )
         # a ps restarted on another host of its pool: push and pull there
         ADDRESSES.subscribe(lambda addresses: servicer.ps.follow(addresses))

@@ -116,7 +116,9 @@ class Chief:
             on_worker_event=lambda message: log.warning("%s", message),
             staleness=cfg.staleness if cfg.mode == "bounded" else None,
             one_per_round=cfg.mode == "sync" and bool(cfg.distinct_replicas),
-            steps_in_flight=2 if cfg.mode == "async" and cfg.pipelined else 1,
+            # asynchronous: a second step waits on each worker (queued there, or computing at once when
+            # pipelined), so the chief's round trip never leaves a worker idle
+            steps_in_flight=2 if cfg.mode == "async" else 1,
             chief_incarnation=self.info.incarnation,
             num_shards=cfg.data_shards or len(self.info.workers),
             ps_addresses=self.ps.addresses,

@@ -8,10 +8,12 @@ Asynchronous steps of a model without embeddings cost one round trip per PS: eac
 as they are right after it (PsClient.push_pull), and the worker's next step starts from the newest such variables
 instead of pulling again, provided nothing could have replaced them meanwhile (same params epoch from the chief,
 no PS failure since). They miss only the pushes of other workers that land between this worker's steps, the
-staleness asynchronous training has anyway. With pipelined training (``training.pipelined``) the chief keeps two
-steps in flight on a worker: the second computes on the newest variables while the first's push is still on its
-way, so it misses the worker's own previous update too (one step more of staleness, for communication that
-overlaps computation).
+staleness asynchronous training has anyway. In asynchronous training the chief keeps two steps on each worker:
+the worker runs them one after the other (the second waits its turn, so the chief's round trip for the next
+step overlaps this one, and nothing changes in what each step sees). With pipelined training
+(``training.pipelined``) the two compute at once: the second on the newest variables while the first's push is
+still on its way, so it misses the worker's own previous update too (one step more of staleness, for
+communication that overlaps computation).
 
 Status codes the coordinator relies on:
 - FAILED_PRECONDITION "ps unavailable: ..." — a PS is down; the step can be retried once it is back.
@@ -69,10 +71,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         progress: Progress = PROGRESS,
         chief_fence: ChiefFence | None = None,
         relayout: Callable[[Sequence[str]], tuple[ShardedModel, PsClient]] | None = None,
+        serial: bool = True,
     ) -> None:
         """``relayout(ps_addresses)``: the model and ps client of another ps layout (psctl scale ps=N), which a
-        step from the chief may carry."""
+        step from the chief may carry. ``serial``: training steps run one at a time, in the order they arrive
+        (the chief keeps a second one queued here so that its round trip overlaps this worker's step); False
+        for pipelined training, whose two steps compute at once."""
         self.relayout = relayout
+        self._serial = threading.Lock() if serial else None
         self.model = model
         self.ps = ps
         self.task = task
@@ -205,6 +211,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def _train(self, request: pb.StepRequest) -> pb.StepResponse:
         """One step, or ``request.steps`` consecutive ones (each with its own step id and batch, each pushed
         before the next starts); the reply sums them up."""
+        if self._serial is None:
+            return self._train_now(request)
+        with self._serial:
+            return self._train_now(request)
+
+    def _train_now(self, request: pb.StepRequest) -> pb.StepResponse:
         self._follow_layout(request.ps_addresses)
         if self._ps_was_down:
             self.ps.wait_ready(5.0)
