@@ -134,25 +134,44 @@ def test_a_ps_client_follows_a_ps_to_its_new_address(cluster) -> None:
         server.stop(grace=None).wait()
 
 
-def test_two_steps_in_flight_per_worker_apply_each_step_and_batch_once(cluster) -> None:
-    """Pipelined: the worker runs two steps at once; still every step applied once, every batch used once."""
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_two_steps_in_flight_per_worker_apply_each_step_and_batch_once(cluster, pipelined: bool) -> None:
+    """Two steps in flight per worker (asynchronous training): queued and run one at a time by default, run at
+    once when pipelined; either way every step is applied once and every batch used once."""
     first, _model, ps, servicer = cluster
     first.shutdown()
-    active, most = [0], [0]
+    if pipelined:
+        servicer._serial = None  # as the runtime builds a worker for training.pipelined
+    active, most, arrived_together = [0], [0], threading.Event()
     lock = threading.Lock()
-    train = servicer._train
+    train, train_now = servicer._train, servicer._train_now
 
-    def counting(request: pb.StepRequest) -> pb.StepResponse:
+    def arriving(request: pb.StepRequest) -> pb.StepResponse:
         with lock:
             active[0] += 1
-            most[0] = max(most[0], active[0])
+            if active[0] == 2:
+                arrived_together.set()  # the chief really had two steps on this worker at once
         try:
             return train(request)
         finally:
             with lock:
                 active[0] -= 1
 
-    servicer._train = counting  # type: ignore[method-assign]
+    running = [0]
+
+    def computing(request: pb.StepRequest) -> pb.StepResponse:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            time.sleep(0.002)  # a step long enough for the other one to arrive meanwhile
+            return train_now(request)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    servicer._train = arriving  # type: ignore[method-assign]
+    servicer._train_now = computing  # type: ignore[method-assign]
     coordinator = ClusterCoordinator([first.workers[0].address], probe_interval=0.05, steps_in_flight=2,
                                      step_id_base=1000)
     try:
@@ -161,7 +180,8 @@ def test_two_steps_in_flight_per_worker_apply_each_step_and_batch_once(cluster) 
         coordinator.join(timeout=60)
     finally:
         coordinator.shutdown()
-    assert most[0] == 2  # two steps really ran at once on the worker
+    assert arrived_together.is_set()
+    assert most[0] == (2 if pipelined else 1)  # pipelined steps compute at once; queued ones one after another
     assert all(r.applied for r in ClusterCoordinator.fetch(values))
     state = ps.state(0, include_step_ids=True)
     assert state.global_step == 40 and state.duplicate_updates == 0
