@@ -46,7 +46,8 @@ class TrainingConfig:
     eval_every_steps: int = 0
     #: The evaluator stops after this many evaluations (0: when training is done).
     max_evaluations: int = 0
-    #: Seconds a step may run before it is re-scheduled on another worker (0: no deadline).
+    #: Seconds a step may run before it is re-scheduled on another worker (0: no deadline), counted from when the
+    #: chief sends it: an asynchronous step queued behind another on its worker spends part of it waiting.
     step_timeout: float = 0.0
 
     @classmethod
