@@ -13,7 +13,7 @@ TensorFlow at its best, not at its most naive:
 - the optimizers are TensorFlow's fused kernels (``ResourceApplyAdam``, ``ResourceApplyGradientDescent``,
   ``ResourceSparseApplyAdagradV2``...), which the placer runs on the ps holding the variable, so a step sends
   only gradients (Keras 3, TensorFlow's Keras since 2.16, does not run under ParameterServerStrategy; tf_keras's
-  optimizers call these same kernels);
+  legacy optimizers call these same kernels);
 - W2 looks up each distinct id of a batch once (``tf.unique`` before ``tf.nn.embedding_lookup``), so pulls
   and the table's sparse gradient carry distinct rows only, as psctl's do;
 - variables are placed by the strategy itself (round-robin in creation order), W2's table (and its 64 x 1 head

@@ -14,15 +14,7 @@ import numpy as np
 
 from psctl.models import compute_dtype, dense, resolve_args
 from psctl.models.data import ArrayDataset, data_shape, load_dataset
-from psctl.runtime.program import (
-    Batch,
-    EmbeddingRows,
-    Grads,
-    Params,
-    Program,
-    SparseGrad,
-    VariableDef,
-)
+from psctl.runtime.program import Batch, EmbeddingRows, Grads, Params, Program, SparseGrad, VariableDef
 from psctl.runtime.rows import unique_ids
 
 NAME = "psctl.models.wide_embedding"

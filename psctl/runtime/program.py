@@ -53,7 +53,6 @@ class EmbeddingRows:
         return np.searchsorted(self.ids, batch_ids)
 
 
-
 @dataclass
 class SparseGrad:
     """A row-sparse gradient: ``values[i]`` is the gradient of row ``ids[i]`` (ids unique)."""

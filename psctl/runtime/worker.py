@@ -74,8 +74,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         serial: bool = True,
     ) -> None:
         """``relayout(ps_addresses)``: the model and ps client of another ps layout (psctl scale ps=N), which a
-        step from the chief may carry. ``serial``: training steps run one at a time, in the order they arrive
-        (the chief keeps a second one queued here so that its round trip overlaps this worker's step); False
+        step from the chief may carry. ``serial``: training steps run one at a time (the chief keeps a second one
+        queued here so that its round trip overlaps this worker's step); False
         for pipelined training, whose two steps compute at once."""
         self.relayout = relayout
         self._serial = threading.Lock() if serial else None
@@ -96,33 +96,29 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._ps_was_down = False
         self._prefetched: Prefetched | None = None
         self._lock = threading.Lock()
-        #: Steps running now, whether the worker is leaving and has refused a request since (see drain), and
-        #: when a step was last asked of it.
+        #: Steps running now, whether the worker is leaving (see drain), and when a step was last asked of it.
         self._running = 0
         self._draining = False
-        self._refused = False
         self._last_request = float("-inf")
         self._steps = threading.Condition()
 
     def drain(self, timeout: float) -> int:
         """The worker is leaving (preempted): refuse new steps and probes from now on, so that the chief hands
         them to other workers, and wait up to ``timeout`` seconds for the steps running to finish (their
-        updates land: nothing is recomputed). While the chief still feeds it, it also waits for the chief to
-        hear "preempted" once (a step sent as the server shuts down would be lost in flight, and re-run).
-        Returns how many steps were still running."""
+        updates land: nothing is recomputed). Then it waits until the chief has stopped feeding it (no step
+        asked for FED_RECENTLY seconds; the chief stops at its first "preempted"): a step sent as the server
+        shuts down would be lost in flight and re-run, and the chief may have sent a second one (it keeps two
+        steps on a worker) just before it heard. Returns how many steps were still running."""
         deadline = time.monotonic() + max(0.0, timeout)
         with self._steps:
             self._draining = True
             self._steps.wait_for(lambda: self._running == 0, timeout=max(0.0, deadline - time.monotonic()))
-            while (self._running == 0 and not self._refused and time.monotonic() < deadline
+            while (self._running == 0 and time.monotonic() < deadline
                    and time.monotonic() - self._last_request < FED_RECENTLY):
                 self._steps.wait(0.05)
             return self._running
 
     def _leaving(self, context: grpc.ServicerContext) -> None:
-        with self._steps:
-            self._refused = True
-            self._steps.notify_all()
         context.abort(grpc.StatusCode.UNAVAILABLE, f"preempted: {self.task} is leaving")
 
     def dataset(self, split: str, shard: int) -> Dataset:
