@@ -85,6 +85,8 @@ class Chief:
         self.restores = 0
         #: The ps that said they are leaving (preempted): checkpointed, then restored into their successors.
         self._leaving: set[int] = set()
+        #: The stop's checkpoint was taken already (by the hand-over to a leaving ps, as the chief was stopped).
+        self._stopped_with_checkpoint = False
         self.tensorboard = ScalarWriter(run_dir / "tensorboard" / "train")
         self._coordinator: ClusterCoordinator | None = None
         # a ps restarted on another host of its pool: go there; another ps count: reshard onto it
@@ -239,6 +241,8 @@ class Chief:
         """Stopped before the end (psctl down, a preempted or requeued Slurm job): a last checkpoint if nothing
         is in flight, so the next start resumes exactly here; the ps still serve for a moment (see leave)."""
         assert self.checkpointer is not None
+        if self._stopped_with_checkpoint:  # the hand-over to a leaving ps took it, and nothing ran since
+            return
         if coordinator.in_flight():
             log.warning("stopping without a final checkpoint: %d step(s) still in flight", coordinator.in_flight())
             return
@@ -464,6 +468,11 @@ class Chief:
                 break  # gone
             self.stop.wait(0.1)
         self._leaving.clear()
+        if self.stop.is_set():  # the chief is stopped too (the whole job is preempted): no successor will come
+            self._stopped_with_checkpoint = True
+            log.info("stopping: checkpoint %s taken at global step %d", self.checkpointer.latest,
+                     self.meter.global_step)
+            return
         self._restore_after_ps_loss(coordinator)
 
     def _follow_ps(self, addresses: dict[str, str]) -> None:
