@@ -109,7 +109,7 @@ class Optimizer(ABC):
 
         grad_rows = grad_rows.astype(var.dtype, copy=False)
         if bool(np.all(rows[1:] > rows[:-1])):  # sorted and unique already (what workers send)
-            unique, summed = rows, grad_rows.copy()
+            unique, summed = rows, grad_rows  # (the rules only read the gradient: it may be a read-only buffer)
         else:
             unique, inverse = unique_ids(rows, return_inverse=True)
             summed = np.zeros((unique.shape[0], *var.shape[1:]), dtype=var.dtype)
