@@ -20,7 +20,7 @@ from cluster_helpers import LocalCluster, Role, wait_until
 from psctl.runtime.checkpoint import Snapshot, mark_finished, write_checkpoint
 from psctl.runtime.evaluator import evaluate_snapshot
 from psctl.runtime.metrics import read_metrics
-from psctl.runtime.program import Program, ProgramRef, load_program
+from psctl.runtime.program import LowRankGrad, Program, ProgramRef, load_program
 
 PROGRAM = "psctl.models.mlp"
 ARGS = {"hidden_units": 32}
@@ -261,7 +261,8 @@ def trained_snapshot(program: Program, steps: int) -> Snapshot:
     data = program.dataset("train", 0, 1)
     for t in range(1, steps + 1):
         _loss, grads = program.loss_and_grads(params, data.batch(t - 1, 100))
-        for k, g in grads.items():
+        for k, grad in grads.items():
+            g = grad.dense() if isinstance(grad, LowRankGrad) else grad
             m[k] = 0.9 * m[k] + 0.1 * g
             v2[k] = 0.999 * v2[k] + 0.001 * g * g
             lr = 0.01 * np.sqrt(1 - 0.999**t) / (1 - 0.9**t)

@@ -9,7 +9,17 @@ import pytest
 
 from psctl.models import mlp, softmax, wide_embedding
 from psctl.models.wide_embedding import auc
-from psctl.runtime.program import EmbeddingRows, Program, ProgramRef, SparseGrad, VariableDef, load_program
+from psctl.runtime.model import ShardedModel
+from psctl.runtime.program import (
+    EmbeddingRows,
+    LowRankGrad,
+    Program,
+    ProgramRef,
+    SparseGrad,
+    VariableDef,
+    load_program,
+)
+from psctl.runtime.wire import DENSE, LEFT_FACTOR, RIGHT_FACTOR
 
 SMALL_CLS = {"name": "synthetic_classification", "num_examples": 200, "num_features": 5, "num_classes": 3}
 SMALL_EMB = {"name": "synthetic_embedding", "num_examples": 200, "vocab_size": 30, "ids_per_example": 6}
@@ -49,7 +59,10 @@ def _sparse(grad: np.ndarray | SparseGrad) -> SparseGrad:
     return grad
 
 
-def _dense(grad: np.ndarray | SparseGrad) -> np.ndarray:
+def _dense(grad: np.ndarray | SparseGrad | LowRankGrad) -> np.ndarray:
+    """A dense gradient as it is, or a low-rank one multiplied out."""
+    if isinstance(grad, LowRankGrad):
+        return grad.dense()
     assert isinstance(grad, np.ndarray)
     return grad
 
@@ -188,7 +201,7 @@ def _adam(program: Program, steps: int, batch_size: int, lr: float) -> dict[str,
         feed = {k: EmbeddingRows(ids[k], p[ids[k]]) if k in embeddings else p for k, p in params.items()}
         _, grads = program.loss_and_grads(feed, batch)
         for name, grad in grads.items():
-            rows, g = (grad.ids, grad.values) if isinstance(grad, SparseGrad) else (slice(None), grad)
+            rows, g = (grad.ids, grad.values) if isinstance(grad, SparseGrad) else (slice(None), _dense(grad))
             m[name][rows] = 0.9 * m[name][rows] + 0.1 * g
             s[name][rows] = 0.999 * s[name][rows] + 0.001 * g * g
             params[name][rows] -= lr * m[name][rows] / (np.sqrt(s[name][rows]) + 1e-8)
@@ -263,3 +276,29 @@ def test_load_program_builds_a_builtin_model() -> None:
     program = load_program(ProgramRef("psctl.models.mlp", {"hidden_units": 8}, dict(SMALL_CLS), seed=3))
     assert program.dataset("test", 0, 1).num_examples == 40
     assert program.embedding_ids(program.dataset("train", 0, 1).batch(0, 4)) == {}
+
+
+def test_a_dense_layers_gradient_travels_as_its_factors_only_where_they_are_smaller() -> None:
+    """ShardedModel.push_plan: a LowRankGrad goes to each shard as LEFT_FACTOR/RIGHT_FACTOR where k x (rows +
+    columns) < rows x columns (hid/kernel: 40 x 32 cut in two, batch 4), else multiplied out (sm/kernel: 32 x 3),
+    and every shard's part equals the dense gradient's rows."""
+    program = mlp.build({"hidden_units": 32}, {**SMALL_CLS, "num_features": 40}, seed=1)
+    model = ShardedModel(program, 2, {"kind": "fixed", "num_shards": 2})
+    params = {k: v.astype(np.float32) for k, v in _random_params(program).items()}
+    _, grads = program.loss_and_grads(params, program.dataset("train", 0, 1).batch(0, 4))
+    plan = model.push_plan(grads)
+    sent: dict[str, dict[int, np.ndarray]] = {}
+    for entries in plan.values():
+        for entry in entries:
+            sent.setdefault(entry.name, {})[int(entry.kind)] = entry.array
+    assert set(sent["hid/kernel/part_0"]) == set(sent["hid/kernel/part_1"]) == {LEFT_FACTOR, RIGHT_FACTOR}
+    assert set(sent["sm/kernel/part_0"]) == {DENSE}  # 4 x (16 + 3) > 16 x 3: the product is smaller
+    for name in ("hid/kernel", "sm/kernel"):
+        layout = model.layouts[name]
+        whole = _dense(grads[name])
+        for shard, want in zip(layout.shards, layout.split(whole), strict=True):
+            got = sent[shard.name]
+            part = got[DENSE] if DENSE in got else got[LEFT_FACTOR].T @ got[RIGHT_FACTOR]
+            np.testing.assert_allclose(part, want, rtol=1e-6, atol=1e-7)
+    factored = sum(a.nbytes for e in plan.values() for a in [x.array for x in e])
+    assert factored < sum(_dense(g).nbytes for g in grads.values())

@@ -29,7 +29,7 @@ from psctl.runtime.optimizers import make_optimizer
 from psctl.runtime.ps import ParameterServerServicer, VariableStore, add_to_server
 from psctl.runtime.ps_client import PsClient, PsUnavailable, PushHeader
 from psctl.runtime.rpc import make_server
-from psctl.runtime.wire import DENSE, IDS, ROWS, Entry, WireError
+from psctl.runtime.wire import DENSE, IDS, LEFT_FACTOR, RIGHT_FACTOR, ROWS, Entry, WireError
 
 CLUSTER = "test-cluster"
 W = pb.VariableSpec(name="w", dtype="float32", shape=[4, 3], full_shape=[4, 3], initializer="glorot_uniform", seed=11)
@@ -276,6 +276,38 @@ def test_push_applies_sgd_exactly(ps: Ps) -> None:
     assert values["emb/part_1"].tobytes() == initial_value(EMB).tobytes()  # not pushed: untouched
 
 
+def low_rank(left: np.ndarray, right: np.ndarray, name: str = "w") -> list[Entry]:
+    return [Entry(name, LEFT_FACTOR, left), Entry(name, RIGHT_FACTOR, right)]
+
+
+# a batch of two examples' factors of w's (4 x 3) gradient: LEFT.T @ RIGHT
+LEFT = np.array([[1.0, -2.0, 0.5, 3.0], [0.25, 1.0, -1.0, 2.0]], np.float32)
+RIGHT = np.array([[0.5, -1.0, 2.0], [1.5, 0.0, -0.75]], np.float32)
+
+
+@pytest.mark.parametrize("optimizer", [SGD, ADAM], ids=["sgd", "adam"])
+def test_a_low_rank_gradient_is_the_same_update_as_its_product(servers: Servers, optimizer: pb.OptimizerConfig) -> None:
+    """The factors of a gradient and the gradient itself leave two PS with the same values and slots, bit for bit,
+    through the framed push that brings the variable back (a worker's step) and through the plain Push rpc."""
+    by_factors, by_product = servers.start(), servers.start()
+    for ps in (by_factors, by_product):
+        init(ps, optimizer=optimizer)
+    product = LEFT.T @ RIGHT
+    assert product.shape == (4, 3) and np.abs(product).min() > 0  # every element moves
+    header = PushHeader(step_id=5, task="worker:0", incarnation=1)
+    _, after = by_factors.client.push_pull(header, {0: low_rank(LEFT, RIGHT)}, {0: ["w"]})
+    by_product.client.push(header, {0: [Entry("w", DENSE, product)]})
+    plain = pb.PushRequest(step_id=6, task="worker:0", incarnation=1, increment_global_step=True)
+    wire.add_entries(plain.entries, low_rank(2 * LEFT, RIGHT))
+    assert by_factors.stub.Push(plain, timeout=30).applied
+    push(by_product, 6, [Entry("w", DENSE, (2 * LEFT).T @ RIGHT)])
+    first, second = snapshot(by_factors), snapshot(by_product)
+    assert first.values == second.values and first.slots == second.slots
+    assert first.values["w"] != initial_value(W).tobytes()
+    assert after[0][0].array.tobytes() != first.values["w"]  # the first push's answer: w after that push only
+    assert (first.state.global_step, first.state.applied_updates) == (2, 2)
+
+
 def test_same_step_id_is_applied_at_most_once(ps: Ps) -> None:
     init(ps)
     first = push(ps, 7, [Entry("w", DENSE, w_grad(1.0))])
@@ -520,6 +552,34 @@ REFUSALS: dict[str, tuple[Callable[[Ps], object], grpc.StatusCode]] = {
         _push_entries([GOOD_W, Entry("b", DENSE, np.array([np.nan, 0.0, 0.0]))]),
         grpc.StatusCode.INVALID_ARGUMENT,
     ),
+    "low-rank-left-only": (_push_entries(low_rank(LEFT, RIGHT)[:1]), grpc.StatusCode.INVALID_ARGUMENT),
+    "low-rank-right-only": (_push_entries(low_rank(LEFT, RIGHT)[1:]), grpc.StatusCode.INVALID_ARGUMENT),
+    "low-rank-k-differs": (_push_entries(low_rank(LEFT, RIGHT[:1])), grpc.StatusCode.INVALID_ARGUMENT),
+    "low-rank-wrong-rows": (_push_entries(low_rank(LEFT[:, :3], RIGHT)), grpc.StatusCode.INVALID_ARGUMENT),
+    "low-rank-wrong-columns": (_push_entries(low_rank(LEFT, RIGHT[:, :2])), grpc.StatusCode.INVALID_ARGUMENT),
+    "low-rank-1d-factor": (_push_entries(low_rank(LEFT[0], RIGHT[0])), grpc.StatusCode.INVALID_ARGUMENT),
+    "low-rank-wrong-dtype": (
+        _push_entries(low_rank(LEFT.astype(np.float64), RIGHT)), grpc.StatusCode.INVALID_ARGUMENT
+    ),
+    "low-rank-of-a-1d-variable": (
+        _push_entries(low_rank(np.ones((1, 3)), np.ones((1, 1)), "b")), grpc.StatusCode.INVALID_ARGUMENT
+    ),
+    "low-rank-nan-factor": (
+        _push_entries(low_rank(np.where(LEFT == 3.0, np.float32(np.nan), LEFT), RIGHT)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    # finite factors whose product overflows float32: refused by the check of the product
+    "low-rank-product-overflows": (
+        _push_entries(low_rank(np.full((2, 4), 1e30, np.float32), np.full((2, 3), 1e30, np.float32))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "low-rank-and-dense-together": (
+        _push_entries([GOOD_W, *low_rank(LEFT, RIGHT)]), grpc.StatusCode.INVALID_ARGUMENT
+    ),
+    "low-rank-beside-a-bad-gradient": (
+        _push_entries([*low_rank(LEFT, RIGHT), Entry("b", DENSE, np.array([np.nan, 0.0, 0.0]))]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
     "step-id-zero": (_push_entries([GOOD_W], step_id=0), grpc.StatusCode.INVALID_ARGUMENT),
     "step-id-zero-empty": (_push_entries([], step_id=0), grpc.StatusCode.INVALID_ARGUMENT),
     "gradient-twice": (
@@ -532,7 +592,7 @@ REFUSALS: dict[str, tuple[Callable[[Ps], object], grpc.StatusCode]] = {
     "short-data": (_raw_push(_piece("w", "float32", [4, 3], b"\0" * 44)), grpc.StatusCode.INVALID_ARGUMENT),
     "unknown-wire-dtype": (_raw_push(_piece("w", "complex64", [4, 3], b"\0" * 96)), grpc.StatusCode.INVALID_ARGUMENT),
     "unknown-kind": (
-        _raw_push(_piece("w", "float32", [4, 3], GOOD_W.array.tobytes(), kind=5)),
+        _raw_push(_piece("w", "float32", [4, 3], GOOD_W.array.tobytes(), kind=9)),
         grpc.StatusCode.INVALID_ARGUMENT,
     ),
     "negative-dim": (_raw_push(_piece("w", "float32", [-4, -3], b"")), grpc.StatusCode.INVALID_ARGUMENT),

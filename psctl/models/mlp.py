@@ -15,7 +15,7 @@ import numpy as np
 from psctl.models import compute_dtype, dense, resolve_args
 from psctl.models.data import ArrayDataset, data_shape, load_dataset
 from psctl.models.softmax import classification_metrics, features, labels, softmax_cross_entropy
-from psctl.runtime.program import Batch, Grads, Params, Program, VariableDef
+from psctl.runtime.program import Batch, Grads, LowRankGrad, Params, Program, VariableDef
 
 NAME = "psctl.models.mlp"
 
@@ -92,7 +92,10 @@ class Mlp:
         names = _layer_names(len(pres))
         for i in range(len(weights) - 1, -1, -1):
             w, _b = weights[i]
-            grads[f"{names[i]}/kernel"] = (inputs[i].T @ delta).astype(w.dtype, copy=False)
+            # the kernel's gradient inputs.T @ delta, left as its two factors: the runtime sends whichever of
+            # them and their product is smaller
+            grads[f"{names[i]}/kernel"] = LowRankGrad(inputs[i].astype(w.dtype, copy=False),
+                                                      delta.astype(w.dtype, copy=False))
             grads[f"{names[i]}/bias"] = delta.sum(axis=0).astype(w.dtype, copy=False)
             if i:
                 delta = delta @ w.T

@@ -13,10 +13,14 @@ class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     IDS: _ClassVar[Kind]
     ROWS: _ClassVar[Kind]
     SLOT: _ClassVar[Kind]
+    LEFT_FACTOR: _ClassVar[Kind]
+    RIGHT_FACTOR: _ClassVar[Kind]
 DENSE: Kind
 IDS: Kind
 ROWS: Kind
 SLOT: Kind
+LEFT_FACTOR: Kind
+RIGHT_FACTOR: Kind
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data", "offset", "size")

@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 
 from psctl.proto import psctl_pb2 as pb
-from psctl.runtime.program import EmbeddingRows, Grads, Params, Program, SparseGrad
+from psctl.runtime.program import EmbeddingRows, Grads, LowRankGrad, Params, Program, SparseGrad
 from psctl.runtime.strategy import (
+    ShardInfo,
     VariableLayout,
     partitioner_from_config,
     plan_layout,
@@ -22,7 +23,7 @@ from psctl.runtime.strategy import (
     shard_slices_for_global,
     stitch_rows,
 )
-from psctl.runtime.wire import DENSE, IDS, ROWS, Entry
+from psctl.runtime.wire import DENSE, IDS, LEFT_FACTOR, RIGHT_FACTOR, ROWS, Entry
 
 PerPs = dict[int, list[Entry]]
 
@@ -129,6 +130,9 @@ class ShardedModel:
                 for shard, local, rows in shard_slices_for_global(layout, ids, values):
                     plan[shard.ps].append(Entry(shard.name, IDS, np.asarray(local, dtype=np.int64)))
                     plan[shard.ps].append(Entry(shard.name, ROWS, np.ascontiguousarray(rows, dtype=dtype)))
+            elif isinstance(grad, LowRankGrad):
+                for shard, entries in _low_rank_parts(layout, grad, dtype):
+                    plan[shard.ps].extend(entries)
             else:
                 grad = np.asarray(grad, dtype=dtype)
                 if grad.shape != layout.variable.shape:
@@ -139,3 +143,29 @@ class ShardedModel:
                 for shard, part in zip(layout.shards, parts, strict=True):
                     plan[shard.ps].append(Entry(shard.name, DENSE, np.ascontiguousarray(part)))
         return plan
+
+
+def _low_rank_parts(
+    layout: VariableLayout, grad: LowRankGrad, dtype: np.dtype
+) -> list[tuple[ShardInfo, list[Entry]]]:
+    """Each shard's part of a ``left.T @ right`` gradient (its rows are columns of ``left``): the two factors
+    where they are smaller than the part, else the part multiplied out here."""
+    name = layout.variable.name
+    left, right = np.asarray(grad.left, dtype=dtype), np.asarray(grad.right, dtype=dtype)
+    if left.ndim != 2 or right.ndim != 2 or len(left) != len(right):
+        raise ValueError(f"the low-rank gradient for {name!r} needs factors k x rows and k x columns, "
+                         f"got {left.shape} and {right.shape}")
+    if (left.shape[1], right.shape[1]) != tuple(layout.variable.shape):
+        raise ValueError(f"gradient for {name!r} has shape {(left.shape[1], right.shape[1])}, "
+                         f"the variable is {layout.variable.shape}")
+    out = []
+    for shard in layout.shards:
+        rows = slice(shard.row_offset, shard.row_offset + shard.shape[0])
+        part = left[:, rows]
+        if len(left) * (part.shape[1] + right.shape[1]) < part.shape[1] * right.shape[1]:
+            entries = [Entry(shard.name, LEFT_FACTOR, np.ascontiguousarray(part)),
+                       Entry(shard.name, RIGHT_FACTOR, np.ascontiguousarray(right))]
+        else:
+            entries = [Entry(shard.name, DENSE, part.T @ right)]
+        out.append((shard, entries))
+    return out

@@ -61,8 +61,34 @@ class SparseGrad:
     values: np.ndarray  # (len(ids), *shape[1:])
 
 
+@dataclass
+class LowRankGrad:
+    """A 2-d gradient given as the product ``left.T @ right`` (``left``: k x rows, ``right``: k x columns).
+
+    A dense layer ``y = x @ w`` has exactly this gradient over a batch of k examples: ``x.T @ dy``. The runtime
+    sends the two factors instead of the product when they are smaller (k * (rows + columns) < rows * columns:
+    W3's 1024 x 1024 kernel at batch 64 is 8x smaller), and the parameter server multiplies them out; the
+    update is the same one. Otherwise the worker multiplies them out and sends the product.
+    """
+
+    left: np.ndarray  # (k, rows)
+    right: np.ndarray  # (k, columns)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.left.shape[1], self.right.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.left.nbytes + self.right.nbytes)
+
+    def dense(self) -> np.ndarray:
+        """The product, ``left.T @ right``."""
+        return self.left.T @ self.right
+
+
 Params = Mapping[str, np.ndarray | EmbeddingRows]
-Grads = dict[str, np.ndarray | SparseGrad]
+Grads = dict[str, np.ndarray | SparseGrad | LowRankGrad]
 
 
 class Dataset(Protocol):

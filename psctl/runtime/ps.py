@@ -33,7 +33,7 @@ from psctl.runtime.fencing import ChiefFence, ChiefReplaced
 from psctl.runtime.initializers import initialize
 from psctl.runtime.optimizers import Optimizer, make_optimizer
 from psctl.runtime.rows import gather_rows
-from psctl.runtime.wire import DENSE, IDS, ROWS, SLOT, Entry, SplitArray, WireError
+from psctl.runtime.wire import DENSE, IDS, LEFT_FACTOR, RIGHT_FACTOR, ROWS, SLOT, Entry, SplitArray, WireError
 
 #: Step ids this far below the newest one seen count as applied; older retries are refused as duplicates.
 #: Bounds the memory of the at-most-once check; retries are never anywhere near this old.
@@ -345,20 +345,28 @@ class VariableStore:
         dense: dict[str, Entry] = {}
         ids: dict[str, Entry] = {}
         rows: dict[str, Entry] = {}
+        lefts: dict[str, Entry] = {}
+        rights: dict[str, Entry] = {}
+        by_kind: dict[int, dict[str, Entry]] = {DENSE: dense, IDS: ids, ROWS: rows, LEFT_FACTOR: lefts,
+                                                RIGHT_FACTOR: rights}
         for entry in entries:
-            by_kind: dict[int, dict[str, Entry]] = {DENSE: dense, IDS: ids, ROWS: rows}
             target = by_kind.get(int(entry.kind))
             if target is None:
                 raise WireError(f"entry {entry.name!r}: unknown kind")
             if entry.name in target:
                 raise WireError(f"gradient for {entry.name!r} given twice")
             target[entry.name] = entry
-        if set(dense) & set(split):
-            raise WireError(f"gradient for {sorted(set(dense) & set(split))[0]!r} given twice")
+        twice = (set(dense) & set(split)) | ((set(dense) | set(split)) & set(lefts))
+        if twice:
+            raise WireError(f"gradient for {sorted(twice)[0]!r} given twice")
         if set(ids) != set(rows):
             raise WireError(f"sparse gradients need IDS and ROWS for each variable: {sorted(set(ids) ^ set(rows))}")
+        if set(lefts) != set(rights):
+            raise WireError("low-rank gradients need LEFT_FACTOR and RIGHT_FACTOR for each variable: "
+                            f"{sorted(set(lefts) ^ set(rights))}")
         updates: list[Update] = []
         whole: dict[str, Gradient] = {name: entry.array for name, entry in dense.items()}
+        whole |= {name: self._multiplied_out(name, left.array, rights[name].array) for name, left in lefts.items()}
         for name, grad in (whole | dict(split)).items():
             shard = self._shard(name)
             _check_values(name, grad, shard, shard.value.shape)
@@ -369,6 +377,24 @@ class VariableStore:
             _check_values(name, rows[name].array, shard, (len(local), *shard.value.shape[1:]))
             updates.append((shard, local, rows[name].array))
         return updates
+
+    def _multiplied_out(self, name: str, left: np.ndarray, right: np.ndarray) -> np.ndarray:
+        """A low-rank gradient's product ``left.T @ right``, once its factors fit the shard (the product is
+        checked like any dense gradient, by the caller: finite factors can still overflow)."""
+        shard = self._shard(name)
+        value = shard.value
+        if value.ndim != 2:
+            raise WireError(f"low-rank gradient for {name!r}: the variable has shape {value.shape}, not 2-d")
+        for what, factor, columns in (("LEFT_FACTOR", left, value.shape[0]), ("RIGHT_FACTOR", right, value.shape[1])):
+            if factor.dtype != value.dtype:
+                raise WireError(f"{what} for {name!r} is {factor.dtype}, the variable is {value.dtype}")
+            if factor.ndim != 2 or factor.shape[1] != columns or len(factor) != len(left):
+                raise WireError(f"{what} for {name!r} has shape {factor.shape}; the factors of a {value.shape} "
+                                f"gradient are k x {value.shape[0]} and k x {value.shape[1]} with the same k")
+        if not (_all_finite(left) and _all_finite(right)):
+            raise WireError(_non_finite("gradient", name))
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused by the product's check
+            return left.T @ right
 
     def assign(
         self, entries: Sequence[Entry], global_step: int, positions: Sequence[int], *, chief_incarnation: int = 0

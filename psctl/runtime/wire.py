@@ -50,7 +50,9 @@ DENSE = pb.DENSE
 IDS = pb.IDS
 ROWS = pb.ROWS
 SLOT = pb.SLOT
-_KINDS = (DENSE, IDS, ROWS, SLOT)
+LEFT_FACTOR = pb.LEFT_FACTOR
+RIGHT_FACTOR = pb.RIGHT_FACTOR
+_KINDS = (DENSE, IDS, ROWS, SLOT, LEFT_FACTOR, RIGHT_FACTOR)
 _ZEROS = bytes(FRAME_ALIGN)
 #: Wire dtype by name, and name by dtype (either byte order): looked up per array on every rpc, where numpy's
 #: own ``dtype.name`` and ``np.dtype(name)`` cost microseconds each.
