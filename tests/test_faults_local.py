@@ -30,6 +30,7 @@ from conftest import PsctlEnv
 from supervised_cluster import SupervisedCluster, gone, sigkill
 
 from psctl.runtime.checkpoint import latest_checkpoint, list_checkpoints
+from psctl.runtime.coordinator import NEVER_SENT
 
 pytestmark = pytest.mark.slow
 
@@ -144,8 +145,12 @@ def test_sigkill_of_a_worker(cluster_factory: MakeCluster) -> None:
     for role in ("chief-0", "ps-0", "ps-1", "worker-0"):
         assert cluster.role(role)["attempt"] == 1, cluster.describe()
     assert result["ps_restores"] == 0
-    assert result["retried_steps"] >= 1
-    assert "worker:1 lost" in cluster.log("chief-0")  # its in-flight step went back on the queue
+    chief_log = cluster.log("chief-0")
+    assert "worker:1 lost" in chief_log  # what it held, or the step sent to it next, went back on the queue
+    # at most the two steps the chief keeps on a worker are retried; none if it was killed between steps (on a
+    # busy machine the chief may have had nothing queued for it): then its next step never reached it
+    assert result["retried_steps"] <= 2
+    assert result["retried_steps"] >= 1 or NEVER_SENT in chief_log, chief_log[-2000:]
     assert (cluster.root / "logs" / "worker-1.2.log").is_file()
 
 
