@@ -155,9 +155,8 @@ def _low_rank_parts(
     if left.ndim != 2 or right.ndim != 2 or len(left) != len(right):
         raise ValueError(f"the low-rank gradient for {name!r} needs factors k x rows and k x columns, "
                          f"got {left.shape} and {right.shape}")
-    if (left.shape[1], right.shape[1]) != tuple(layout.variable.shape):
-        raise ValueError(f"gradient for {name!r} has shape {(left.shape[1], right.shape[1])}, "
-                         f"the variable is {layout.variable.shape}")
+    if grad.shape != tuple(layout.variable.shape):
+        raise ValueError(f"gradient for {name!r} has shape {grad.shape}, the variable is {layout.variable.shape}")
     out = []
     for shard in layout.shards:
         rows = slice(shard.row_offset, shard.row_offset + shard.shape[0])
