@@ -328,7 +328,7 @@ def test_a_restarted_supervisor_adopts_the_running_roles_and_training_ends_exact
 
 
 def test_sigterm_of_a_worker_with_grace_hands_its_work_back_and_nothing_is_recomputed(psctl_env: PsctlEnv) -> None:
-    steps = 2000
+    steps = 10_000  # training must outlast the drain and the restart's backoff (2,000 took ~3 s at 700 steps/s)
     text = spec_text("preempt", steps).replace(
         "worker: {replicas: 2}", "worker: {replicas: 2, restart: {max_restarts: 0}}"
     ).replace("supervision: {", "supervision: {preemption_grace: 20s, ")

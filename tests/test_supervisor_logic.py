@@ -144,6 +144,20 @@ def test_the_chief_finishing_stops_everyone_and_succeeds(c: FakeCluster) -> None
     assert c.running() == set()
 
 
+def test_the_step_a_role_reports_as_it_exits_is_its_last(c: FakeCluster) -> None:
+    """A watched program's step is read from its log, also from the lines it printed just before it exited; the
+    report that says it exited carries that step, and it counts (it was lost, and the chief showed an old step)."""
+    running(c)
+    chief = c.process("chief-0")
+    chief.global_step = 250
+    c.step(1)
+    assert c.role("chief-0").global_step == 250
+    chief.global_step, chief.exit_code = 300, 0
+    c.step()
+    assert c.role("chief-0").state == RoleState.SUCCEEDED
+    assert c.role("chief-0").global_step == 300
+
+
 def test_psctl_down_stops_every_role_with_its_grace(c: FakeCluster) -> None:
     running(c)
     actions = c.step(observations=[policy.StopRequested(12.0)])

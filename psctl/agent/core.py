@@ -162,10 +162,11 @@ class RoleProcess:
                 os.kill(self.process.pid, sig)
 
     def report(self, now: float) -> pb.RoleReport:
-        if self.watched_only and self.running:  # alive as long as it runs; its step from what it printed
+        if self.watched_only:  # its step from what it printed, once more after it exits (its last lines)
             step = last_step(self.log_path)
             self.last = pb.HeartbeatRequest(global_step=step, status="running", loss=float("nan"))
-            self.last_beat = now
+            if self.running:  # alive as long as it runs
+                self.last_beat = now
         out = pb.RoleReport(
             name=self.name, incarnation=self.incarnation, attempt=self.attempt,
             pid=self.process.pid if self.process is not None else 0, create_time=self.create_time,

@@ -501,6 +501,8 @@ class _Decision:
             role.started_at = live.started + self.s.wall_offset
             self.transition(role, role.state, f"attempt {role.attempt}, pid {rr.pid}")
         if rr.exited:
+            # the step it reported last still counts (a watched program's, read from its final lines at exit)
+            role.global_step = max(role.global_step, rr.last.global_step)
             role.exit_code = rr.exit_code
             self.on_exit(role, rr.exit_code, rr.log_tail)
             return
