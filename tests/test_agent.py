@@ -16,7 +16,7 @@ import grpc
 import pytest
 from cluster_helpers import wait_until
 
-from psctl.agent.core import Agent, sweep_orphans
+from psctl.agent.core import Agent, RoleProcess, sweep_orphans
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.rpc import make_channel
@@ -192,3 +192,43 @@ def test_a_new_agent_stops_the_roles_an_earlier_agent_of_its_host_left(tmp_path:
         for proc in (orphan, other):
             proc.kill()
             proc.wait()
+
+
+class SignalledProcess:
+    """A running role's process that records the signals it gets (the agent's stop logic, without a child)."""
+
+    pid = 4242
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+
+    def poll(self) -> int | None:
+        return None
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+
+def test_a_stop_sent_again_while_the_role_stops_neither_signals_it_again_nor_asks_for_a_report() -> None:
+    # The supervisor repeats a stop with every report that shows the role still running. The agent once
+    # answered each with a SIGTERM and an immediate report, which drew the next stop at once: a stream of
+    # SIGTERMs for the whole grace period (a worker's handler, run in a burst of them, died of RecursionError).
+    now = [100.0]
+    agent = Agent("h1", "127.0.0.1:1", cluster_id="c1", get_time=lambda: now[0])
+    process = SignalledProcess()
+    agent.roles["worker-1"] = RoleProcess("worker-1", 3, 1, "/nonexistent.log", process=process)
+
+    def stop(grace: float, incarnation: int = 3) -> bool:
+        agent._report_now.clear()
+        agent.handle(pb.AgentCommand(stop=pb.StopRole(name="worker-1", incarnation=incarnation, grace_seconds=grace)))
+        return agent._report_now.is_set()
+
+    assert stop(30.0) and process.signals == [signal.SIGTERM]
+    assert agent.roles["worker-1"].kill_at == 130.0
+    now[0] = 101.0
+    assert not stop(30.0) and not stop(30.0) and process.signals == [signal.SIGTERM]  # later deadlines: nothing
+    assert not stop(5.0, incarnation=2) and process.signals == [signal.SIGTERM]  # another incarnation's stop
+    assert stop(5.0) and process.signals == [signal.SIGTERM]  # an earlier deadline: SIGKILL comes sooner...
+    assert agent.roles["worker-1"].kill_at == 106.0  # ...without another SIGTERM
+    assert stop(0.0) and process.signals == [signal.SIGTERM, signal.SIGKILL]  # a KILL goes at once
+    assert not stop(0.0) and process.signals == [signal.SIGTERM, signal.SIGKILL]

@@ -17,6 +17,7 @@ import sys
 
 from psctl.agent.core import Agent, sweep_orphans
 from psctl.runtime.cluster import TlsFiles
+from psctl.signals import on_signals
 
 EXIT_CONFIG = 2
 STOP_GRACE = 5.0
@@ -41,11 +42,11 @@ def main() -> int:
     if orphans:
         logging.warning("stopped roles an earlier agent of this host left behind: pids %s", orphans)
 
-    def on_term(signum: int, _frame: object) -> None:
+    def on_term(signum: int) -> None:
         logging.info("received %s: stopping this host's roles", signal.Signals(signum).name)
         agent.handle_shutdown(grace)
 
-    signal.signal(signal.SIGTERM, on_term)
+    on_signals((signal.SIGTERM,), on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     agent.start()
     logging.info("host %s: agent pid %d, heartbeats at %s, supervisor at %s", agent.host, os.getpid(),

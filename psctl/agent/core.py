@@ -283,8 +283,10 @@ class Agent:
         elif kind == "stop":
             with self.lock:
                 role = self.roles.get(command.stop.name)
-                if role is not None and command.stop.incarnation in (0, role.incarnation):
-                    self._begin_stop(role, command.stop.grace_seconds)
+                if role is None or command.stop.incarnation not in (0, role.incarnation):
+                    return
+                if not self._begin_stop(role, command.stop.grace_seconds):
+                    return  # sent again while the role is stopping (each report of it): nothing new to say
         elif kind == "view":
             with self.lock:
                 self.view = command.view
@@ -299,15 +301,22 @@ class Agent:
             threading.Thread(target=self._shutdown, args=(grace,), daemon=True,
                              name=f"psctl-agent-shutdown-{self.host}").start()
 
-    def _begin_stop(self, role: RoleProcess, grace: float) -> None:
+    def _begin_stop(self, role: RoleProcess, grace: float) -> bool:
+        """SIGTERM the role (SIGKILL where ``grace`` <= 0) and note when SIGKILL follows; True if that began a
+        stop or brought its SIGKILL forward. The supervisor sends a stop again with each report that shows the
+        role still running: those must not signal it again (one SIGTERM per stop; a role's handler runs once).
+        """
         if not role.running:
-            return
+            return False
+        deadline = self.time() + max(0.0, grace)
+        if role.kill_at is not None and deadline >= role.kill_at:
+            return False
         if grace <= 0:
             role.signal(signal.SIGKILL)
-        else:
+        elif role.kill_at is None:
             role.signal(signal.SIGTERM)
-        deadline = self.time() + max(0.0, grace)
-        role.kill_at = deadline if role.kill_at is None else min(role.kill_at, deadline)
+        role.kill_at = deadline
+        return True
 
     def _start(self, command: pb.StartRole) -> None:
         with self.lock:

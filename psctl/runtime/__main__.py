@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from psctl.runtime.cluster import ClusterConfigError, ClusterInfo, from_env
 from psctl.runtime.exits import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED
+from psctl.signals import on_signals
 
 #: Seconds a worker stopped by SIGTERM gives the steps it is running (the supervisor sets it from
 #: supervision.preemption_grace; the SIGKILL that follows a preemption's warning ends it otherwise).
@@ -130,12 +131,12 @@ def main() -> int:
         return EXIT_CONFIG
     stop = threading.Event()
 
-    def on_signal(signum: int, _frame: object) -> None:
-        logging.info("%s received %s: stopping", info.task, signal.Signals(signum).name)
+    def on_signal(signum: int) -> None:
+        if not stop.is_set():
+            logging.info("%s received %s: stopping", info.task, signal.Signals(signum).name)
         stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    on_signals((signal.SIGTERM, signal.SIGINT), on_signal)
     logging.info("%s starting (pid %d)", info.task, os.getpid())
     heartbeat = None
     if info.supervisor:

@@ -12,6 +12,7 @@ import psutil
 
 from psctl.home import ClusterDir
 from psctl.launch.hostset import host_runners, placements
+from psctl.signals import on_signals
 from psctl.spec import load_spec
 from psctl.supervisor.daemon import Supervisor
 from psctl.supervisor.state import ClusterState, load_state, save_state
@@ -38,7 +39,7 @@ def main(argv: list[str]) -> int:
     cwd = str(spec.path.parent if spec.path else cdir.root)
     supervisor = Supervisor(cdir, spec, record, placements(cdir, record.hosts, runners, cwd=cwd))
 
-    def on_term(signum: int, _frame: object) -> None:
+    def on_term(signum: int) -> None:
         logging.info("received %s: stopping the cluster", signal.Signals(signum).name)
         if record.backend == "slurm" and not cdir.stop_request.exists():
             # not psctl down: Slurm preempts, requeues or cancels the job, or its time is up
@@ -47,7 +48,7 @@ def main(argv: list[str]) -> int:
             supervisor.finish_wait = SLURM_FINISH_WAIT
         supervisor.stop_requested.set()
 
-    signal.signal(signal.SIGTERM, on_term)
+    on_signals((signal.SIGTERM,), on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the terminal of `psctl up` only detaches
     try:
         state = supervisor.run()
