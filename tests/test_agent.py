@@ -232,3 +232,22 @@ def test_a_stop_sent_again_while_the_role_stops_neither_signals_it_again_nor_ask
     assert agent.roles["worker-1"].kill_at == 106.0  # ...without another SIGTERM
     assert stop(0.0) and process.signals == [signal.SIGTERM, signal.SIGKILL]  # a KILL goes at once
     assert not stop(0.0) and process.signals == [signal.SIGTERM, signal.SIGKILL]
+
+
+def test_a_watched_role_s_step_is_read_from_its_log_while_it_runs_and_once_after_it_exits(tmp_path: Path) -> None:
+    log_path = tmp_path / "chief-0.1.log"
+    log_path.write_text("step 10\n")
+    process = SignalledProcess()
+    role = RoleProcess("chief-0", 1, 1, str(log_path), process=process, watched_only=True)
+    assert role.report(1.0).last.global_step == 10 and role.report(1.0).heartbeat_age == 0.0
+    with log_path.open("a") as f:
+        f.write("step 20\n")
+    assert role.report(2.0).last.global_step == 20  # running: read at each report
+
+    role.exit_code = 0
+    with log_path.open("a") as f:
+        f.write("step 30\n")  # its last line, written just before it exited
+    final = role.report(3.0)
+    assert (final.exited, final.last.global_step, final.heartbeat_age) == (True, 30, 1.0)
+    log_path.write_text("")  # read no more: an exited role's log is not read again at each report
+    assert role.report(4.0).last.global_step == 30

@@ -140,6 +140,8 @@ class RoleProcess:
     kill_at: float | None = None
     #: A framework's program: no heartbeats; alive while it runs, its progress read from its log.
     watched_only: bool = False
+    #: A watched role's step was read from its log after it exited: there is nothing more to read.
+    final_step_read: bool = False
 
     @property
     def running(self) -> bool:
@@ -162,11 +164,13 @@ class RoleProcess:
                 os.kill(self.process.pid, sig)
 
     def report(self, now: float) -> pb.RoleReport:
-        if self.watched_only:  # its step from what it printed, once more after it exits (its last lines)
+        if self.watched_only and not self.final_step_read:  # its step from what it printed
             step = last_step(self.log_path)
             self.last = pb.HeartbeatRequest(global_step=step, status="running", loss=float("nan"))
             if self.running:  # alive as long as it runs
                 self.last_beat = now
+            else:  # read once more after it exited (its last lines); its log no longer changes
+                self.final_step_read = True
         out = pb.RoleReport(
             name=self.name, incarnation=self.incarnation, attempt=self.attempt,
             pid=self.process.pid if self.process is not None else 0, create_time=self.create_time,
