@@ -6,6 +6,7 @@ pure function of them), so no layout ever travels over the network.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -160,11 +161,10 @@ def _low_rank_parts(
     out = []
     for shard in layout.shards:
         rows = slice(shard.row_offset, shard.row_offset + shard.shape[0])
-        part = left[:, rows]
-        if len(left) * (part.shape[1] + right.shape[1]) < part.shape[1] * right.shape[1]:
-            entries = [Entry(shard.name, LEFT_FACTOR, np.ascontiguousarray(part)),
-                       Entry(shard.name, RIGHT_FACTOR, np.ascontiguousarray(right))]
+        part = LowRankGrad(np.ascontiguousarray(left[:, rows]), np.ascontiguousarray(right))
+        if part.nbytes < math.prod(part.shape) * dtype.itemsize:
+            entries = [Entry(shard.name, LEFT_FACTOR, part.left), Entry(shard.name, RIGHT_FACTOR, part.right)]
         else:
-            entries = [Entry(shard.name, DENSE, part.T @ right)]
+            entries = [Entry(shard.name, DENSE, part.dense())]
         out.append((shard, entries))
     return out
