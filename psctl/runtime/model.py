@@ -152,7 +152,7 @@ def _low_rank_parts(
     """Each shard's part of a ``left.T @ right`` gradient (its rows are columns of ``left``): the two factors
     where they are smaller than the part, else the part multiplied out here."""
     name = layout.variable.name
-    left, right = np.asarray(grad.left, dtype=dtype), np.asarray(grad.right, dtype=dtype)
+    left, right = np.asarray(grad.left, dtype=dtype), np.ascontiguousarray(grad.right, dtype=dtype)
     if left.ndim != 2 or right.ndim != 2 or len(left) != len(right):
         raise ValueError(f"the low-rank gradient for {name!r} needs factors k x rows and k x columns, "
                          f"got {left.shape} and {right.shape}")
@@ -161,7 +161,7 @@ def _low_rank_parts(
     out = []
     for shard in layout.shards:
         rows = slice(shard.row_offset, shard.row_offset + shard.shape[0])
-        part = LowRankGrad(np.ascontiguousarray(left[:, rows]), np.ascontiguousarray(right))
+        part = LowRankGrad(np.ascontiguousarray(left[:, rows]), right)  # every shard's part shares ``right``
         if part.nbytes < math.prod(part.shape) * dtype.itemsize:
             entries = [Entry(shard.name, LEFT_FACTOR, part.left), Entry(shard.name, RIGHT_FACTOR, part.right)]
         else:
