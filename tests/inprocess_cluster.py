@@ -18,7 +18,7 @@ from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.coordinator import ClusterCoordinator
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import ProgramRef, load_program
-from psctl.runtime.ps import ParameterServerServicer, VariableStore, add_to_server
+from psctl.runtime.ps import SERVER_THREADS, ParameterServerServicer, VariableStore, add_to_server
 from psctl.runtime.ps_client import PsClient
 from psctl.runtime.rpc import make_channel, make_server
 from psctl.runtime.worker import WorkerServicer
@@ -85,7 +85,7 @@ def cluster_factory() -> Iterator[MakeCluster]:
         model = ShardedModel(loaded, num_ps)
         servicers, addresses = [], []
         for _ in range(num_ps + spare_ps):
-            server, port = make_server("127.0.0.1:0")
+            server, port = make_server("127.0.0.1:0", max_workers=SERVER_THREADS)
             servicer = CountingServicer(VariableStore(cluster_id=CLUSTER_ID))
             add_to_server(servicer, server)
             server.start()
@@ -95,10 +95,10 @@ def cluster_factory() -> Iterator[MakeCluster]:
         servicers, spare = servicers[:num_ps], servicers[num_ps:]
         addresses, spare_addresses = addresses[:num_ps], addresses[num_ps:]
         chief = PsClient(addresses, timeout=30)
-        worker_ps = PsClient(addresses, timeout=30)
+        worker_ps = PsClient(addresses, timeout=30, sessions=True)  # as the runtime's workers
 
         def relayout(ps_addresses: Sequence[str]) -> tuple[ShardedModel, PsClient]:
-            client = PsClient(ps_addresses, timeout=30)
+            client = PsClient(ps_addresses, timeout=30, sessions=True)
             closers.append(client.close)
             return ShardedModel(loaded, len(ps_addresses)), client
 

@@ -105,6 +105,16 @@ class ParameterServerStub:
                 request_serializer=psctl_dot_proto_dot_psctl__pb2.AssignRequestFrame.SerializeToString,
                 response_deserializer=psctl_dot_proto_dot_psctl__pb2.AssignResponse.FromString,
                 _registered_method=True)
+        self.PullFramedSession = channel.stream_stream(
+                '/psctl.ParameterServer/PullFramedSession',
+                request_serializer=psctl_dot_proto_dot_psctl__pb2.PullRequestFrame.SerializeToString,
+                response_deserializer=psctl_dot_proto_dot_psctl__pb2.PullResponseFrame.FromString,
+                _registered_method=True)
+        self.PushFramedSession = channel.stream_stream(
+                '/psctl.ParameterServer/PushFramedSession',
+                request_serializer=psctl_dot_proto_dot_psctl__pb2.PushRequestFrame.SerializeToString,
+                response_deserializer=psctl_dot_proto_dot_psctl__pb2.PushResponseFrame.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -209,6 +219,23 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullFramedSession(self, request_iterator, context):
+        """PullFramed over a session (psctl.runtime.sessions): one long-lived stream, each request answered in
+        order as PullFramed answers it, for about half of gRPC Python's cost per call. A failure ends the session
+        with PullFramed's status; a server with too many sessions open refuses more with RESOURCE_EXHAUSTED
+        before reading a request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushFramedSession(self, request_iterator, context):
+        """PushFramed over a session, as PullFramedSession.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -281,6 +308,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.AssignFramedStream,
                     request_deserializer=psctl_dot_proto_dot_psctl__pb2.AssignRequestFrame.FromString,
                     response_serializer=psctl_dot_proto_dot_psctl__pb2.AssignResponse.SerializeToString,
+            ),
+            'PullFramedSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.PullFramedSession,
+                    request_deserializer=psctl_dot_proto_dot_psctl__pb2.PullRequestFrame.FromString,
+                    response_serializer=psctl_dot_proto_dot_psctl__pb2.PullResponseFrame.SerializeToString,
+            ),
+            'PushFramedSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushFramedSession,
+                    request_deserializer=psctl_dot_proto_dot_psctl__pb2.PushRequestFrame.FromString,
+                    response_serializer=psctl_dot_proto_dot_psctl__pb2.PushResponseFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -662,6 +699,60 @@ class ParameterServer:
             '/psctl.ParameterServer/AssignFramedStream',
             psctl_dot_proto_dot_psctl__pb2.AssignRequestFrame.SerializeToString,
             psctl_dot_proto_dot_psctl__pb2.AssignResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullFramedSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/psctl.ParameterServer/PullFramedSession',
+            psctl_dot_proto_dot_psctl__pb2.PullRequestFrame.SerializeToString,
+            psctl_dot_proto_dot_psctl__pb2.PullResponseFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushFramedSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/psctl.ParameterServer/PushFramedSession',
+            psctl_dot_proto_dot_psctl__pb2.PushRequestFrame.SerializeToString,
+            psctl_dot_proto_dot_psctl__pb2.PushResponseFrame.FromString,
             options,
             channel_credentials,
             insecure,

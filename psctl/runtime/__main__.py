@@ -27,11 +27,16 @@ DEFAULT_PREEMPTION_GRACE = 30.0
 
 def _serve(info: ClusterInfo, stop: threading.Event) -> int:
     from psctl.runtime.fencing import CHIEF_FENCE  # also fed by this process's heartbeat replies
-    from psctl.runtime.rpc import make_server
+    from psctl.runtime.rpc import UNARY_THREADS, make_server
 
     CHIEF_FENCE.learn(info.chief_incarnation)  # before serving: a replaced chief may already be calling
 
-    server, _port = make_server(info.bind_address(), info.tls)
+    threads = UNARY_THREADS
+    if info.task_type == "ps":
+        from psctl.runtime.ps import SERVER_THREADS
+
+        threads = SERVER_THREADS  # a thread for each of the workers' sessions too
+    server, _port = make_server(info.bind_address(), info.tls, max_workers=threads)
     drain = None  # a worker's: finish the steps running, refuse new ones
     store = None  # a ps's: on SIGTERM it leaves once the chief has checkpointed it
     if info.task_type == "ps":
@@ -55,7 +60,7 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
         program = load_program(ProgramRef(cfg.program, cfg.args, cfg.data, cfg.seed))
         def layout(addresses: Sequence[str]) -> tuple[ShardedModel, PsClient]:
             return (ShardedModel(program, len(addresses), cfg.partitioner, cfg.placement),
-                    PsClient(addresses, tls=info.tls))
+                    PsClient(addresses, tls=info.tls, sessions=True))
 
         model, ps = layout(info.ps)
         num_shards = cfg.data_shards or len(info.workers)

@@ -33,6 +33,8 @@ from psctl.runtime.fencing import ChiefFence, ChiefReplaced
 from psctl.runtime.initializers import initialize
 from psctl.runtime.optimizers import Optimizer, make_optimizer
 from psctl.runtime.rows import gather_rows
+from psctl.runtime.rpc import UNARY_THREADS
+from psctl.runtime.sessions import SESSIONS_PER_PS, SessionSlots
 from psctl.runtime.wire import DENSE, IDS, LEFT_FACTOR, RIGHT_FACTOR, ROWS, SLOT, Entry, SplitArray, WireError
 
 #: Step ids this far below the newest one seen count as applied; older retries are refused as duplicates.
@@ -584,6 +586,9 @@ def _in_parallel(items: Sequence[X], work: Callable[[Sequence[X]], T], elements:
     return list(_pool.map(work, [items[i : i + step] for i in range(0, len(items), step)]))
 
 
+#: A PS server's threads: its unary calls', and one for each of the workers' sessions.
+SERVER_THREADS = UNARY_THREADS + SESSIONS_PER_PS
+
 #: The framed rpcs and the servicer methods that implement them on bytes: (gRPC handler kind, method).
 _FRAMED: dict[str, tuple[Callable[..., grpc.RpcMethodHandler], str]] = {
     "PullFramed": (grpc.unary_unary_rpc_method_handler, "pull_framed"),
@@ -591,6 +596,8 @@ _FRAMED: dict[str, tuple[Callable[..., grpc.RpcMethodHandler], str]] = {
     "PushFramed": (grpc.unary_unary_rpc_method_handler, "push_framed"),
     "PushFramedStream": (grpc.stream_unary_rpc_method_handler, "push_framed_stream"),
     "AssignFramedStream": (grpc.stream_unary_rpc_method_handler, "assign_framed_stream"),
+    "PullFramedSession": (grpc.stream_stream_rpc_method_handler, "pull_framed_session"),
+    "PushFramedSession": (grpc.stream_stream_rpc_method_handler, "push_framed_session"),
 }
 
 
@@ -626,6 +633,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         self.store = store
         #: Pulls and pushes served (for psctl top's requests/s; a lost increment under a race is harmless).
         self.requests = 0
+        #: The workers' open sessions (a serving thread each).
+        self.sessions = SessionSlots(SESSIONS_PER_PS)
 
     def _abort(self, context: grpc.ServicerContext, exc: Exception) -> None:
         if isinstance(exc, ChiefReplaced):
@@ -764,6 +773,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         header, entries, _ = self._read_stream(_framed_parts(requests, pb.AssignRequest), _assign_header, context)
         return self._assign(header, entries, context).SerializeToString()  # type: ignore[no-any-return]
 
+    def pull_framed_session(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        return self.sessions.serve(requests, context, self.pull_framed)
+
+    def push_framed_session(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        return self.sessions.serve(requests, context, self.push_framed)
+
     def framed_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         """Handlers of the framed rpcs with no (de)serializer: gRPC hands over the received bytes as they are."""
         return {name: kind(getattr(self, method)) for name, (kind, method) in _FRAMED.items()}
@@ -793,6 +808,20 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     ) -> pb.AssignResponse:
         frames = (m.SerializeToString() for m in request_iterator)
         return pb.AssignResponse.FromString(self.assign_framed_stream(frames, context))
+
+    def PullFramedSession(
+        self, request_iterator: Iterator[pb.PullRequestFrame], context: grpc.ServicerContext
+    ) -> Iterator[pb.PullResponseFrame]:
+        frames = (m.SerializeToString() for m in request_iterator)
+        for answer in self.pull_framed_session(frames, context):
+            yield pb.PullResponseFrame.FromString(answer)
+
+    def PushFramedSession(
+        self, request_iterator: Iterator[pb.PushRequestFrame], context: grpc.ServicerContext
+    ) -> Iterator[pb.PushResponseFrame]:
+        frames = (m.SerializeToString() for m in request_iterator)
+        for answer in self.push_framed_session(frames, context):
+            yield pb.PushResponseFrame.FromString(answer)
 
     # -- plain rpcs: the arrays inside the protobuf messages ----------------------------------------------
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullResponse:

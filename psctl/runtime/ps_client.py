@@ -24,6 +24,7 @@ from psctl.runtime.cluster import TlsFiles
 from psctl.runtime.fencing import ChiefReplaced, replaced
 from psctl.runtime.heartbeat import tasks_of
 from psctl.runtime.rpc import REPLACED_CHANNEL_GRACE, close_later, make_channel
+from psctl.runtime.sessions import Exchange, SessionEnded, SessionPool
 from psctl.runtime.wire import Entry
 
 log = logging.getLogger("psctl.ps_client")
@@ -52,19 +53,31 @@ class PushHeader:
 
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
-#: One rpc to one PS: a unary rpc with its request, or a function that makes a streaming call (a thread each).
-Call = tuple[grpc.UnaryUnaryMultiCallable, bytes] | Callable[[], Any]
+#: One rpc to one PS: a unary rpc (or its sessions) with its request, or a function that makes a streaming call
+#: (a thread each).
+Call = tuple[grpc.UnaryUnaryMultiCallable | SessionPool, bytes] | Callable[[], Any]
 
 
 class FramedStub:
-    """The framed rpcs of one PS, bytes in and bytes out: psctl.runtime.wire writes and reads the frames."""
+    """The framed rpcs of one PS, bytes in and bytes out: psctl.runtime.wire writes and reads the frames.
+    With ``sessions``, one-message pulls and pushes go over sessions (psctl.runtime.sessions)."""
 
-    def __init__(self, channel: grpc.Channel) -> None:
-        self.pull = channel.unary_unary(f"/{wire.PS_SERVICE}/PullFramed")
+    def __init__(self, channel: grpc.Channel, *, sessions: bool = False) -> None:
+        def rpc(name: str) -> grpc.UnaryUnaryMultiCallable | SessionPool:
+            unary = channel.unary_unary(f"/{wire.PS_SERVICE}/{name}")
+            return SessionPool(channel.stream_stream(f"/{wire.PS_SERVICE}/{name}Session"), unary) if sessions else unary
+
+        self.pull = rpc("PullFramed")
         self.pull_stream = channel.unary_stream(f"/{wire.PS_SERVICE}/PullFramedStream")
-        self.push = channel.unary_unary(f"/{wire.PS_SERVICE}/PushFramed")
+        self.push = rpc("PushFramed")
         self.push_stream = channel.stream_unary(f"/{wire.PS_SERVICE}/PushFramedStream")
         self.assign_stream = channel.stream_unary(f"/{wire.PS_SERVICE}/AssignFramedStream")
+
+    def close(self) -> None:
+        """Close its sessions (before its channel)."""
+        for rpc in (self.pull, self.push):
+            if isinstance(rpc, SessionPool):
+                rpc.close()
 
 
 def _push_reply(frame: bytes) -> tuple[pb.PushResponse, list[Entry]]:
@@ -94,21 +107,25 @@ def _all_or_raise(guard: Callable[[int, Callable[[], Any]], Any], runs: Sequence
 
 class PsClient:
     def __init__(self, addresses: Sequence[str], *, tls: TlsFiles | None = None, timeout: float = 60.0,
-                 chief_incarnation: int = 0) -> None:
-        """``chief_incarnation``: a chief's client stamps it on Init, Assign and SyncFlush (see fencing)."""
+                 chief_incarnation: int = 0, sessions: bool = False) -> None:
+        """``chief_incarnation``: a chief's client stamps it on Init, Assign and SyncFlush (see fencing).
+        ``sessions``: one-message pulls and pushes over sessions (a worker's: it makes them every step)."""
         self.addresses = list(addresses)
         self.timeout = timeout
         self.chief_incarnation = chief_incarnation
         self._tls = tls
+        self._sessions = sessions
         self._lock = threading.Lock()
         self._channels = [make_channel(a, tls) for a in self.addresses]
         self.stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
-        self._framed = [FramedStub(c) for c in self._channels]
+        self._framed = [FramedStub(c, sessions=sessions) for c in self._channels]
         # Streaming calls need a thread each to be issued in parallel; unary calls use grpc futures.
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.addresses)), thread_name_prefix="ps-stream")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for framed in self._framed:
+            framed.close()
         for channel in self._channels:
             channel.close()
 
@@ -125,12 +142,13 @@ class PsClient:
             if self.addresses[ps] == address:
                 return
             log.warning("ps:%d moved from %s to %s", ps, self.addresses[ps], address)
-            old = self._channels[ps]
+            old, old_framed = self._channels[ps], self._framed[ps]
             channel = make_channel(address, self._tls)
             self.addresses[ps] = address
             self._channels[ps] = channel
             self.stubs[ps] = pb_grpc.ParameterServerStub(channel)
-            self._framed[ps] = FramedStub(channel)
+            self._framed[ps] = FramedStub(channel, sessions=self._sessions)
+        old_framed.close()
         close_later(old)
 
     def follow(self, addresses: Mapping[str, str]) -> None:
@@ -158,13 +176,21 @@ class PsClient:
         call = calls[first]
         runs = [(first, call if callable(call) else lambda: call[0](call[1], timeout=self.timeout)),
                 *((ps, future.result) for ps, future in pending.items())]  # fmt: skip
-        return _all_or_raise(self._guard, runs, wait_all=bool(self.chief_incarnation))
+        try:
+            return _all_or_raise(self._guard, runs, wait_all=bool(self.chief_incarnation))
+        except BaseException:
+            for future in pending.values():  # a session whose answer is never read must not carry another
+                if isinstance(future, Exchange):
+                    future.cancel()
+            raise
 
     def _guard(self, ps: int, run: Callable[[], Any]) -> Any:
         try:
             return run()
         except grpc.RpcError as exc:
             raise self._wrap(ps, exc) from None
+        except SessionEnded as exc:
+            raise PsUnavailable(ps, self.addresses[ps], str(exc)) from None
 
     # -- pull -----------------------------------------------------------------------------------------
     def pull(

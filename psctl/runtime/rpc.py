@@ -72,7 +72,13 @@ def close_later(channel: grpc.Channel, delay: float = REPLACED_CHANNEL_GRACE) ->
     timer.start()
 
 
-def make_server(bind: str, tls: TlsFiles | None = None, *, max_workers: int = 16) -> tuple[grpc.Server, int]:
+#: A server's threads for its unary and short streaming calls (a session needs one more of its own).
+UNARY_THREADS = 16
+
+
+def make_server(
+    bind: str, tls: TlsFiles | None = None, *, max_workers: int = UNARY_THREADS
+) -> tuple[grpc.Server, int]:
     """A server listening on ``bind``; returns it (not started) and the port it got."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          options=[*grpc_options(), *SERVER_OPTIONS])
