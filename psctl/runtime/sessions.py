@@ -1,10 +1,9 @@
 """Request and answer over long-lived bidirectional gRPC streams ("sessions").
 
 gRPC Python spends much of a unary call on the call itself: setting it up and tearing it down, on both ends.
-On a stream that stays open, each request message gets its answer message for about half the CPU (2-core
-machine, 2 clients, 318 KB each way: client 0.24 against 0.48 ms, server 0.22 against 0.35 ms per exchange;
-4 MiB answers: client 2.2 against 3.6-5.3 ms), which on a worker's step path is most of what psctl spends
-beyond its own math (benchmarks/README.md, "sessions").
+On a stream that stays open, each request gets its answer for less (``python -m benchmarks.sessions``, 2-core
+machine, 2 clients; CPU ms per call, session against unary: 325 KB each way, server 0.25 against 0.39, client
+0.28 alike; 4 MiB, server 2.2 against 3.5, client 1.9 against 5.4). A worker's step makes one such call per ps.
 
 A session carries one exchange at a time: a request message, then its answer, in order. A
 :class:`SessionPool` keeps the idle sessions of one rpc on one channel and opens another when all are busy (a
