@@ -227,3 +227,16 @@ def test_a_lost_ps_fails_a_session_call_as_unavailable(servers: Servers) -> None
     ps.server.stop(grace=None).wait()
     with pytest.raises(PsUnavailable, match="ps:0"):
         push(worker, 2)
+
+
+def test_a_malformed_frame_on_a_session_is_refused_and_changes_nothing(servers: Servers) -> None:
+    ps = servers.start()
+    worker = servers.client([ps], sessions=True)
+    assert push(worker, 1).applied
+    before = pull(worker)
+    session = worker._channels[0].stream_stream("/psctl.ParameterServer/PushFramedSession")
+    with pytest.raises(grpc.RpcError) as refused:
+        list(session(iter([b"\xff\x00 not a frame"]), timeout=10))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert pull(worker) == before and ps.servicer.store.global_step == 1
+    assert push(worker, 2).applied  # still serving
