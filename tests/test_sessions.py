@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from psctl.proto import psctl_pb2 as pb
+from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.ps import SERVER_THREADS, ParameterServerServicer, VariableStore, add_to_server
 from psctl.runtime.ps_client import PsClient, PsUnavailable, PushHeader
 from psctl.runtime.rpc import make_server
@@ -60,11 +61,15 @@ class Servers:
     started: list[grpc.Server]
     clients: list[PsClient]
 
-    def start(self, port: int = 0, *, without_sessions: bool = False) -> Ps:
-        """A PS as the runtime serves it, initialised with ``w`` (``without_sessions``: an older PS)."""
+    def start(self, port: int = 0, *, without_sessions: bool = False, generated: bool = False) -> Ps:
+        """A PS as the runtime serves it, initialised with ``w`` (``without_sessions``: an older PS;
+        ``generated``: registered by the generated code, protobuf messages in and out)."""
         server, port = make_server(f"127.0.0.1:{port}", max_workers=SERVER_THREADS)
         servicer = ParameterServerServicer(VariableStore(cluster_id=CLUSTER))
-        add_to_server(servicer, _WithoutSessions(server) if without_sessions else server)
+        if generated:
+            pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
+        else:
+            add_to_server(servicer, _WithoutSessions(server) if without_sessions else server)
         server.start()
         self.started.append(server)
         ps = Ps(server, servicer, port)
@@ -156,6 +161,19 @@ def test_a_server_full_of_sessions_refuses_more_and_the_calls_go_unary_applied_o
     assert sessions.refused == 2  # one push and one pull session asked for; later calls went unary at once
     state = ps.servicer.store
     assert (state.applied_updates, state.global_step) == (2, 2)  # the refused request was sent again once
+
+
+def test_a_ps_registered_by_the_generated_code_serves_sessions_alike(servers: Servers) -> None:
+    generated, runtime = servers.start(generated=True), servers.start()
+    by_generated, by_runtime = servers.client([generated], sessions=True), servers.client([runtime], sessions=True)
+    for step in (1, 2):
+        assert push(by_generated, step).global_step == push(by_runtime, step).global_step == step
+    assert pull(by_generated) == pull(by_runtime)
+    with pytest.raises(grpc.RpcError) as refused:
+        push(by_generated, 3, NAN_GRAD)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert push(by_generated, 3).applied
+    assert generated.servicer.sessions.opened == 3  # pull, push, and the push session after the refusal
 
 
 def test_a_server_without_sessions_is_called_unary(servers: Servers) -> None:

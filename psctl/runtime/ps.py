@@ -812,16 +812,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def PullFramedSession(
         self, request_iterator: Iterator[pb.PullRequestFrame], context: grpc.ServicerContext
     ) -> Iterator[pb.PullResponseFrame]:
-        frames = (m.SerializeToString() for m in request_iterator)
-        for answer in self.pull_framed_session(frames, context):
-            yield pb.PullResponseFrame.FromString(answer)
+        answers = self.pull_framed_session((m.SerializeToString() for m in request_iterator), context)
+        return map(pb.PullResponseFrame.FromString, answers)
 
     def PushFramedSession(
         self, request_iterator: Iterator[pb.PushRequestFrame], context: grpc.ServicerContext
     ) -> Iterator[pb.PushResponseFrame]:
-        frames = (m.SerializeToString() for m in request_iterator)
-        for answer in self.push_framed_session(frames, context):
-            yield pb.PushResponseFrame.FromString(answer)
+        answers = self.push_framed_session((m.SerializeToString() for m in request_iterator), context)
+        return map(pb.PushResponseFrame.FromString, answers)
 
     # -- plain rpcs: the arrays inside the protobuf messages ----------------------------------------------
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullResponse:
