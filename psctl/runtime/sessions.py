@@ -48,16 +48,16 @@ class SessionEnded(Exception):
 class _Session:
     """One open stream, used for one exchange at a time."""
 
-    def __init__(self, method: grpc.StreamStreamMultiCallable, lifetime: float | None) -> None:
+    def __init__(self, method: grpc.StreamStreamMultiCallable, lifetime: float) -> None:
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.expires = float("inf") if lifetime is None else time.monotonic() + lifetime
+        self.expires = time.monotonic() + lifetime
         #: Answers received: a refusal of a session with none means the server ran nothing of the request.
         self.answered = 0
         self._answers = method(iter(self._requests.get, _END), timeout=lifetime)
 
-    def usable(self, now: float, timeout: float | None) -> bool:
+    def usable(self, now: float, timeout: float) -> bool:
         """Open (the server may have ended it while it was idle: it restarted) with ``timeout`` s of life left."""
-        return self.expires - now > (timeout or 0.0) and not self._answers.done()
+        return self.expires - now > timeout and not self._answers.done()
 
     def send(self, request: Any) -> None:
         self._requests.put(request)
@@ -87,7 +87,7 @@ class Exchange:
     """One request in flight on a session (or unary, where sessions are refused): ``result()`` waits for its
     answer; ``cancel()`` gives up on it (an answer never read would leave the session out of step)."""
 
-    def __init__(self, pool: SessionPool, request: Any, timeout: float | None) -> None:
+    def __init__(self, pool: SessionPool, request: Any, timeout: float) -> None:
         self._pool, self._request, self._timeout = pool, request, timeout
         self._session: _Session | None = None
         self._unary: grpc.Future | None = None
@@ -100,22 +100,16 @@ class Exchange:
     def result(self) -> Any:
         if self._unary is not None:
             return self._unary.result()
-        session = self._session
+        session, self._session = self._session, None
         assert session is not None
         try:
             answer = session.receive()
-        except grpc.RpcError as exc:
-            session.close()
-            self._session = None
-            if session.answered or not _refused(exc):
-                raise
-            self._pool.refuse()  # nothing of this request ran: send it unary
-            return self._pool.unary(self._request, timeout=self._timeout)
-        except BaseException:
-            session.close()
-            self._session = None
+        except BaseException as exc:
+            session.close()  # a failed session is never reused
+            if isinstance(exc, grpc.RpcError) and not session.answered and _refused(exc):
+                self._pool.refuse()  # nothing of this request ran: send it unary
+                return self._pool.unary(self._request, timeout=self._timeout)
             raise
-        self._session = None
         self._pool.give_back(session)
         return answer
 
@@ -139,11 +133,11 @@ class SessionPool:
         self._closed = False
         self._refused_until = 0.0
 
-    def future(self, request: Any, *, timeout: float | None) -> Exchange:
+    def future(self, request: Any, *, timeout: float) -> Exchange:
         """Send ``request``; its answer is the returned exchange's ``result()``."""
         return Exchange(self, request, timeout)
 
-    def __call__(self, request: Any, *, timeout: float | None) -> Any:
+    def __call__(self, request: Any, *, timeout: float) -> Any:
         return self.future(request, timeout=timeout).result()
 
     def refused(self) -> bool:
@@ -152,7 +146,7 @@ class SessionPool:
     def refuse(self) -> None:
         self._refused_until = time.monotonic() + REFUSED_BACKOFF
 
-    def take(self, timeout: float | None) -> _Session:
+    def take(self, timeout: float) -> _Session:
         """An idle session that can carry an exchange of ``timeout`` seconds, or a new one."""
         expired = []
         session = None
@@ -166,7 +160,7 @@ class SessionPool:
                     expired.append(candidate)
         for old in expired:
             old.close()
-        return session if session is not None else _Session(self._method, None if timeout is None else 2 * timeout)
+        return session if session is not None else _Session(self._method, lifetime=2 * timeout)
 
     def give_back(self, session: _Session) -> None:
         with self._lock:
