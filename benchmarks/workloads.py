@@ -212,6 +212,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
 
 
+def _steps_per_call(value: str) -> int | str:
+    """--steps-per-execution: auto, or a whole number >= 1."""
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected auto or a whole number >= 1, got {value!r}")
+    return int(value)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workload", choices=WORKLOADS)
@@ -230,8 +239,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-fraction", type=float, default=0.1,
                         help="steps/s is measured from this fraction of the steps to the last (default 0.1)")
     parser.add_argument("--pipelined", action="store_true", help="training.pipelined: two steps in flight per worker")
-    parser.add_argument("--steps-per-execution", type=int, default=1,
-                        help="training.steps_per_execution: steps per call from the chief (default 1)")
+    parser.add_argument("--steps-per-execution", type=_steps_per_call, default="auto",
+                        help="training.steps_per_execution: steps per call from the chief, or auto (the default: "
+                             "sized from the steps' durations)")
     parser.add_argument("--placement", choices=("balanced", "round_robin"), default="balanced",
                         help="training.placement: by bytes (psctl's default) or TensorFlow's round-robin")
     parser.add_argument("--seed", type=int, default=0)
@@ -241,8 +251,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in DEFAULTS[args.workload].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.ps < 1 or args.workers < 1 or args.steps < 1 or args.threads < 1 or args.steps_per_execution < 1:
-        parser.error("--ps, --workers, --steps, --threads and --steps-per-execution must be >= 1")
+    if args.ps < 1 or args.workers < 1 or args.steps < 1 or args.threads < 1:
+        parser.error("--ps, --workers, --steps and --threads must be >= 1")
     if args.zipf and args.zipf <= 1:
         parser.error("--zipf must be 0 (uniform) or > 1")
     return args

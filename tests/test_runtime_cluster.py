@@ -106,13 +106,14 @@ def final_record(cluster: LocalCluster) -> dict[str, Any]:
 
 # -- (a) ------------------------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("pipelined", "per_call"), [(False, 1), (True, 1), (True, 8)],
-                         ids=["plain", "pipelined", "pipelined-8-steps-per-call"])  # fmt: skip
+@pytest.mark.parametrize(("pipelined", "per_call"), [(False, 1), (False, "auto"), (True, 1), (True, 8)],
+                         ids=["plain", "auto-steps-per-call", "pipelined", "pipelined-8-steps-per-call"])  # fmt: skip
 def test_mlp_on_digits_trains_to_accuracy_with_each_step_applied_once(
-    make_cluster: MakeCluster, pipelined: bool, per_call: int
+    make_cluster: MakeCluster, pipelined: bool, per_call: int | str
 ) -> None:
     """Also pipelined (two steps in flight per worker), and with several steps per call from the chief
-    (steps_per_execution; 600 is not a multiple of 8): the same steps, each applied once, each batch once."""
+    (steps_per_execution: 8, or auto: as many as the steps' time suggests): the same steps, each applied once,
+    each batch once."""
     steps = 600
     # a step pipelined behind another sees variables one update staler: a smaller step size keeps async Adam
     # from overshooting (at 0.01 the final accuracy now and then fell below 0.9 on a loaded machine)
@@ -141,6 +142,10 @@ def test_mlp_on_digits_trains_to_accuracy_with_each_step_applied_once(
     assert placed == [{"hid/kernel", "sm/kernel"}, {"hid/bias", "sm/bias"}]
     # the chief ran the whole schedule and said so
     assert "training done: global step 600" in cluster.chief_log()
+    if per_call == "auto":  # a digits step takes milliseconds: auto gives a worker several per call
+        assert result["steps_per_call"] > 1.5, result
+    else:
+        assert result["steps_per_call"] == per_call, result
 
 
 # -- (b) ------------------------------------------------------------------------------------------------

@@ -354,7 +354,16 @@ MISTAKES = [
         training: {program: psctl.models.mlp, data: {name: digits}, steps: 10, steps_per_execution: 0}
         """,
         "cluster.yaml:2: training.steps_per_execution: expected an integer >= 1, got 0; "
-        "write a whole number such as 10",
+        "write auto (the default: calls sized by the steps' duration) or a whole number such as 10",
+    ),
+    (
+        "steps per execution neither auto nor a number",
+        """\
+        roles: {chief: {}, ps: {}, worker: {replicas: 2}}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10, steps_per_execution: fast}
+        """,
+        "cluster.yaml:2: training.steps_per_execution: expected an integer >= 1, got 'fast'; "
+        "write auto (the default: calls sized by the steps' duration) or a whole number such as 10",
     ),
     (
         "role names a host but the spec has no hosts",
@@ -732,7 +741,7 @@ def test_valid_spec_is_normalised_with_defaults(tmp_path: Path) -> None:
         "min_replicas": None,
         "distinct_replicas": None,
         "pipelined": False,
-        "steps_per_execution": 1,
+        "steps_per_execution": "auto",
         "data_shards": 3,
     }
     assert json.loads(json.dumps(spec.training, allow_nan=False)) == spec.training

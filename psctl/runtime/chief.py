@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from psctl.runtime.atomic import write_json_atomic
+from psctl.runtime.call_size import CallSizer
 from psctl.runtime.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -71,6 +72,8 @@ class Chief:
         #: The ps addresses of a layout with another ps count (psctl scale ps=N), until resharded onto it.
         self._ps_wanted: list[str] | None = None
         self.meter = TrainingMeter()
+        #: Asynchronous steps per call to a worker (training.steps_per_execution).
+        self._call_size = CallSizer(cfg.steps_per_execution)
         run_dir = Path(info.run_dir)
         self.metrics = MetricsFile(run_dir / "metrics.jsonl")
         self.result_path = run_dir / "result.json"
@@ -179,6 +182,8 @@ class Chief:
             "handed_back_steps": coordinator.handed_back,
             "ps_restores": self.restores,
             "max_observed_lag": coordinator.max_observed_lag if cfg.mode == "bounded" else None,
+            # asynchronous: the steps a worker ran per call from the chief, on average (steps_per_execution)
+            "steps_per_call": round(self._call_size.mean(), 2) if cfg.mode != "sync" else None,
             "sync": self._sync_counters(),
             "metrics": metrics,
             "checkpoint": str(self.checkpointer.latest) if self.checkpointer and self.checkpointer.latest else None,
@@ -204,7 +209,6 @@ class Chief:
             self._train_sync(coordinator)
             return
         remaining = max(0, self.config.steps - self.ps.state(0).global_step)
-        per_call = max(1, self.config.steps_per_execution)
         while remaining > 0 and not self.stop.is_set():
             coordinator.wait_below(2 * coordinator.active_workers() + 2, give_up=self.stop.is_set)
             if self.stop.is_set():
@@ -221,7 +225,7 @@ class Chief:
                 if not self._join(coordinator):
                     break  # stopping: nothing to checkpoint consistently now (the stop path tries)
                 self._checkpoint()
-            steps = min(per_call, remaining)
+            steps = self._call_size.steps(remaining, coordinator.active_workers())
             coordinator.schedule("train", steps=steps)
             remaining -= steps
         if self.stop.is_set() or not self._join(coordinator):
@@ -389,6 +393,7 @@ class Chief:
 
     def _on_result(self, closure: Closure, response: Any, worker: int) -> None:
         if closure.function == "train":
+            self._call_size.observe(max(1, response.steps), response.step_seconds)
             with self._advanced:
                 self.meter.record(loss=response.loss, examples=response.examples, global_step=response.global_step,
                                   steps=max(1, response.steps))
@@ -403,6 +408,8 @@ class Chief:
         PROGRESS.steps_per_second = float(report["steps_per_sec"])
         PROGRESS.status = "done" if final else "training"
         record = {"time": time.time(), "event": "progress", **report}
+        if self.config.mode != "sync":
+            record["steps_per_call"] = self._call_size.last
         self.metrics.write(record)
         self._scalars(record)
         if not final:

@@ -32,8 +32,9 @@ class TrainingConfig:
     #: Asynchronous mode: two steps in flight per worker, its communication overlapping its computation.
     pipelined: bool = False
     #: Asynchronous mode: steps a worker runs per call from the chief (TensorFlow's steps_per_execution): the
-    #: chief's round trip is paid once per call instead of once per step.
-    steps_per_execution: int = 1
+    #: chief's round trip is paid once per call instead of once per step. "auto": sized from the steps'
+    #: durations (psctl.runtime.call_size).
+    steps_per_execution: int | str = "auto"
     steps: int = 1000
     #: Where variables go: "balanced" (by bytes, psctl's default) or "round_robin" (TensorFlow's order).
     placement: str = "balanced"
@@ -47,7 +48,8 @@ class TrainingConfig:
     #: The evaluator stops after this many evaluations (0: when training is done).
     max_evaluations: int = 0
     #: Seconds a step may run before it is re-scheduled on another worker (0: no deadline), counted from when the
-    #: chief sends it: an asynchronous step queued behind another on its worker spends part of it waiting.
+    #: chief sends it: an asynchronous step queued behind another on its worker spends part of it waiting. A call
+    #: of several steps (steps_per_execution) has this for each of them.
     step_timeout: float = 0.0
 
     @classmethod

@@ -542,7 +542,7 @@ class ClusterCoordinator:
             )
             layout = self.layout
             try:
-                response = self._stubs[worker.index].RunStep(request, timeout=self.step_timeout)
+                response = self._stubs[worker.index].RunStep(request, timeout=self._deadline(closure))
             except grpc.RpcError as exc:
                 self._on_rpc_error(worker, closure, exc)
                 continue
@@ -554,6 +554,10 @@ class ClusterCoordinator:
                 self.on_result(closure, response, worker.index)
             closure.remote._set(response)
             self._finish(closure)
+
+    def _deadline(self, closure: Closure) -> float | None:
+        """The call's timeout: step_timeout for each of its steps."""
+        return None if self.step_timeout is None else self.step_timeout * closure.steps
 
     def _on_rpc_error(self, worker: WorkerState, closure: Closure, exc: grpc.RpcError) -> None:
         code, details = exc.code(), exc.details() or ""  # type: ignore[attr-defined]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from psctl.home import psctl_home
+from psctl.runtime.call_size import AUTO
 from psctl.runtime.optimizers import make_optimizer
 from psctl.runtime.strategy import PLACEMENTS, partitioner_from_config
 from psctl.spec.checks import INT64_MAX, Checker, show, suggestion
@@ -110,7 +111,7 @@ def normalise_training(
         )
     out["staleness"] = _int(c, t, "staleness", 0, minimum=0, example="2") if mode == "bounded" else None
     out["pipelined"] = c.boolean((*T, "pipelined"), t.get("pipelined", False), fix="write true or false")
-    out["steps_per_execution"] = _int(c, t, "steps_per_execution", 1, minimum=1, example="10")
+    out["steps_per_execution"] = _steps_per_execution(c, t.get("steps_per_execution", AUTO))
     out["steps"] = _int(c, t, "steps", None, minimum=1, example="1000")
     # Fixed for the cluster's life: workers come and go (psctl scale), the data's split does not.
     out["data_shards"] = _int(c, t, "data_shards", worker_replicas, minimum=1, example=str(worker_replicas))
@@ -122,6 +123,14 @@ def normalise_training(
     out["eval_every_steps"] = _int(c, t, "eval_every_steps", 0, minimum=0, example="100")
     out["max_evaluations"] = _int(c, t, "max_evaluations", 0, minimum=0, example="10")
     return out
+
+
+def _steps_per_execution(c: Checker, value: object) -> int | str:
+    """``auto`` (calls sized from the steps' durations) or a fixed number of steps per call."""
+    if value == AUTO:
+        return AUTO
+    return c.integer((*T, "steps_per_execution"), value, minimum=1,
+                     fix=f"write {AUTO} (the default: calls sized by the steps' duration) or a whole number such as 10")
 
 
 def _int(c: Checker, t: dict[str, Any], key: str, default: int | None, *, minimum: int, example: str = "2") -> int:
