@@ -2,7 +2,7 @@
 one of the workloads W1/W2/W3 exactly as psctl's ``benchmarks.workloads`` defines them, written as a TensorFlow
 user who wants speed would write it. Reads TF_CONFIG (the ps and workers run ``python -m psctl.tfserver``).
 
-    python -m benchmarks.tf_pss_chief WORKLOAD --steps N [--zipf S] [--warmup-fraction 0.1]
+    python -m benchmarks.tf_pss_chief WORKLOAD --steps N [--zipf S] [--warmup-fraction 0.1] [--steps-per-execution K]
 
 Prints one JSON line: the steady rate (steps/s between the end of the warm-up steps and the last step) and the
 wall times (``time.time()``) of the first step, the measured window's start and its end.
@@ -16,6 +16,8 @@ TensorFlow at its best, not at its most naive:
   legacy optimizers call these same kernels);
 - W2 looks up each distinct id of a batch once (``tf.unique`` before ``tf.nn.embedding_lookup``), so pulls
   and the table's sparse gradient carry distinct rows only, as psctl's do;
+- ``--steps-per-execution K`` (default 1, TensorFlow's default) runs K steps per scheduled function, as Keras's
+  ``steps_per_execution`` does (a ``tf.range`` loop around ``strategy.run``);
 - variables are placed by the strategy itself (round-robin in creation order), W2's table (and its 64 x 1 head
   kernel, as psctl's fixed partitioner does) cut by ``FixedShardsPartitioner(2)``; every slot is colocated
   with its variable.
@@ -148,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--zipf", type=float, default=0.0)
     parser.add_argument("--warmup-fraction", type=float, default=0.1)
+    parser.add_argument("--steps-per-execution", type=int, default=1)
     args = parser.parse_args(argv)
+    per_call = max(1, args.steps_per_execution)
     training = training_config(args.workload, steps=args.steps, zipf=args.zipf)
     batch_size = training["batch_size"]
 
@@ -172,28 +176,31 @@ def main(argv: list[str] | None = None) -> int:
 
     iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
 
+    def replica_fn(batch: tuple[tf.Tensor, tf.Tensor]) -> tf.Tensor:
+        x, y = batch
+        with tf.GradientTape() as tape:
+            loss = loss_fn(args.workload, forward(x), y)
+        optimizer.apply(tape.gradient(loss, trainable), trainable)
+        step.assign_add(1)
+        return loss
+
     @tf.function
     def train_step(it: Any) -> Any:
-        def replica_fn(batch: tuple[tf.Tensor, tf.Tensor]) -> tf.Tensor:
-            x, y = batch
-            with tf.GradientTape() as tape:
-                loss = loss_fn(args.workload, forward(x), y)
-            optimizer.apply(tape.gradient(loss, trainable), trainable)
-            step.assign_add(1)
-            return loss
-
-        return strategy.run(replica_fn, args=(next(it),))
+        loss = strategy.run(replica_fn, args=(next(it),))
+        for _ in tf.range(per_call - 1):  # steps_per_execution: the rest of the call's steps
+            loss = strategy.run(replica_fn, args=(next(it),))
+        return loss
 
     coordinator.schedule(train_step, args=(iterator,))
     coordinator.join()
     first_step = time.time()
-    warm = max(1, round(args.steps * args.warmup_fraction)) - 1
+    warm = max(1, round(args.steps * args.warmup_fraction / per_call)) - 1
     for _ in range(warm):
         coordinator.schedule(train_step, args=(iterator,))
     coordinator.join()
     start, start_step = time.time(), int(step.numpy())
     loss = None
-    for _ in range(args.steps - start_step):
+    for _ in range(-(-(args.steps - start_step) // per_call)):
         loss = coordinator.schedule(train_step, args=(iterator,))
     coordinator.join()
     end, end_step = time.time(), int(step.numpy())

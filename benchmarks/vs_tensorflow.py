@@ -1,6 +1,7 @@
 """psctl against TensorFlow's ParameterServerStrategy, side by side on the same machine; one JSON line per workload.
 
     python -m benchmarks.vs_tensorflow [--workloads w1,w2,w2_zipf,w3] [--rounds 3]
+        [--psctl-steps-per-execution auto] [--tf-steps-per-execution 1]
 
 Needs TensorFlow (``pip install -e '.[tensorflow]'``). For every round, every workload runs once on psctl
 (``benchmarks.workloads``: psctl's runtime with its default options) and once on TensorFlow
@@ -8,7 +9,9 @@ Needs TensorFlow (``pip install -e '.[tensorflow]'``). For every round, every wo
 interleaved and their order swapped every round, so that the machine's drift hits both alike. The same cluster
 sizes, models, optimizers, batches and data on both. Each line gives both steady rates (median of the rounds)
 and their ratio, CPU milliseconds per step of each role during the measured steps, peak RSS per role and
-start-to-first-step.
+start-to-first-step. Both systems run their defaults unless told otherwise: psctl sizes its calls to a worker
+(``steps_per_execution: auto``), TensorFlow's coordinator schedules one step per function; give TensorFlow
+several (``--tf-steps-per-execution K``, as Keras's ``steps_per_execution``) to compare that too.
 """
 
 from __future__ import annotations
@@ -63,9 +66,10 @@ WORKLOADS = {
 class TfCluster(BenchCluster):
     """A TensorFlow ParameterServerStrategy cluster: ``psctl.tfserver`` ps and workers, the workload's chief."""
 
-    def __init__(self, run_dir: Path, workload: Workload, *, threads: int) -> None:
+    def __init__(self, run_dir: Path, workload: Workload, *, threads: int, steps_per_execution: int = 1) -> None:
         super().__init__(run_dir, {}, num_ps=workload.ps, num_workers=workload.workers, threads=threads)
         self.workload = workload
+        self.steps_per_execution = steps_per_execution
 
     def env(self, task_type: str, index: int) -> dict[str, str]:
         env = super().env(task_type, index)
@@ -79,12 +83,12 @@ class TfCluster(BenchCluster):
             return [sys.executable, "-m", "psctl.tfserver"]
         w = self.workload
         return [sys.executable, "-m", "benchmarks.tf_pss_chief", w.program, "--steps", str(w.steps),
-                "--zipf", str(w.zipf)]
+                "--zipf", str(w.zipf), "--steps-per-execution", str(self.steps_per_execution)]
 
 
 @contextlib.contextmanager
-def tf_cluster(run_dir: Path, workload: Workload, threads: int) -> Iterator[TfCluster]:
-    cluster = TfCluster(run_dir, workload, threads=threads)
+def tf_cluster(run_dir: Path, workload: Workload, threads: int, steps_per_execution: int = 1) -> Iterator[TfCluster]:
+    cluster = TfCluster(run_dir, workload, threads=threads, steps_per_execution=steps_per_execution)
     try:
         yield cluster
     finally:
@@ -100,7 +104,8 @@ def chief_report(cluster: BenchCluster) -> dict[str, Any]:
 
 
 def run_tensorflow(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
-    with run_directory(None) as run_dir, tf_cluster(run_dir, workload, args.threads) as cluster:
+    with (run_directory(None) as run_dir,
+          tf_cluster(run_dir, workload, args.threads, args.tf_steps_per_execution) as cluster):
         monitor = Monitor(cluster, poll_steps=False)
         launched = cluster.start_all()
         monitor.start()
@@ -126,7 +131,8 @@ def run_tensorflow(workload: Workload, args: argparse.Namespace) -> dict[str, An
 
 def run_psctl(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
     argv = [workload.program, "--ps", str(workload.ps), "--workers", str(workload.workers),
-            "--steps", str(workload.steps), "--threads", str(args.threads), "--timeout", str(args.timeout)]
+            "--steps", str(workload.steps), "--threads", str(args.threads), "--timeout", str(args.timeout),
+            "--steps-per-execution", str(args.psctl_steps_per_execution)]
     if workload.zipf:
         argv += ["--zipf", str(workload.zipf)]
     result = workloads.run(workloads.parse_args(argv))
@@ -186,7 +192,9 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 result = runners[system](workload, args)
                 results[workload.name][system].append(result)
                 log(f"  {result['steps_per_s']} steps/s ({time.monotonic() - started:.0f} s)")
-    context = {"machine": machine(), "versions": versions(), "threads_per_role": args.threads}
+    context = {"machine": machine(), "versions": versions(), "threads_per_role": args.threads,
+               "steps_per_execution": {"psctl": args.psctl_steps_per_execution,
+                                       "tensorflow": args.tf_steps_per_execution}}
     for workload in chosen:
         yield {**summary(workload, results[workload.name]), **context}
 
@@ -199,13 +207,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1,
                         help="OMP/OPENBLAS/MKL threads per role, both systems (default 1)")
     parser.add_argument("--timeout", type=float, default=600.0, help="give up on a run after this many seconds")
+    parser.add_argument("--psctl-steps-per-execution", default="auto",
+                        help="psctl's training.steps_per_execution (default auto, psctl's default)")
+    parser.add_argument("--tf-steps-per-execution", type=int, default=1,
+                        help="steps per function TensorFlow's coordinator schedules (default 1, its default)")
     args = parser.parse_args(argv)
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in args.workloads if w not in WORKLOADS]
     if unknown or not args.workloads:
         parser.error(f"unknown workload(s) {', '.join(unknown)}: use {', '.join(WORKLOADS)}")
-    if args.rounds < 1:
-        parser.error("--rounds must be >= 1")
+    if args.rounds < 1 or args.tf_steps_per_execution < 1:
+        parser.error("--rounds and --tf-steps-per-execution must be >= 1")
     return args
 
 
