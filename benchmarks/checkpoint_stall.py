@@ -51,7 +51,7 @@ def disk_ceiling(directory: Path, nbytes: int) -> float:
     path = directory / "ceiling.bin"
     started = time.perf_counter()
     with open(path, "wb") as f:
-        f.write(memoryview(buffer).cast("B"))
+        f.write(buffer.data.cast("B"))
         f.flush()
         os.fsync(f.fileno())
     seconds = time.perf_counter() - started
