@@ -63,3 +63,14 @@ def test_auto_shrinks_the_last_calls_so_that_workers_finish_together() -> None:
 def test_a_bad_setting_is_refused(setting: object) -> None:
     with pytest.raises(ValueError, match="steps_per_execution must be auto or an integer >= 1"):
         CallSizer(setting)  # type: ignore[arg-type]
+
+
+def test_auto_shrinks_calls_towards_a_checkpoint_and_grows_again_after_it() -> None:
+    sizer = CallSizer(AUTO)
+    sizer.observe(1, CALL_SECONDS / 1000)
+    assert sizer.steps(10_000, workers=2, until_boundary=1_000) == MAX_STEPS
+    assert sizer.steps(10_000, workers=2, until_boundary=40) == 10  # 40 steps to it: 4 calls of 10 in flight
+    assert sizer.steps(10_000, workers=2, until_boundary=0) == 1  # past it: single steps until it is taken
+    assert sizer.steps(10_000, workers=2, until_boundary=None) == MAX_STEPS
+    fixed = CallSizer(8)
+    assert fixed.steps(10_000, workers=2, until_boundary=0) == 8  # a fixed size is the user's to keep

@@ -20,6 +20,7 @@ from cluster_helpers import LocalCluster, wait_until
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime import wire
+from psctl.runtime.checkpoint import list_checkpoints, step_of
 from psctl.runtime.fencing import ChiefReplaced
 from psctl.runtime.initializers import initialize
 from psctl.runtime.ps_client import PsClient
@@ -146,6 +147,31 @@ def test_mlp_on_digits_trains_to_accuracy_with_each_step_applied_once(
         assert result["steps_per_call"] > 1.5, result
     else:
         assert result["steps_per_call"] == per_call, result
+
+
+@pytest.mark.timeout(120)
+def test_auto_steps_per_call_checkpoint_at_their_step_not_a_queue_of_calls_later(
+    make_cluster: MakeCluster, tmp_path: Path
+) -> None:
+    """Calls of many steps could carry training far past a checkpoint's step before the chief sees it due; with
+    auto, calls shrink towards the next checkpoint, so each is taken within a few single steps of it."""
+    every, steps = 100, 600
+    folder = tmp_path / "ckpt"
+    checkpoint = {"dir": str(folder), "every_steps": every, "every_seconds": 0.0, "max_to_keep": 100,
+                  "keep_every_hours": 0.0}  # fmt: skip
+    cluster = make_cluster({**mlp_training(steps), "steps_per_execution": "auto", "checkpoint": checkpoint})
+    cluster.start_servers()
+    cluster.wait_serving()
+    cluster.start_chief()
+    result = run_to_completion(cluster, timeout=90)
+
+    assert result["global_step"] == steps
+    assert result["steps_per_call"] > 1.5, result  # the calls did hold several steps
+    taken = [step_of(p) for p in list_checkpoints(folder)]
+    # each falls due 100 steps after the last; the chief then waits only for what it had already scheduled
+    by_steps = [step for step in taken if 0 < step < steps]  # (not the one training's end takes)
+    overshoot = [step - (last + every) for last, step in zip([0, *by_steps], by_steps, strict=False)]
+    assert len(overshoot) >= 4 and all(0 <= o <= 12 for o in overshoot), taken
 
 
 # -- (b) ------------------------------------------------------------------------------------------------

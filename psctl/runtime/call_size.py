@@ -42,11 +42,13 @@ class CallSizer:
         last = self._step_seconds
         self._step_seconds = per_step if last is None else last + SMOOTHING * (per_step - last)
 
-    def steps(self, remaining: int, workers: int) -> int:
-        """Steps for the next call, when ``remaining`` steps are left to schedule among ``workers`` workers. The
-        last calls of ``auto`` shrink so that the workers finish together rather than one running a long call
-        alone at the end."""
-        self.last = min(max(0, remaining), self._size(remaining, workers))
+    def steps(self, remaining: int, workers: int, until_boundary: int | None = None) -> int:
+        """Steps for the next call, when ``remaining`` steps are left to schedule among ``workers`` workers and
+        ``until_boundary`` steps until the next point that should not be overrun by a queue of long calls (a
+        checkpoint by steps). The calls of ``auto`` shrink towards either, so that the workers finish together
+        rather than one running a long call alone at the end, and a checkpoint is taken near its step."""
+        ahead = remaining if until_boundary is None else min(remaining, until_boundary)
+        self.last = min(max(0, remaining), self._size(ahead, workers))
         self._calls += self.last > 0
         self._scheduled += self.last
         return self.last
@@ -55,10 +57,10 @@ class CallSizer:
         """Steps per call so far, on average (0 before the first)."""
         return self._scheduled / self._calls if self._calls else 0.0
 
-    def _size(self, remaining: int, workers: int) -> int:
+    def _size(self, ahead: int, workers: int) -> int:
         if self.fixed is not None:
             return self.fixed
         if self._step_seconds is None:
             return 1
-        share = remaining // (2 * max(1, workers))  # each worker has two calls queued (chief._train)
+        share = ahead // (2 * max(1, workers))  # each worker has two calls queued (chief._train)
         return max(1, min(MAX_STEPS, round(CALL_SECONDS / self._step_seconds), share))

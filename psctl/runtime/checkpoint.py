@@ -381,6 +381,10 @@ class Checkpointer:
         self.wait()
         self._last_step, self._last_time = global_step, self._time()
 
+    def next_due_step(self) -> int | None:
+        """The global step at which the next checkpoint by steps falls due (None: checkpoints by time only)."""
+        return self._last_step + self.every_steps if self.every_steps else None
+
     def due(self, global_step: int) -> bool:
         if self.every_steps and global_step - self._last_step >= self.every_steps:
             return True

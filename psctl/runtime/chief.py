@@ -225,11 +225,17 @@ class Chief:
                 if not self._join(coordinator):
                     break  # stopping: nothing to checkpoint consistently now (the stop path tries)
                 self._checkpoint()
-            steps = self._call_size.steps(remaining, coordinator.active_workers())
+            steps = self._call_size.steps(remaining, coordinator.active_workers(), self._until_checkpoint(remaining))
             coordinator.schedule("train", steps=steps)
             remaining -= steps
         if self.stop.is_set() or not self._join(coordinator):
             self._stop_scheduling(coordinator)
+
+    def _until_checkpoint(self, remaining: int) -> int | None:
+        """Steps that may still be scheduled before the next checkpoint by steps falls due (None: none will), so
+        that calls shrink towards it and the checkpoint is taken close to its step, not a queue of calls later."""
+        due = self.checkpointer.next_due_step() if self.checkpointer is not None else None
+        return None if due is None else max(0, due - (self.config.steps - remaining))
 
     def _join(self, coordinator: ClusterCoordinator) -> bool:
         """Wait until no step is queued or running; False if the chief is being stopped meanwhile."""
