@@ -187,9 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     @tf.function
     def train_step(it: Any) -> Any:
         loss = strategy.run(replica_fn, args=(next(it),))
-        # steps_per_execution: the call's other steps, unrolled in the graph (a Python loop; with one step per
-        # call, the default, the function is exactly one step: a tf.range loop of no iterations costs TensorFlow
-        # ~25% more CPU per step)
+        # steps_per_execution: the call's other steps, unrolled in the graph (a Python loop: with one step per
+        # call, the default, the function is exactly one step; a tf.range loop of no iterations cost TensorFlow
+        # 1.2-1.6x the CPU per step in one run: W1 8.3 against 5.2 ms)
         for _ in range(per_call - 1):
             loss = strategy.run(replica_fn, args=(next(it),))
         return loss
