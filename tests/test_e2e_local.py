@@ -22,6 +22,8 @@ import psutil
 import pytest
 from cluster_helpers import wait_until
 
+from psctl.launch.cpus import allowed_cpus, cpus_for_slot, host_slots
+
 pytestmark = pytest.mark.slow
 
 TERMINAL_ROLE_STATES = {"succeeded", "failed", "stopped"}
@@ -210,6 +212,13 @@ def test_detached_cluster_outlives_its_supervisor_and_down_stops_everything(psct
 
     state = psctl_env.state("det")
     role_procs = [same_process(r["pid"], r["create_time"]) for r in state["roles"]]
+    # cpu_binding: auto: where the four roles outnumber this machine's CPUs, the agent bound each to one CPU,
+    # round-robin from the ps (ps-0, worker-0, worker-1, chief-0); with a CPU for each, none is bound
+    allowed = allowed_cpus()
+    slots = host_slots((r["role"], r["index"]) for r in state["roles"])
+    for r, proc in zip(state["roles"], role_procs, strict=True):
+        expected = cpus_for_slot(slots[(r["role"], r["index"])], len(slots), allowed) or allowed
+        assert sorted(proc.cpu_affinity()) == expected, (r["name"], allowed)
     supervisor = same_process(state["supervisor_pid"], state["supervisor_create_time"])
     supervisor.send_signal(signal.SIGKILL)
     wait_until(lambda: gone(supervisor), timeout=10, what="the supervisor to die")

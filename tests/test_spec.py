@@ -525,6 +525,14 @@ MISTAKES = [
         "did you mean 'adam'? (one of: sgd, momentum, adagrad, adam)",
     ),
     (
+        "a cpu binding that is neither auto nor none",
+        """\
+        roles: {chief: {}, ps: {}, worker: {cpu_binding: off}}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:1: roles.worker.cpu_binding: unknown cpu_binding false; use one of: auto, none",
+    ),
+    (
         "another optimizer's parameter",
         """\
         roles: {chief: {}, ps: {}, worker: {}}

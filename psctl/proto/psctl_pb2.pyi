@@ -475,7 +475,7 @@ class AgentReport(_message.Message):
     def __init__(self, host: _Optional[str] = ..., agent_pid: _Optional[int] = ..., agent_create_time: _Optional[float] = ..., heartbeat_address: _Optional[str] = ..., hello: _Optional[bool] = ..., roles: _Optional[_Iterable[_Union[RoleReport, _Mapping]]] = ...) -> None: ...
 
 class StartRole(_message.Message):
-    __slots__ = ("name", "incarnation", "attempt", "argv", "env", "cwd", "log_path", "files", "watched_only")
+    __slots__ = ("name", "incarnation", "attempt", "argv", "env", "cwd", "log_path", "files", "watched_only", "cpu_slot", "cpu_slots")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -499,6 +499,8 @@ class StartRole(_message.Message):
     LOG_PATH_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     WATCHED_ONLY_FIELD_NUMBER: _ClassVar[int]
+    CPU_SLOT_FIELD_NUMBER: _ClassVar[int]
+    CPU_SLOTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     incarnation: int
     attempt: int
@@ -508,7 +510,9 @@ class StartRole(_message.Message):
     log_path: str
     files: _containers.ScalarMap[str, bytes]
     watched_only: bool
-    def __init__(self, name: _Optional[str] = ..., incarnation: _Optional[int] = ..., attempt: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., log_path: _Optional[str] = ..., files: _Optional[_Mapping[str, bytes]] = ..., watched_only: _Optional[bool] = ...) -> None: ...
+    cpu_slot: int
+    cpu_slots: int
+    def __init__(self, name: _Optional[str] = ..., incarnation: _Optional[int] = ..., attempt: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., log_path: _Optional[str] = ..., files: _Optional[_Mapping[str, bytes]] = ..., watched_only: _Optional[bool] = ..., cpu_slot: _Optional[int] = ..., cpu_slots: _Optional[int] = ...) -> None: ...
 
 class StopRole(_message.Message):
     __slots__ = ("name", "incarnation", "grace_seconds")

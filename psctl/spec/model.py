@@ -84,6 +84,8 @@ class RoleSpec:
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     env: dict[str, str] = field(default_factory=dict)
     threads: int | None = None
+    #: "auto": bound to a CPU of its own on a host with more roles than CPUs (psctl.launch.cpus); "none": never.
+    cpu_binding: str = "auto"
     #: With training.framework: tensorflow, the role's own command line (words, placeholders unfilled).
     command: tuple[str, ...] | None = None
     #: ps and worker: the bounds of ``psctl scale`` (and the fewest workers training goes on with). Every

@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from psctl.launch.cpus import CPU_BINDINGS
 from psctl.spec.checks import Checker, seconds_text, show, suggestion
 from psctl.spec.framework import check_command
 from psctl.spec.loader import KeyPath, SourceMap
@@ -39,7 +40,7 @@ _SLURM_TIME = re.compile(r"(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+(:\d{1,2}
 HOST_KEYS = ("name", "address", "user", "port", "identity_file", "python", "workdir", "host_key_policy",
              "proxy_jump")
 ROLE_KEYS = ("replicas", "min_replicas", "max_replicas", "host", "hosts", "port", "ports", "restart", "env",
-             "threads", "command")
+             "threads", "cpu_binding", "command")
 #: The roles `psctl scale` changes (and that may have min_replicas / max_replicas).
 SCALABLE_ROLES = ("ps", "worker")
 RESTART_KEYS = ("policy", "max_restarts", "backoff_seconds", "max_backoff_seconds", "permanent_exit_codes")
@@ -399,6 +400,7 @@ def _role(c: Checker, role: str, value: object, hosts: tuple[HostSpec, ...]) -> 
         restart=_restart(c, (*p, "restart"), d.get("restart")),
         env=_env(c, (*p, "env"), d.get("env")),
         threads=threads,
+        cpu_binding=c.choice((*p, "cpu_binding"), d.get("cpu_binding", "auto"), CPU_BINDINGS, noun="cpu_binding"),
         min_replicas=min_replicas,
         max_replicas=max_replicas,
     )

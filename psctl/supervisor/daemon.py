@@ -31,6 +31,7 @@ from psctl.errors import LaunchError, PsctlError
 from psctl.home import ClusterDir
 from psctl.launch import slurm
 from psctl.launch.base import ProcessHandle, Runner
+from psctl.launch.cpus import host_slots
 from psctl.launch.env import tuning_env
 from psctl.launch.hostset import Placement, placements
 from psctl.launch.remote import remote_training
@@ -308,11 +309,24 @@ class Supervisor:
             argv, env["TF_CONFIG"] = tensorflow.start(self.spec, self.record.roles, role, place)
         if self.record.backend == "slurm":  # a job step on the role's node: its exit is the srun's
             argv = slurm.step_argv(str(self.record.slurm["job_id"]), role.node, role.name, argv)
+        slot, slots = self.cpu_slot(role)
         start = pb.StartRole(name=role.name, incarnation=action.incarnation, attempt=action.attempt, argv=argv,
                              env=env, cwd=place.cwd, log_path=str(place.dirs.role_log(role.name, action.attempt)),
-                             files=files, watched_only=watched_only)
+                             files=files, watched_only=watched_only, cpu_slot=slot, cpu_slots=slots)
         if not self.command(role.host, pb.AgentCommand(start=start)):
             log.warning("%s: %s has no agent attached; its start-up grace decides", role.name, role.host)
+
+    def cpu_slot(self, role: RoleRecord) -> tuple[int, int]:
+        """The role's slot among its host's roles and their number, for its agent to bind it to a CPU when they
+        outnumber the host's CPUs; (0, 0): not bound: cpu_binding: none; Slurm, where a role is a job step, bound
+        or not by Slurm's own task plugin; a framework's program, which sizes its own thread pools by the CPUs it
+        may use (TensorFlow's parameter-server training bound to one CPU hangs: one inter-op thread)."""
+        if (self.spec.roles[role.role].cpu_binding == "none" or self.record.backend == "slurm"
+                or self.spec.training.get("framework") == "tensorflow"):
+            return 0, 0
+        on_host = [(r.role, r.index) for r in self.record.roles if r.host == role.host and not r.retired]
+        slots = host_slots(on_host)
+        return slots.get((role.role, role.index), 0), len(slots)
 
     def role_env(self, role: RoleRecord) -> dict[str, str]:
         place = self.places[role.host]
