@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 import psutil
 
+from psctl.launch.cpus import bind_to_slot, host_slots  # the same binding psctl's agents give roles
 from psctl.launch.env import tuning_env  # the same environment the supervisor gives roles
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
@@ -193,8 +194,12 @@ class BenchCluster:
         with_chief: bool = True,
         threads: int = 1,
         cluster_id: str = "bench",
+        cpu_binding: bool = True,
     ) -> None:
+        """``cpu_binding``: bind each role to a CPU when they outnumber this machine's, as psctl's agents do
+        (psctl.launch.cpus)."""
         self.run_dir = Path(run_dir)
+        self.cpu_binding = cpu_binding
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.training = dict(training)
         self.threads = threads
@@ -252,6 +257,9 @@ class BenchCluster:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group, killed as a whole in close()
             )
+        if self.cpu_binding:
+            slots = host_slots((t, i) for t, addresses in self.jobs.items() for i in range(len(addresses)))
+            bind_to_slot(popen.pid, slots[(task_type, index)], len(slots))
         try:
             process: psutil.Process | None = psutil.Process(popen.pid)
         except psutil.NoSuchProcess:

@@ -10,8 +10,11 @@ interleaved and their order swapped every round, so that the machine's drift hit
 sizes, models, optimizers, batches and data on both. Each line gives both steady rates (median of the rounds)
 and their ratio, CPU milliseconds per step of each role during the measured steps, peak RSS per role and
 start-to-first-step. Both systems run their defaults unless told otherwise: psctl sizes its calls to a worker
-(``steps_per_execution: auto``), TensorFlow's coordinator schedules one step per function; give TensorFlow
-several (``--tf-steps-per-execution K``, as Keras's ``steps_per_execution``) to compare that too.
+(``steps_per_execution: auto``) and binds each role to a CPU where they outnumber the CPUs (``cpu_binding:
+auto``); TensorFlow's coordinator schedules one step per function, and its processes run where the kernel puts
+them (bound to one CPU each, its parameter-server training hangs: its inter-op pool gets one thread). Give
+TensorFlow several steps per function (``--tf-steps-per-execution K``, as Keras's ``steps_per_execution``), or
+psctl none of its own (``--psctl-steps-per-execution 1 --psctl-cpu-binding none``), to compare those too.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from benchmarks.common import (
     rounded,
     run_directory,
 )
+from psctl.launch.cpus import CPU_BINDINGS
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,10 @@ class TfCluster(BenchCluster):
     """A TensorFlow ParameterServerStrategy cluster: ``psctl.tfserver`` ps and workers, the workload's chief."""
 
     def __init__(self, run_dir: Path, workload: Workload, *, threads: int, steps_per_execution: int = 1) -> None:
-        super().__init__(run_dir, {}, num_ps=workload.ps, num_workers=workload.workers, threads=threads)
+        # never bound to CPUs: TensorFlow sizes its inter-op pool by the CPUs it may use, and its
+        # parameter-server training hangs with one (observed bound to one CPU)
+        super().__init__(run_dir, {}, num_ps=workload.ps, num_workers=workload.workers, threads=threads,
+                         cpu_binding=False)
         self.workload = workload
         self.steps_per_execution = steps_per_execution
 
@@ -87,8 +94,8 @@ class TfCluster(BenchCluster):
 
 
 @contextlib.contextmanager
-def tf_cluster(run_dir: Path, workload: Workload, threads: int, steps_per_execution: int = 1) -> Iterator[TfCluster]:
-    cluster = TfCluster(run_dir, workload, threads=threads, steps_per_execution=steps_per_execution)
+def tf_cluster(run_dir: Path, workload: Workload, args: argparse.Namespace) -> Iterator[TfCluster]:
+    cluster = TfCluster(run_dir, workload, threads=args.threads, steps_per_execution=args.tf_steps_per_execution)
     try:
         yield cluster
     finally:
@@ -104,8 +111,7 @@ def chief_report(cluster: BenchCluster) -> dict[str, Any]:
 
 
 def run_tensorflow(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
-    with (run_directory(None) as run_dir,
-          tf_cluster(run_dir, workload, args.threads, args.tf_steps_per_execution) as cluster):
+    with run_directory(None) as run_dir, tf_cluster(run_dir, workload, args) as cluster:
         monitor = Monitor(cluster, poll_steps=False)
         launched = cluster.start_all()
         monitor.start()
@@ -132,7 +138,7 @@ def run_tensorflow(workload: Workload, args: argparse.Namespace) -> dict[str, An
 def run_psctl(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
     argv = [workload.program, "--ps", str(workload.ps), "--workers", str(workload.workers),
             "--steps", str(workload.steps), "--threads", str(args.threads), "--timeout", str(args.timeout),
-            "--steps-per-execution", str(args.psctl_steps_per_execution)]
+            "--steps-per-execution", str(args.psctl_steps_per_execution), "--cpu-binding", args.psctl_cpu_binding]
     if workload.zipf:
         argv += ["--zipf", str(workload.zipf)]
     result = workloads.run(workloads.parse_args(argv))
@@ -194,7 +200,8 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 log(f"  {result['steps_per_s']} steps/s ({time.monotonic() - started:.0f} s)")
     context = {"machine": machine(), "versions": versions(), "threads_per_role": args.threads,
                "steps_per_execution": {"psctl": args.psctl_steps_per_execution,
-                                       "tensorflow": args.tf_steps_per_execution}}
+                                       "tensorflow": args.tf_steps_per_execution},
+               "cpu_binding": {"psctl": args.psctl_cpu_binding, "tensorflow": "none"}}
     for workload in chosen:
         yield {**summary(workload, results[workload.name]), **context}
 
@@ -211,6 +218,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="psctl's training.steps_per_execution (default auto, psctl's default)")
     parser.add_argument("--tf-steps-per-execution", type=int, default=1,
                         help="steps per function TensorFlow's coordinator schedules (default 1, its default)")
+    parser.add_argument("--psctl-cpu-binding", choices=CPU_BINDINGS, default="auto",
+                        help="psctl's roles.*.cpu_binding (default auto, psctl's default)")
     args = parser.parse_args(argv)
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in args.workloads if w not in WORKLOADS]

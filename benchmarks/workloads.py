@@ -30,6 +30,7 @@ from benchmarks.common import (
     rounded,
     run_directory,
 )
+from psctl.launch.cpus import CPU_BINDINGS
 from psctl.runtime.metrics import read_metrics
 
 WORKLOADS = ("w1", "w2", "w3")
@@ -164,6 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "pipelined": args.pipelined,
         "steps_per_execution": args.steps_per_execution,
         "placement": args.placement,
+        "cpu_binding": args.cpu_binding,
         "program": Path(training["program"]).name if args.workload == "w3" else training["program"],
         "optimizer": training["optimizer"]["name"],
     }
@@ -172,7 +174,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "partitioner" in training:
         params["shards"] = training["partitioner"]["num_shards"]
     with run_directory(args.run_dir) as run_dir, bench_cluster(
-        run_dir, training, num_ps=args.ps, num_workers=args.workers, threads=args.threads
+        run_dir, training, num_ps=args.ps, num_workers=args.workers, threads=args.threads,
+        cpu_binding=args.cpu_binding == "auto",
     ) as cluster:
         monitor = Monitor(cluster)
         launched = cluster.start_all()
@@ -244,6 +247,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "sized from the steps' durations)")
     parser.add_argument("--placement", choices=("balanced", "round_robin"), default="balanced",
                         help="training.placement: by bytes (psctl's default) or TensorFlow's round-robin")
+    parser.add_argument("--cpu-binding", choices=CPU_BINDINGS, default="auto",
+                        help="roles.*.cpu_binding: auto (the default) binds each role to a CPU when the roles "
+                             "outnumber this machine's CPUs, as psctl's agents do; none leaves them to the kernel")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
     parser.add_argument("--run-dir", help="keep logs, metrics.jsonl and result.json here (default: a temp dir)")
