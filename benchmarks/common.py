@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 import psutil
 
-from psctl.launch.cpus import bind_to_slot, host_slots  # the same binding psctl's agents give roles
+from psctl.launch.cpus import host_slots, slot_env  # the same binding psctl's agents give roles
 from psctl.launch.env import tuning_env  # the same environment the supervisor gives roles
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
@@ -196,8 +196,8 @@ class BenchCluster:
         cluster_id: str = "bench",
         cpu_binding: bool = True,
     ) -> None:
-        """``cpu_binding``: bind each role to a CPU when they outnumber this machine's, as psctl's agents do
-        (psctl.launch.cpus)."""
+        """``cpu_binding``: each role binds itself to a CPU when they outnumber this machine's, as under psctl's
+        agents (psctl.launch.cpus)."""
         self.run_dir = Path(run_dir)
         self.cpu_binding = cpu_binding
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -247,19 +247,20 @@ class BenchCluster:
         if reservation is not None:  # free the port for the role to bind
             reservation.close()
         started_at = time.time()
+        env = self.env(task_type, index)
+        if self.cpu_binding:  # the role binds itself to this CPU, as under psctl's agents
+            slots = host_slots((t, i) for t, addresses in self.jobs.items() for i in range(len(addresses)))
+            env.update(slot_env(slots[(task_type, index)], len(slots)))
         with log_path.open("wb") as out:
             popen = subprocess.Popen(
                 self.command(task_type, index),
-                env=self.env(task_type, index),
+                env=env,
                 cwd=REPO_ROOT,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group, killed as a whole in close()
             )
-        if self.cpu_binding:
-            slots = host_slots((t, i) for t, addresses in self.jobs.items() for i in range(len(addresses)))
-            bind_to_slot(popen.pid, slots[(task_type, index)], len(slots))
         try:
             process: psutil.Process | None = psutil.Process(popen.pid)
         except psutil.NoSuchProcess:

@@ -1,7 +1,9 @@
-"""Binding roles to CPUs where they outnumber them (psctl.launch.cpus): the slot logic, and real processes."""
+"""Binding roles to CPUs where they outnumber them (psctl.launch.cpus): the slot logic, and real processes
+that bind themselves."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -10,7 +12,7 @@ import psutil
 import pytest
 from cluster_helpers import wait_until
 
-from psctl.launch.cpus import allowed_cpus, bind, bind_to_slot, cpus_for_slot, host_slots
+from psctl.launch.cpus import CPUS_VARIABLE, allowed_cpus, bind, cpus_for_slot, host_slots, slot_env
 
 
 def test_slots_go_to_ps_then_workers_then_chief_and_evaluator_by_index() -> None:
@@ -37,41 +39,55 @@ def test_no_binding_where_a_role_has_a_cpu_of_its_own_or_nothing_is_known(
     assert cpus_for_slot(slot, slots, allowed) is None
 
 
-@pytest.fixture
-def threaded_child() -> Iterator[subprocess.Popen[str]]:
-    """A Python process with a second thread running before anything binds it."""
+def start_child(cpus: str | None) -> subprocess.Popen[str]:
+    """A Python process with a second thread already running when it calls ``bind_self`` (``PSCTL_CPUS`` =
+    ``cpus``); it prints what bind_self returned."""
     code = ("import threading, time\n"
             "threading.Thread(target=time.sleep, args=(60,)).start()\n"
-            "print('ready', flush=True)\n"
+            "from psctl.launch.cpus import bind_self\n"
+            "print(bind_self(), flush=True)\n"
             "time.sleep(60)\n")
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None and child.stdout.readline() == "ready\n"
-        yield child
-    finally:
+    env = {k: v for k, v in os.environ.items() if k != CPUS_VARIABLE}
+    if cpus is not None:
+        env[CPUS_VARIABLE] = cpus
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)  # fmt: skip
+
+
+@pytest.fixture
+def children() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for child in started:
         child.kill()
-        child.communicate(timeout=10)  # reaps it and closes its pipe
+        child.communicate(timeout=10)  # reaps it and closes its pipes
 
 
 def thread_affinities(pid: int) -> list[list[int]]:
     return [sorted(psutil.Process(t.id).cpu_affinity()) for t in psutil.Process(pid).threads()]
 
 
-def test_bind_binds_every_thread_of_a_running_process(threaded_child: subprocess.Popen[str]) -> None:
+def test_a_role_binds_every_thread_to_the_cpu_its_environment_names(children: list[subprocess.Popen[str]]) -> None:
     allowed = allowed_cpus()
-    target = [allowed[-1]]
-    assert bind(threaded_child.pid, target)
-    affinities = thread_affinities(threaded_child.pid)
-    assert len(affinities) == 2 and all(a == target for a in affinities), affinities
+    child = start_child(str(allowed[-1]))
+    children.append(child)
+    assert child.stdout is not None and child.stdout.readline() == f"[{allowed[-1]}]\n"
+    affinities = thread_affinities(child.pid)
+    assert len(affinities) == 2 and all(a == [allowed[-1]] for a in affinities), affinities
 
 
-def test_bind_to_slot_binds_only_where_the_roles_outnumber_the_cpus(threaded_child: subprocess.Popen[str]) -> None:
+@pytest.mark.parametrize("cpus", [None, "", "one,two"])
+def test_a_role_without_a_usable_cpu_list_runs_unbound(children: list[subprocess.Popen[str]], cpus: str | None) -> None:
+    child = start_child(cpus)
+    children.append(child)
+    assert child.stdout is not None and child.stdout.readline() == "None\n"
+    assert all(a == allowed_cpus() for a in thread_affinities(child.pid))
+
+
+def test_slot_env_names_a_cpu_only_where_the_roles_outnumber_the_cpus() -> None:
     allowed = allowed_cpus()
-    assert bind_to_slot(threaded_child.pid, 0, len(allowed)) is None  # a CPU for each: left alone
-    assert all(a == allowed for a in thread_affinities(threaded_child.pid))
-    slot = 1 % len(allowed)
-    assert bind_to_slot(threaded_child.pid, slot, len(allowed) + 1) == [allowed[slot]]
-    assert all(a == [allowed[slot]] for a in thread_affinities(threaded_child.pid))
+    assert slot_env(0, len(allowed)) == {}
+    assert slot_env(1, len(allowed) + 1) == {CPUS_VARIABLE: str(allowed[1 % len(allowed)])}
 
 
 def test_binding_a_process_that_is_gone_says_so() -> None:

@@ -212,13 +212,14 @@ def test_detached_cluster_outlives_its_supervisor_and_down_stops_everything(psct
 
     state = psctl_env.state("det")
     role_procs = [same_process(r["pid"], r["create_time"]) for r in state["roles"]]
-    # cpu_binding: auto: where the four roles outnumber this machine's CPUs, the agent bound each to one CPU,
-    # round-robin from the ps (ps-0, worker-0, worker-1, chief-0); with a CPU for each, none is bound
+    # cpu_binding: auto: where the four roles outnumber this machine's CPUs, each is bound to one CPU, round-robin
+    # from the ps (ps-0, worker-0, worker-1, chief-0); with a CPU for each, none is bound
     allowed = allowed_cpus()
     slots = host_slots((r["role"], r["index"]) for r in state["roles"])
     for r, proc in zip(state["roles"], role_procs, strict=True):
         expected = cpus_for_slot(slots[(r["role"], r["index"])], len(slots), allowed) or allowed
-        assert sorted(proc.cpu_affinity()) == expected, (r["name"], allowed)
+        wait_until(lambda proc=proc, expected=expected: sorted(proc.cpu_affinity()) == expected, timeout=10,
+                   what=f"{r['name']} on CPU(s) {expected} of {allowed}")  # it binds itself as it starts
     supervisor = same_process(state["supervisor_pid"], state["supervisor_create_time"])
     supervisor.send_signal(signal.SIGKILL)
     wait_until(lambda: gone(supervisor), timeout=10, what="the supervisor to die")

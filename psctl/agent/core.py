@@ -29,7 +29,7 @@ from typing import Protocol
 
 import grpc
 
-from psctl.launch.cpus import bind_to_slot
+from psctl.launch.cpus import CPUS_VARIABLE, slot_env
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.cluster import TlsFiles
@@ -339,26 +339,27 @@ class Agent:
                     write_private(host_path(path), data)
                 os.makedirs(os.path.dirname(role.log_path), mode=0o700, exist_ok=True)
                 fd = os.open(role.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                self._bind(command)
                 try:
                     role.process = self.spawn(command, fd)
                 finally:
                     os.close(fd)
                 role.create_time = create_time(role.process.pid)
                 log.info("%s: attempt %d started, pid %d", command.name, command.attempt, role.process.pid)
-                self._bind(command, role.process.pid)
             except (OSError, ValueError) as exc:
                 where = command.argv[0] if command.argv else "(empty argv)"
                 role.start_error = f"cannot start {where}: {exc}"
                 log.warning("%s: %s", command.name, role.start_error)
 
     @staticmethod
-    def _bind(command: pb.StartRole, pid: int) -> None:
-        """Bind a role just started to its CPU, where the supervisor gave it a slot and this host has fewer CPUs
-        than roles (psctl.launch.cpus)."""
-        cpus = bind_to_slot(pid, command.cpu_slot, command.cpu_slots) if command.cpu_slots else None
-        if cpus is not None:
-            log.info("%s: bound to CPU %s (slot %d of %d roles here)", command.name, ",".join(map(str, cpus)),
-                     command.cpu_slot, command.cpu_slots)  # fmt: skip
+    def _bind(command: pb.StartRole) -> None:
+        """Name the role's CPU in its environment, where the supervisor gave it a slot and this host has fewer
+        CPUs than roles: the role binds itself to it once started (psctl.launch.cpus)."""
+        env = slot_env(command.cpu_slot, command.cpu_slots) if command.cpu_slots else {}
+        if env:
+            command.env.update(env)
+            log.info("%s: CPU %s (slot %d of %d roles here)", command.name, env[CPUS_VARIABLE], command.cpu_slot,
+                     command.cpu_slots)  # fmt: skip
 
     def _shutdown(self, grace: float) -> None:
         """Stop every role (SIGTERM, SIGKILL after ``grace``), report their exits, then end."""

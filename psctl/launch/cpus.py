@@ -8,7 +8,9 @@ each role is left to the kernel's scheduler (no measurement here says binding he
 
 The supervisor gives each role its slot among the host's roles (ps first, then workers, the chief, the
 evaluator); the host's agent maps slots to the CPUs it may use itself (``sched_getaffinity``, so a cpuset or a
-Slurm allocation is respected) and binds each role once it is started.
+Slurm allocation is respected) and names the role's CPU in its environment (``PSCTL_CPUS``); the role binds
+itself once its modules are imported (``bind_self``), so that a role restarting on a busy CPU still imports on
+whichever CPU is free, and comes back as fast as it would unbound.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ log = logging.getLogger(__name__)
 
 #: CPU binding per role: ``auto`` binds on hosts with more roles than CPUs, ``none`` never.
 CPU_BINDINGS = ("auto", "none")
+#: The CPUs a role binds itself to, comma-separated (set by its agent).
+CPUS_VARIABLE = "PSCTL_CPUS"
 #: Slots go to the heaviest roles first, so that round-robin spreads ps and workers evenly over the CPUs.
 ROLE_ORDER = ("ps", "worker", "chief", "evaluator")
 
@@ -42,11 +46,25 @@ def cpus_for_slot(slot: int, slots: int, allowed: Sequence[int]) -> list[int] | 
     return [sorted(allowed)[slot % len(allowed)]]
 
 
-def bind_to_slot(pid: int, slot: int, slots: int) -> list[int] | None:
-    """Bind process ``pid``, slot ``slot`` of ``slots`` roles on this host, to its CPU if the roles outnumber
-    the CPUs this process may use; the CPUs it is bound to, or None (left unbound)."""
+def slot_env(slot: int, slots: int) -> dict[str, str]:
+    """The environment that binds a role, slot ``slot`` of ``slots`` on this host, to its CPU once it runs
+    (``bind_self``): empty where the role is not to be bound."""
     cpus = cpus_for_slot(slot, slots, allowed_cpus())
-    return cpus if cpus is not None and bind(pid, cpus) else None
+    return {} if cpus is None else {CPUS_VARIABLE: ",".join(map(str, cpus))}
+
+
+def bind_self() -> list[int] | None:
+    """Bind this process (every thread) to the CPUs ``PSCTL_CPUS`` names; the CPUs, or None if it names none or
+    they cannot be used (said in a warning: the role runs unbound, which is only slower)."""
+    text = os.environ.get(CPUS_VARIABLE, "").strip()
+    if not text:
+        return None
+    try:
+        cpus = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        log.warning("%s=%r is not a list of CPU numbers; running unbound", CPUS_VARIABLE, text)
+        return None
+    return cpus if bind(os.getpid(), cpus) else None
 
 
 def allowed_cpus() -> list[int]:

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from psctl.launch.cpus import bind_self
 from psctl.runtime.cluster import ClusterConfigError, ClusterInfo, from_env
 from psctl.runtime.exits import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED
 from psctl.signals import on_signals
@@ -149,6 +150,11 @@ def main() -> int:
 
         heartbeat = Heartbeater(info)
         heartbeat.start()
+    # Bound once it beats (its gRPC imported and started on whichever CPU was free: a restarted role is back as
+    # soon as unbound), before its own work (psctl.launch.cpus).
+    cpus = bind_self()
+    if cpus is not None:
+        logging.info("%s bound to CPU %s", info.task, ",".join(map(str, cpus)))
     try:
         if info.task_type == "chief":
             return _chief(info, stop)
