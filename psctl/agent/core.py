@@ -339,7 +339,7 @@ class Agent:
                     write_private(host_path(path), data)
                 os.makedirs(os.path.dirname(role.log_path), mode=0o700, exist_ok=True)
                 fd = os.open(role.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-                self._bind(command)
+                self._assign_cpu(command)
                 try:
                     role.process = self.spawn(command, fd)
                 finally:
@@ -352,7 +352,7 @@ class Agent:
                 log.warning("%s: %s", command.name, role.start_error)
 
     @staticmethod
-    def _bind(command: pb.StartRole) -> None:
+    def _assign_cpu(command: pb.StartRole) -> None:
         """Name the role's CPU in its environment, where the supervisor gave it a slot and this host has fewer
         CPUs than roles: the role binds itself to it once started (psctl.launch.cpus)."""
         env = slot_env(command.cpu_slot, command.cpu_slots) if command.cpu_slots else {}

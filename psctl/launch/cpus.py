@@ -9,8 +9,8 @@ each role is left to the kernel's scheduler (no measurement here says binding he
 The supervisor gives each role its slot among the host's roles (ps first, then workers, the chief, the
 evaluator); the host's agent maps slots to the CPUs it may use itself (``sched_getaffinity``, so a cpuset or a
 Slurm allocation is respected) and names the role's CPU in its environment (``PSCTL_CPUS``); the role binds
-itself once its modules are imported (``bind_self``), so that a role restarting on a busy CPU still imports on
-whichever CPU is free, and comes back as fast as it would unbound.
+itself once its heartbeats run (``bind_self``), so that a role restarting onto a busy CPU still imports and
+starts on whichever CPU is free, and comes back as fast as it would unbound.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def slot_env(slot: int, slots: int) -> dict[str, str]:
     """The environment that binds a role, slot ``slot`` of ``slots`` on this host, to its CPU once it runs
     (``bind_self``): empty where the role is not to be bound."""
     cpus = cpus_for_slot(slot, slots, allowed_cpus())
-    return {} if cpus is None else {CPUS_VARIABLE: ",".join(map(str, cpus))}
+    return {} if cpus is None else {CPUS_VARIABLE: cpu_list(cpus)}
 
 
 def bind_self() -> list[int] | None:
@@ -82,7 +82,7 @@ def bind(pid: int, cpus: Sequence[int]) -> bool:
     except (ProcessLookupError, FileNotFoundError):
         return False
     except OSError as exc:
-        log.warning("cannot bind pid %d to CPU(s) %s: %s; it runs unbound", pid, _show(cpus), exc)
+        log.warning("cannot bind pid %d to CPU(s) %s: %s; it runs unbound", pid, cpu_list(cpus), exc)
         return False
     for tid in (int(t) for t in threads if int(t) != pid):  # any started before that (none, when just spawned)
         with contextlib.suppress(ProcessLookupError):  # (one that ended meanwhile)
@@ -90,5 +90,6 @@ def bind(pid: int, cpus: Sequence[int]) -> bool:
     return True
 
 
-def _show(cpus: Sequence[int]) -> str:
+def cpu_list(cpus: Sequence[int]) -> str:
+    """CPUs as ``PSCTL_CPUS`` and the logs write them: ``0,3``."""
     return ",".join(str(c) for c in cpus)

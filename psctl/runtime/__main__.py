@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from psctl.launch.cpus import bind_self
+from psctl.launch.cpus import bind_self, cpu_list
 from psctl.runtime.cluster import ClusterConfigError, ClusterInfo, from_env
 from psctl.runtime.exits import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED
 from psctl.signals import on_signals
@@ -154,7 +154,7 @@ def main() -> int:
     # soon as unbound), before its own work (psctl.launch.cpus).
     cpus = bind_self()
     if cpus is not None:
-        logging.info("%s bound to CPU %s", info.task, ",".join(map(str, cpus)))
+        logging.info("%s bound to CPU %s", info.task, cpu_list(cpus))
     try:
         if info.task_type == "chief":
             return _chief(info, stop)

@@ -317,7 +317,7 @@ class Supervisor:
             log.warning("%s: %s has no agent attached; its start-up grace decides", role.name, role.host)
 
     def cpu_slot(self, role: RoleRecord) -> tuple[int, int]:
-        """The role's slot among its host's roles and their number, for its agent to bind it to a CPU when they
+        """The role's slot among its host's roles and their number, from which its agent assigns it a CPU when they
         outnumber the host's CPUs; (0, 0): not bound: cpu_binding: none; Slurm, where a role is a job step, bound
         or not by Slurm's own task plugin; a framework's program, which sizes its own thread pools by the CPUs it
         may use (TensorFlow's parameter-server training bound to one CPU hangs: one inter-op thread)."""
