@@ -174,6 +174,20 @@ def test_auto_steps_per_call_checkpoint_at_their_step_not_a_queue_of_calls_later
     assert len(overshoot) >= 4 and all(0 <= o <= 12 for o in overshoot), taken
 
 
+@pytest.mark.timeout(120)
+def test_bounded_staleness_gives_one_step_per_call_however_fast_the_steps(make_cluster: MakeCluster) -> None:
+    """steps_per_execution's auto default is for asynchronous training: the bounded mode's staleness bound counts
+    steps as the chief hands them out, which a call of many steps would overrun."""
+    cluster = make_cluster({**mlp_training(200), "mode": "bounded", "staleness": 1})
+    cluster.start_servers()
+    cluster.wait_serving()
+    cluster.start_chief()
+    result = run_to_completion(cluster, timeout=90)
+    assert result["global_step"] == 200
+    assert result["steps_per_call"] == 1, result
+    assert result["max_observed_lag"] <= 1, result
+
+
 # -- (b) ------------------------------------------------------------------------------------------------
 DATA_VOCAB, MODEL_VOCAB, EMB_DIM = 1000, 1200, 8
 #: 10 ids per example from 1000: each id is seen ~80 times per epoch of the 8000 training examples, so

@@ -72,8 +72,9 @@ class Chief:
         #: The ps addresses of a layout with another ps count (psctl scale ps=N), until resharded onto it.
         self._ps_wanted: list[str] | None = None
         self.meter = TrainingMeter()
-        #: Asynchronous steps per call to a worker (training.steps_per_execution).
-        self._call_size = CallSizer(cfg.steps_per_execution)
+        #: Asynchronous steps per call to a worker (training.steps_per_execution); one in bounded mode, whose
+        #: staleness bound counts the steps as the chief hands them out.
+        self._call_size = CallSizer(cfg.steps_per_execution if cfg.mode == "async" else 1)
         run_dir = Path(info.run_dir)
         self.metrics = MetricsFile(run_dir / "metrics.jsonl")
         self.result_path = run_dir / "result.json"
