@@ -6,6 +6,7 @@ events say and what the chief is told, not SSH, which tests/test_ssh_cluster.py 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -200,8 +201,21 @@ def test_a_chief_with_a_pool_moves_off_a_cut_off_host_and_its_metrics_and_checkp
     assert told(c, "chief:0").chief_incarnation == 0  # the chief itself is not fenced by its own incarnation
 
 
-def test_the_chief_s_metrics_and_checkpoints_are_followed_to_the_host_it_moved_to(tmp_path: Path) -> None:
-    spec = load_spec_text(SHARED_CHECKPOINTS, filename=str(tmp_path / "pools.yaml"))
+@dataclasses.dataclass
+class Shell:
+    """The supervisor's I/O shell over fake runners, its record, its folder and each host's."""
+
+    supervisor: Supervisor
+    record: ClusterRecord
+    cdir: ClusterDir
+    folders: dict[str, ClusterDir]
+
+
+def make_shell(tmp_path: Path, text: str = SPEC, **training: object) -> Shell:
+    """A supervisor for ``text``'s hosts (``training``: keys of the spec's training to override)."""
+    spec = load_spec_text(text, filename=str(tmp_path / "pools.yaml"))
+    if training:
+        spec = dataclasses.replace(spec, training={**spec.training, **training})
     plan = make_plan(spec, check_ports=False)
     record = ClusterRecord(
         name="pools", cluster_id="pools-test", spec_path="", tls=False,
@@ -217,7 +231,12 @@ def test_the_chief_s_metrics_and_checkpoints_are_followed_to_the_host_it_moved_t
                           address=h.address)
         for h in spec.hosts
     }
-    shell = Supervisor(cdir, spec, record, places, get_time=Clock())
+    return Shell(Supervisor(cdir, spec, record, places, get_time=Clock()), record, cdir, folders)
+
+
+def test_the_chief_s_metrics_and_checkpoints_are_followed_to_the_host_it_moved_to(tmp_path: Path) -> None:
+    made = make_shell(tmp_path, SHARED_CHECKPOINTS)
+    shell, record, cdir, folders, spec = made.supervisor, made.record, made.cdir, made.folders, made.supervisor.spec
     chief = record.role("chief-0")
     folder = spec.training["checkpoint"]["dir"]
     shell.role_env(chief)
@@ -297,3 +316,24 @@ def test_down_is_not_failed_by_a_silent_spare_host_no_role_ever_ran_on(tmp_path:
     save_state(cdir.state_file, record)
     with pytest.raises(LaunchError, match="cannot verify that nothing of cluster 'pools' is left on 1 host"):
         _tear_down(cdir, record, {"h1": h1, "h2": h2}, grace=0.5, purge=False)
+
+
+def test_each_role_gets_its_cpu_slot_among_its_host_s_roles_unless_it_must_not_be_bound(tmp_path: Path) -> None:
+    made = make_shell(tmp_path)
+    shell, record = made.supervisor, made.record
+    slots = {r.name: shell.cpu_slot(r) for r in record.roles}
+    # h1: worker-0 and the chief (workers first); h2: worker-1 alone; h3: ps-0, then worker-2
+    assert slots == {"chief-0": (1, 2), "worker-0": (0, 2), "worker-1": (0, 1), "ps-0": (0, 2), "worker-2": (1, 2)}
+    record.roles[-1].retired = True  # (worker-2, scaled away) no longer counts on h3
+    assert shell.cpu_slot(record.role("ps-0")) == (0, 1)
+
+    record.backend = "slurm"  # a role is a job step there, bound (or not) by Slurm
+    assert shell.cpu_slot(record.role("ps-0")) == (0, 0)
+
+    no_workers = SPEC.replace("port: 7020,", "port: 7020, cpu_binding: none,")
+    unbound = make_shell(tmp_path / "none", no_workers)
+    assert [unbound.supervisor.cpu_slot(r) for r in unbound.record.roles if r.role == "worker"] == [(0, 0)] * 3
+    assert unbound.supervisor.cpu_slot(unbound.record.role("ps-0")) == (0, 2)
+    # a framework's program sizes its thread pools by the CPUs it may use (TensorFlow's hangs on one): never bound
+    tensorflow = make_shell(tmp_path / "tf", framework="tensorflow")
+    assert {tensorflow.supervisor.cpu_slot(r) for r in tensorflow.record.roles} == {(0, 0)}
