@@ -324,9 +324,12 @@ class Supervisor:
         if (self.spec.roles[role.role].cpu_binding == "none" or self.record.backend == "slurm"
                 or self.spec.training.get("framework") == "tensorflow"):
             return 0, 0
-        on_host = [(r.role, r.index) for r in self.record.roles if r.host == role.host and not r.retired]
-        slots = host_slots(on_host)
+        slots = host_slots([(r.role, r.index) for r in self._roles_on_host(role.host)])
         return slots.get((role.role, role.index), 0), len(slots)
+
+    def _roles_on_host(self, host: str) -> list[RoleRecord]:
+        """The host's roles that are part of the cluster now (a retired role's slot and share of CPUs are free)."""
+        return [r for r in self.record.roles if r.host == host and not r.retired]
 
     def role_env(self, role: RoleRecord) -> dict[str, str]:
         place = self.places[role.host]
@@ -355,8 +358,7 @@ class Supervisor:
             "chief_incarnation": self.state.chief_incarnation(),
         }
         spec_role = self.spec.roles[role.role]
-        on_host = sum(1 for r in self.record.roles if r.host == role.host and not r.retired)
-        threads = spec_role.threads or max(1, place.cpus // max(1, on_host))
+        threads = spec_role.threads or max(1, place.cpus // max(1, len(self._roles_on_host(role.host))))
         env = {} if not place.remote else dict(place.base_env)  # here the agent's own environment is the base
         env.update(
             PSCTL_CLUSTER=json.dumps(cluster),
