@@ -276,6 +276,18 @@ def test_push_applies_sgd_exactly(ps: Ps) -> None:
     assert values["emb/part_1"].tobytes() == initial_value(EMB).tobytes()  # not pushed: untouched
 
 
+def test_a_huge_finite_gradient_whose_squares_overflow_is_applied(ps: Ps) -> None:
+    """The finiteness check sums squares first; an overflow there is no NaN: the exact check decides."""
+    init(ps)
+    g_w = np.full((4, 3), 1e30, dtype=np.float32)  # (1e30)^2 overflows float32; every element is finite
+    assert push(ps, 5, [Entry("w", DENSE, g_w)]).applied
+    assert pull_dense(ps)["w"].tobytes() == (initial_value(W) - np.float32(LR) * g_w).tobytes()
+    g_w[1, 2] = np.nan
+    before = snapshot(ps)
+    assert rpc_code(lambda: push(ps, 6, [Entry("w", DENSE, g_w)])) == grpc.StatusCode.INVALID_ARGUMENT
+    assert snapshot(ps).values == before.values
+
+
 def low_rank(left: np.ndarray, right: np.ndarray, name: str = "w") -> list[Entry]:
     return [Entry(name, LEFT_FACTOR, left), Entry(name, RIGHT_FACTOR, right)]
 

@@ -524,6 +524,9 @@ def _all_finite(array: Gradient) -> bool:
     they allocate nothing, where ``np.isfinite(array).all()`` allocates a boolean array as large as the gradient."""
     if array.dtype.kind != "f" or math.prod(array.shape) == 0:
         return True
+    if isinstance(array, np.ndarray) and array.size <= UPDATE_BLOCK and array.dtype.itemsize >= 4:
+        flat = array.reshape(-1)  # a small whole array: one check, without the blocks' bookkeeping
+        return bool(np.isfinite(_sum_of_squares(flat))) or bool(np.isfinite(flat).all())
     runs = _runs(array)
     if array.dtype.itemsize >= 4:
         def finite(blocks: Sequence[tuple[int, np.ndarray]]) -> bool:
