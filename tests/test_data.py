@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -144,9 +145,39 @@ def test_digits() -> None:
     assert set(np.unique(train.y)) == set(range(10))
 
 
+DIGITS_CHECK = """
+import sys
+import numpy as np
+from psctl.models.data import _digits
+x, y = _digits()
+assert "sklearn" not in sys.modules, "loading the digits imported scikit-learn"
+from sklearn.datasets import load_digits
+digits = load_digits()
+assert x.dtype == np.float32 and y.dtype == np.int64
+assert np.array_equal(x, (digits.data / 16.0).astype(np.float32)) and np.array_equal(y, digits.target)
+print("same")
+"""
+
+
+def test_digits_are_scikit_learns_read_without_importing_it() -> None:
+    pytest.importorskip("sklearn")
+    done = subprocess.run([sys.executable, "-c", DIGITS_CHECK], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "same", done.stderr
+
+
+def test_digits_come_through_load_digits_where_their_file_is_not_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("sklearn")
+    from sklearn.datasets import load_digits
+
+    monkeypatch.setattr(data_mod, "DIGITS_FILE", ("datasets", "data", "no-such-file.csv.gz"))
+    x, y = data_mod._digits()
+    digits = load_digits()
+    assert np.array_equal(x, (digits.data / 16.0).astype(np.float32)) and np.array_equal(y, digits.target)
+
+
 def test_digits_without_scikit_learn_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     data_mod._load.cache_clear()
-    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # as Python marks a package that cannot be imported
     with pytest.raises(ValueError, match=r"pip install 'psctl\[datasets\]'"):
         load_dataset({"name": "digits"}, split="train", shard=0, num_shards=1, seed=0)
 
