@@ -268,14 +268,16 @@ class SyncFlushResponse(_message.Message):
     def __init__(self, applied: _Optional[bool] = ..., replicas: _Optional[int] = ..., global_step: _Optional[int] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("include_step_ids", "chief_incarnation", "release")
+    __slots__ = ("include_step_ids", "chief_incarnation", "release", "training_over")
     INCLUDE_STEP_IDS_FIELD_NUMBER: _ClassVar[int]
     CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_OVER_FIELD_NUMBER: _ClassVar[int]
     include_step_ids: bool
     chief_incarnation: int
     release: bool
-    def __init__(self, include_step_ids: _Optional[bool] = ..., chief_incarnation: _Optional[int] = ..., release: _Optional[bool] = ...) -> None: ...
+    training_over: bool
+    def __init__(self, include_step_ids: _Optional[bool] = ..., chief_incarnation: _Optional[int] = ..., release: _Optional[bool] = ..., training_over: _Optional[bool] = ...) -> None: ...
 
 class VariableInfo(_message.Message):
     __slots__ = ("name", "dtype", "shape")

@@ -93,6 +93,7 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
     if store is not None:
         saved = store.leave(grace)
         logging.info("%s stopping: %s", info.task, "the chief checkpointed it first" if saved else
+                     "training is over" if store.training_over.is_set() else
                      "no chief training (or none released it within the grace)")
     server.stop(grace=2).wait()
     logging.info("%s stopped", info.task)

@@ -197,6 +197,7 @@ class Chief:
                 mark_finished(self.checkpointer.directory, self.info.cluster_id, global_step)
             except OSError as exc:  # training is done: an evaluator elsewhere then stops after its grace
                 log.error("cannot leave word beside the checkpoints that training finished: %s", exc)
+        self._tell_training_over()
         log.info(
             "training done: global step %d, %s",
             global_step,
@@ -455,6 +456,13 @@ class Chief:
                     self._leaving.add(index)
             except PsUnavailable:
                 continue
+
+    def _tell_training_over(self) -> None:
+        """Tell every ps that training is over: stopped next (the cluster is done), each goes at once instead of
+        waiting out its grace for a chief that will not checkpoint it again."""
+        for index in range(len(self.ps.addresses)):
+            with contextlib.suppress(PsUnavailable):
+                self.ps.state(index, training_over=True, timeout=2.0)
 
     def _release(self, leaving: list[int]) -> None:
         """Tell leaving ps they may go."""

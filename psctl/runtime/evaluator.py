@@ -47,7 +47,7 @@ def evaluate_snapshot(program: Program, snapshot: Snapshot, split: str = "test")
 
 
 class Evaluator:
-    def __init__(self, info: ClusterInfo, *, stop: threading.Event, poll_seconds: float = 1.0) -> None:
+    def __init__(self, info: ClusterInfo, *, stop: threading.Event, poll_seconds: float = 0.5) -> None:
         cfg = TrainingConfig.from_dict(info.training)
         if not (cfg.checkpoint or {}).get("dir"):
             raise ValueError("the evaluator needs checkpoints: set training.checkpoint.dir")

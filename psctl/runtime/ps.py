@@ -124,6 +124,8 @@ class VariableStore:
         #: Preempted (SIGTERM): serving on until a snapshot was pulled (see leave()).
         self.leaving = threading.Event()
         self.released = threading.Event()
+        #: The chief finished training: once stopped, go at once (no chief will checkpoint it any more).
+        self.training_over = threading.Event()
         self._handing_over = threading.Event()  # the chief saw it leave: no push comes while it checkpoints
         self.last_push = float("-inf")
         #: Synchronous mode (None: asynchronous, every push applied as it comes).
@@ -193,13 +195,14 @@ class VariableStore:
 
     def leave(self, timeout: float, *, fed_recently: float = 2.0) -> bool:
         """Preempted: say so in the state the chief reads and, while a chief trains (a push came in the last
-        ``fed_recently`` seconds, or it is handing over), wait up to ``timeout`` for it to release this PS:
+        ``fed_recently`` seconds, or it is handing over; not once it said training is over), wait up to
+        ``timeout`` for it to release this PS:
         it stops scheduling, checkpoints every PS and restores that checkpoint into this one's successor.
         True if it did."""
         self.leaving.set()
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and (time.monotonic() - self.last_push < fed_recently
-                                               or self._handing_over.is_set()):
+        while (time.monotonic() < deadline and not self.training_over.is_set()
+               and (time.monotonic() - self.last_push < fed_recently or self._handing_over.is_set())):
             if self.released.wait(0.05):
                 return True
         return self.released.is_set()
@@ -444,9 +447,11 @@ class VariableStore:
 
     # -- inspection -----------------------------------------------------------------------------------
     def state(self, *, include_step_ids: bool = False, chief_incarnation: int = 0,
-              release: bool = False) -> pb.StateResponse:
+              release: bool = False, training_over: bool = False) -> pb.StateResponse:
         with self._lock:
             self.chief_fence.admit(chief_incarnation)
+            if training_over:
+                self.training_over.set()
             if self.leaving.is_set() and chief_incarnation:  # the chief has seen it leave
                 self._handing_over.set()
             if release:
@@ -882,7 +887,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def GetState(self, request: pb.StateRequest, context: grpc.ServicerContext) -> pb.StateResponse:
         try:
             return self.store.state(include_step_ids=request.include_step_ids,
-                                    chief_incarnation=request.chief_incarnation, release=request.release)
+                                    chief_incarnation=request.chief_incarnation, release=request.release,
+                                    training_over=request.training_over)
         except ChiefReplaced as exc:
             self._abort(context, exc)
             raise

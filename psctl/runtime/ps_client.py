@@ -318,12 +318,13 @@ class PsClient:
         return [done[ps] for ps in range(len(self.stubs))]
 
     def state(self, ps: int = 0, *, include_step_ids: bool = False, timeout: float | None = None,
-              release: bool = False) -> pb.StateResponse:
-        """A PS's state; ``release``: a leaving PS may go (the chief has checkpointed it)."""
+              release: bool = False, training_over: bool = False) -> pb.StateResponse:
+        """A PS's state; ``release``: a leaving PS may go (the chief has checkpointed it); ``training_over``:
+        the chief finished training, so the PS may go at once when stopped."""
         try:
             return self.stubs[ps].GetState(  # type: ignore[no-any-return]
                 pb.StateRequest(include_step_ids=include_step_ids, chief_incarnation=self.chief_incarnation,
-                                release=release),
+                                release=release, training_over=training_over),
                 timeout=timeout or self.timeout,
             )
         except grpc.RpcError as exc:
