@@ -137,8 +137,9 @@ def test_up_attached_trains_to_the_end(psctl_env) -> None:
     tail = check(psctl_env.run("logs", "worker-1", "att", "--tail", "3")).stdout.splitlines()
     assert 1 <= len(tail) <= 3
     assert tail == worker_lines[-3:]
-    # the chief told the ps that training was over: stopped, it went at once instead of waiting out its grace
+    # the chief told the ps and workers that training was over: stopped, they went at once, not after a grace
     assert "ps:0 stopping: training is over" in "\n".join(read_log(psctl_env, "att", "ps-0.1.log"))
+    assert "worker:1 stopping: training is over" in "\n".join(worker_lines)
 
     down = check(psctl_env.run("down"))
     assert "cluster 'att': nothing was running; no process of it is left" in flat(down.stdout)

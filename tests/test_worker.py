@@ -264,6 +264,23 @@ def test_a_replaced_chiefs_steps_are_refused_and_its_coordinator_stops(make_clus
             new.shutdown()
 
 
+def test_training_over_is_heard_from_the_current_chief_only(make_cluster: MakeCluster) -> None:
+    """A chief that finished tells its workers that no step comes any more (over gRPC, the coordinator's Ping):
+    stopped then, a worker goes at once. A replaced chief's word is not taken: the current one may still train."""
+    made = make_cluster(MLP, num_ps=1, batch_size=BATCH)
+    old = ClusterCoordinator([made.worker_address], probe_interval=0.05, chief_incarnation=1)
+    new = ClusterCoordinator([made.worker_address], probe_interval=0.05, chief_incarnation=2)
+    try:
+        assert new.wait_for_workers(10) == 1 and made.worker.chief_fence.newest == 2
+        old.tell_training_over()
+        assert made.worker.training_over is False
+        new.tell_training_over()
+        assert made.worker.training_over is True
+    finally:
+        old.shutdown()
+        new.shutdown()
+
+
 class ChiefIncarnationSupervisor(pb_grpc.SupervisorServicer):
     """A supervisor that answers every heartbeat with the current chief's incarnation."""
 

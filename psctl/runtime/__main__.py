@@ -38,7 +38,7 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
 
         threads = SERVER_THREADS  # a thread for each of the workers' sessions too
     server, _port = make_server(info.bind_address(), info.tls, max_workers=threads)
-    drain = None  # a worker's: finish the steps running, refuse new ones
+    worker = None  # a worker's servicer: on SIGTERM it finishes the steps running and refuses new ones
     store = None  # a ps's: on SIGTERM it leaves once the chief has checkpointed it
     if info.task_type == "ps":
         from psctl.runtime.ps import ParameterServerServicer, VariableStore, add_to_server
@@ -81,15 +81,15 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
         # load its data before serving: not during its first step
         servicer.dataset("train", info.task_index % num_shards)
         pb_grpc.add_WorkerServicer_to_server(servicer, server)
-        drain = servicer.drain
+        worker = servicer
     server.start()
     logging.info("%s serving on %s (incarnation %d)", info.task, info.address, info.incarnation)
     stop.wait()
     grace = float(os.environ.get("PSCTL_PREEMPTION_GRACE", DEFAULT_PREEMPTION_GRACE))
-    if drain is not None:
-        left = drain(grace)
-        logging.info("%s stopping: %s", info.task, "its steps finished" if not left else
-                     f"{left} step(s) still running after {grace:g}s")
+    if worker is not None:
+        left = worker.drain(grace)
+        logging.info("%s stopping: %s", info.task, f"{left} step(s) still running after {grace:g}s" if left else
+                     "training is over" if worker.training_over else "its steps finished")
     if store is not None:
         saved = store.leave(grace)
         logging.info("%s stopping: %s", info.task, "the chief checkpointed it first" if saved else

@@ -152,6 +152,8 @@ class Chief:
                     log.warning("ps lost (%s): restoring every ps and resuming", exc)
                     self.stop.wait(backoff)
                     self._restore_after_ps_loss(coordinator)
+            if not self.stop.is_set():
+                coordinator.tell_training_over()  # only the ps are asked for anything from here on
             if self.checkpointer is not None:
                 if not self.stop.is_set():
                     self._checkpoint()
@@ -197,7 +199,7 @@ class Chief:
                 mark_finished(self.checkpointer.directory, self.info.cluster_id, global_step)
             except OSError as exc:  # training is done: an evaluator elsewhere then stops after its grace
                 log.error("cannot leave word beside the checkpoints that training finished: %s", exc)
-        self._tell_training_over()
+        self._tell_ps_training_over()
         log.info(
             "training done: global step %d, %s",
             global_step,
@@ -457,7 +459,7 @@ class Chief:
             except PsUnavailable:
                 continue
 
-    def _tell_training_over(self) -> None:
+    def _tell_ps_training_over(self) -> None:
         """Tell every ps that training is over: stopped next (the cluster is done), each goes at once instead of
         waiting out its grace for a chief that will not checkpoint it again."""
         for index in range(len(self.ps.addresses)):

@@ -100,20 +100,23 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._running = 0
         self._draining = False
         self._last_request = float("-inf")
+        #: The chief said training is over: no step comes any more (drain need not wait for the last one).
+        self.training_over = False
         self._steps = threading.Condition()
 
     def drain(self, timeout: float) -> int:
         """The worker is leaving (preempted): refuse new steps and probes from now on, so that the chief hands
         them to other workers, and wait up to ``timeout`` seconds for the steps running to finish (their
-        updates land: nothing is recomputed). Then it waits until the chief has stopped feeding it (no step
-        asked for FED_RECENTLY seconds; the chief stops at its first "preempted"): a step sent as the server
-        shuts down would be lost in flight and re-run, and the chief may have sent a second one (it keeps two
-        steps on a worker) just before it heard. Returns how many steps were still running."""
+        updates land: nothing is recomputed). Then, unless the chief said training is over, it waits until the
+        chief has stopped feeding it (no step asked for FED_RECENTLY seconds; the chief stops at its first
+        "preempted"): a step sent as the server shuts down would be lost in flight and re-run, and the chief may
+        have sent a second one (it keeps two steps on a worker) just before it heard. Returns how many steps
+        were still running."""
         deadline = time.monotonic() + max(0.0, timeout)
         with self._steps:
             self._draining = True
             self._steps.wait_for(lambda: self._running == 0, timeout=max(0.0, deadline - time.monotonic()))
-            while (self._running == 0 and time.monotonic() < deadline
+            while (self._running == 0 and time.monotonic() < deadline and not self.training_over
                    and time.monotonic() - self._last_request < FED_RECENTLY):
                 self._steps.wait(0.05)
             return self._running
@@ -129,6 +132,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return self._datasets[key]
 
     def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
+        if request.training_over and request.chief_incarnation >= self.chief_fence.newest:  # not a replaced chief's
+            self.training_over = True
         if self._draining:
             self._leaving(context)
         self.chief_fence.learn(request.chief_incarnation)  # a probe only teaches: anyone may ask if it is up
