@@ -10,11 +10,11 @@ import json
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 from psctl.errors import ClusterNotFound, UsageError
 from psctl.home import ClusterDir
-from psctl.launch.hostset import RemoteHost
-from psctl.launch.ssh import SSHRunner
+from psctl.launch.hostset import RemoteHost, ssh_runner
 from psctl.runtime.checkpoint import (
     CheckpointError,
     Snapshot,
@@ -26,6 +26,9 @@ from psctl.runtime.checkpoint import (
 )
 from psctl.spec.plan import LOCAL_HOST
 from psctl.supervisor.state import ClusterRecord
+
+if TYPE_CHECKING:
+    from psctl.launch.ssh import SSHRunner
 
 
 def split_location(text: str, hosts: Mapping[str, object]) -> tuple[str, str]:
@@ -68,7 +71,7 @@ def find_snapshot(cdir: ClusterDir | None, record: ClusterRecord | None, locatio
     if host == LOCAL_HOST:
         return _local(Path(folder).expanduser())
     assert record is not None
-    with SSHRunner(RemoteHost.from_dict(record.hosts[host]).spec) as runner, tempfile.TemporaryDirectory() as tmp:
+    with ssh_runner(RemoteHost.from_dict(record.hosts[host]).spec) as runner, tempfile.TemporaryDirectory() as tmp:
         return fetch_newest(runner, folder, Path(tmp))
 
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -25,7 +25,7 @@ from psctl.errors import ClusterNotFound, LaunchError, PsctlError, UsageError
 from psctl.home import ClusterDir, list_clusters
 from psctl.launch.base import ProcessHandle, Runner, on_their_hosts, stop_on_hosts
 from psctl.launch.fanout import HostsError, check_results, run_on_all
-from psctl.launch.hostset import Placement, RemoteHost, host_runners, placements
+from psctl.launch.hostset import Placement, RemoteHost, host_runners, placements, ssh_runner
 from psctl.launch.local import LocalRunner
 from psctl.launch.remote import (
     RUNTIME_MODULES,
@@ -39,7 +39,6 @@ from psctl.launch.remote import (
     staged_files,
     tar_gz,
 )
-from psctl.launch.ssh import SSHRunner
 from psctl.pki import create_cluster_pki
 from psctl.runtime.atomic import write_json_atomic
 from psctl.spec import ClusterSpec, Plan, load_spec, make_plan
@@ -54,6 +53,9 @@ from psctl.supervisor.state import (
     new_record,
     save_state,
 )
+
+if TYPE_CHECKING:
+    from psctl.launch.ssh import SSHRunner
 
 
 def plan_spec(path: str | Path) -> tuple[ClusterSpec, Plan]:
@@ -106,7 +108,7 @@ def ssh_runners(spec: ClusterSpec, plan: Plan) -> dict[str, SSHRunner]:
     """A runner for every host the plan puts a role on or a worker may move to (hosts defined but unused are
     left alone)."""
     used = {h for i in plan.instances for h in plan.hosts_of(i)} - {LOCAL_HOST}
-    return {h.name: SSHRunner(h) for h in spec.hosts if h.name in used}
+    return {h.name: ssh_runner(h) for h in spec.hosts if h.name in used}
 
 
 def check_hosts(spec: ClusterSpec, plan: Plan, runners: Mapping[str, SSHRunner]) -> dict[str, HostReport]:
@@ -438,6 +440,8 @@ def _tear_down(
         pids = ", ".join(f"{h.host}:{h.pid}" for h in survivors)
         raise LaunchError(f"processes of cluster {cdir.name!r} survived SIGKILL: {pids}")
     if purge:  # logs, state and keys go, on every host; checkpoints are training results and stay
+        from psctl.launch.ssh import SSHRunner
+
         remote = [r for r in runners.values() if isinstance(r, SSHRunner)]
         roots = {name: HostDir(PurePosixPath(raw["root"])) for name, raw in record.hosts.items()}
         check_results(run_on_all(remote, lambda r: remove_files(r, roots[r.host])))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -286,3 +288,11 @@ def test_status_shows_the_evaluators_latest_result(psctl_env) -> None:
     assert "evaluator: global step 300: accuracy 0.9721, loss 0.0912" in " ".join(result.stdout.split())
     as_json = json.loads(invoke("status", "ev", "--json").stdout)
     assert {r["name"]: r["metrics"] for r in as_json["roles"]}["evaluator-0"] == {"accuracy": 0.9721, "loss": 0.0912}
+
+
+def test_the_commands_and_the_supervisor_import_no_ssh_library_for_a_cluster_on_this_machine() -> None:
+    """paramiko is a third of what `psctl` imports (~0.15 s a start): only clusters with remote hosts load it."""
+    script = ("import sys, psctl.cli, psctl.supervisor.__main__, psctl.agent.__main__; "
+              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'paramiko'))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr)

@@ -8,6 +8,7 @@ processes the state file no longer knows about).
 
 from __future__ import annotations
 
+import shlex
 import signal
 import time
 from abc import ABC, abstractmethod
@@ -134,3 +135,13 @@ def stop_on_hosts(
         else:
             survivors += result
     return survivors, errors
+
+
+def sh_path(path: str | PurePath) -> str:
+    """Quote a remote path for ``sh``, keeping a leading ``~/`` expandable."""
+    text = str(path)
+    if text == "~":
+        return '"$HOME"'
+    if text.startswith("~/"):
+        return '"$HOME"/' + shlex.quote(text[2:])
+    return shlex.quote(text)

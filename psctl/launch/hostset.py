@@ -13,15 +13,17 @@ import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from psctl.home import ClusterDir, RoleFolders
 from psctl.launch.base import Runner
 from psctl.launch.local import LocalRunner
 from psctl.launch.remote import HostDir
-from psctl.launch.ssh import SSHRunner
 from psctl.spec.model import HostSpec
 from psctl.spec.plan import LOCAL_ADDRESS, LOCAL_HOST
+
+if TYPE_CHECKING:
+    from psctl.launch.ssh import SSHRunner
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,16 @@ def host_runners(records: Mapping[str, Mapping[str, Any]]) -> dict[str, Runner]:
     """A runner per host of the cluster: ``localhost`` and every recorded SSH host (connecting lazily)."""
     runners: dict[str, Runner] = {LOCAL_HOST: LocalRunner()}
     for name, host in remote_hosts(records).items():
-        runners[name] = SSHRunner(host.spec)
+        runners[name] = ssh_runner(host.spec)
     return runners
+
+
+def ssh_runner(host: HostSpec) -> SSHRunner:
+    """A runner for ``host`` over SSH (connecting lazily). paramiko is imported here, where a cluster has a
+    remote host, and not by every command: it is a third of what `psctl` imports (~0.15 s a start)."""
+    from psctl.launch.ssh import SSHRunner
+
+    return SSHRunner(host)
 
 
 def placements(

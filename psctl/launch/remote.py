@@ -21,14 +21,17 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psctl
 from psctl.errors import LaunchError
 from psctl.home import RoleFolders
-from psctl.launch.ssh import SSHRunner, sh_path
+from psctl.launch.base import sh_path
 from psctl.spec.framework import scripts
 from psctl.spec.model import ClusterSpec
+
+if TYPE_CHECKING:  # paramiko is imported where a host is remote, not by every command
+    from psctl.launch.ssh import SSHRunner
 
 #: Below this much free space in a host's workdir, logs and checkpoints are likely to fill it.
 MIN_FREE_BYTES = 1 << 30

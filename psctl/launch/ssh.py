@@ -35,7 +35,7 @@ import paramiko
 
 from psctl.errors import LaunchError, PsctlError
 from psctl.launch import hosts
-from psctl.launch.base import ProcessHandle, Runner
+from psctl.launch.base import ProcessHandle, Runner, sh_path
 from psctl.launch.local import UNKNOWN_EXIT
 from psctl.spec.model import HostSpec
 
@@ -77,16 +77,6 @@ class HostUnreachable(LaunchError):
 
 class _NoReply(Exception):
     """A remote command did not finish within its timeout."""
-
-
-def sh_path(path: str | PurePath) -> str:
-    """Quote a remote path for ``sh``, keeping a leading ``~/`` expandable."""
-    text = str(path)
-    if text == "~":
-        return '"$HOME"'
-    if text.startswith("~/"):
-        return '"$HOME"/' + shlex.quote(text[2:])
-    return shlex.quote(text)
 
 
 def _sftp_path(path: str | PurePath) -> str:
