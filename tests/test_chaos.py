@@ -28,17 +28,20 @@ from supervised_cluster import SupervisedCluster, sigkill
 
 pytestmark = pytest.mark.slow
 
-STEPS = 600
+STEPS = 1000
 WORKERS = 3
 R = 2
 #: A kill every time the global step has advanced this far since the previous one.
 KILL_EVERY = 60
-#: No kill this close to the end: the victim must come back (backoff 0.2 s x 2^restarts, then a new process) before
-#: training finishes without it.
-QUIET_END = 120
+#: Restart backoff: 0.2 s, doubling per kill of the same worker up to 0.4 s (plus jitter).
+BACKOFF, MAX_BACKOFF = 0.2, 0.4
+#: No kill closer to the end than this many seconds, at the rate training has run so far: the victim must come
+#: back (its backoff, then a new process that heartbeats: ~1 s on 2 cores) before training finishes without it.
+#: (Counted in steps, the margin shrank below a restart whenever training got faster.)
+QUIET_END_SECONDS = 2.5
 MIN_KILLS = 5
 SEED = 20240611
-#: Each run of 600 steps takes ~15-35 s on this 2-core machine; this only bounds a hang.
+#: Each run of 1,000 steps takes ~5-15 s on this 2-core machine; this only bounds a hang.
 RUN_TIMEOUT = 75.0
 
 
@@ -52,7 +55,8 @@ def spec_text(name: str) -> str:
           ps: {{replicas: 2}}
           worker:
             replicas: {WORKERS}
-            restart: {{policy: on-failure, max_restarts: 50, backoff_seconds: 0.2}}
+            restart:
+              {{policy: on-failure, max_restarts: 50, backoff_seconds: {BACKOFF}, max_backoff_seconds: {MAX_BACKOFF}}}
         training:
           program: psctl.models.mlp
           args: {{hidden_units: 32}}
@@ -94,6 +98,7 @@ def chaos(run: Run, rng: random.Random) -> list[Kill]:
     still coming back from an earlier kill, the wait goes on until it runs again."""
     kills: list[Kill] = []
     last = 0
+    first: list[tuple[float, int]] = []  # when the global step was first seen above 0, and that step
     while True:
         victim = f"worker-{rng.randrange(WORKERS)}"
         attempt = 1 + sum(k.role == victim for k in kills)
@@ -101,9 +106,15 @@ def chaos(run: Run, rng: random.Random) -> list[Kill]:
         def ready(victim: str = victim, attempt: int = attempt, due: int = last + KILL_EVERY) -> str | None:
             if run.finished():
                 return "finished"
-            step = run.progress()
-            if step >= STEPS - QUIET_END:
+            step, now = run.progress(), time.monotonic()
+            if step and not first:
+                first.append((now, step))
+            if step >= STEPS:
                 return "end"
+            if first and now > first[0][0] and step > first[0][1]:
+                steps_per_second = (step - first[0][1]) / (now - first[0][0])
+                if (STEPS - step) / steps_per_second < QUIET_END_SECONDS:
+                    return "end"
             record = run.role(victim)
             if step >= due and record["state"] == "running" and record["attempt"] == attempt:
                 return "kill"
