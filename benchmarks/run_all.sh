@@ -12,7 +12,8 @@ for cmd in \
     "-m benchmarks.workloads w1" \
     "-m benchmarks.workloads w2" \
     "-m benchmarks.workloads w2 --zipf 1.2" \
-    "-m benchmarks.workloads w3"; do
+    "-m benchmarks.workloads w3" \
+    "-m benchmarks.up_local"; do
     echo "[run_all] $PY $cmd" >&2
     # shellcheck disable=SC2086
     $PY $cmd || status=1

@@ -1,0 +1,112 @@
+"""How long ``psctl up`` takes on this machine, phase by phase, for a spec that trains to the end. One JSON line.
+
+    python -m benchmarks.up_local [--spec cluster_examples/local.yaml] [--runs 3] [--psctl-root DIR]
+
+Each run is ``psctl up SPEC`` (attached, as a user types it) with a private ``PSCTL_HOME``; the phases come from
+the cluster's own event log (``events.jsonl``: the supervisor's clock, the same machine's) and this process's
+clock around the command:
+
+| field | from | to |
+|---|---|---|
+| `to_agent_s` | the command starts | the host's agent has attached to the supervisor (CLI, plan, TLS, supervisor) |
+| `to_roles_up_s` | the agent attached | every role heartbeats (the roles' imports and data) |
+| `training_s` | every role is up | the chief has succeeded |
+| `to_cluster_end_s` | the chief has succeeded | the cluster has succeeded (every other role stopped) |
+| `to_command_end_s` | the cluster has succeeded | the command has returned |
+| `total_s` | the command starts | the command has returned |
+
+Beside them, `command_start_s`: ``psctl --help`` from start to exit (what every command pays before its work).
+Figures are medians over ``--runs``; `runs` lists each run's. ``--psctl-root DIR`` runs another psctl tree (a
+``git worktree`` of an older commit) with this Python, to compare two trees on the same machine in turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import REPO_ROOT, emit, install_signal_handlers, log, machine, median, rounded
+
+PHASES = ("to_agent_s", "to_roles_up_s", "training_s", "to_cluster_end_s", "to_command_end_s", "total_s")
+
+
+def _psctl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "psctl", *args]  # the tree on PYTHONPATH (_env) comes before the installed one
+
+
+def _env(root: Path, home: Path) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PSCTL_HOME": str(home), "PYTHONPATH": path}
+
+
+def _first(events: list[dict[str, Any]], role: str, to: str) -> float:
+    return next(e["time"] for e in events if e.get("role") == role and e.get("to") == to)
+
+
+def one_run(root: Path, spec: Path, timeout: float) -> dict[str, float]:
+    home = Path(tempfile.mkdtemp(prefix="psctl-up-bench-"))
+    env = _env(root, home)
+    try:
+        started = time.time()
+        done = subprocess.run(_psctl("up", str(spec)), env=env, cwd=root, capture_output=True, text=True,
+                              timeout=timeout)
+        ended = time.time()
+        if done.returncode != 0:
+            raise RuntimeError(f"psctl up failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        (events_file,) = home.glob("*/events.jsonl")
+        events = [json.loads(line) for line in events_file.read_text().splitlines() if line.strip()]
+        agent = next(e["time"] for e in events if e.get("role", "").startswith("host ") and e.get("to") == "reachable")
+        roles_up = _first(events, "cluster", "running")
+        chief_done = _first(events, "chief-0", "succeeded")
+        cluster_done = _first(events, "cluster", "succeeded")
+        return {"to_agent_s": agent - started, "to_roles_up_s": roles_up - agent, "training_s": chief_done - roles_up,
+                "to_cluster_end_s": cluster_done - chief_done, "to_command_end_s": ended - cluster_done,
+                "total_s": ended - started}
+    finally:
+        subprocess.run(_psctl("down"), env=env, cwd=root, capture_output=True, timeout=120)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def command_start(root: Path, repeats: int = 10) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        subprocess.run(_psctl("--help"), env=_env(root, Path(tempfile.gettempdir())), cwd=root,
+                       capture_output=True, check=True, timeout=60)
+        times.append(time.perf_counter() - started)
+    return median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", default="cluster_examples/local.yaml", help="a spec that trains to the end")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--psctl-root", type=Path, default=REPO_ROOT, help="run psctl from this tree instead")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds for one psctl up")
+    args = parser.parse_args(argv)
+    install_signal_handlers()
+    root = args.psctl_root.resolve()
+    spec = (REPO_ROOT / args.spec).resolve() if not Path(args.spec).is_absolute() else Path(args.spec)
+    runs = []
+    for i in range(args.runs):
+        log(f"run {i + 1}/{args.runs}: psctl up {spec} (psctl from {root})")
+        runs.append(one_run(root, spec, args.timeout))
+    record: dict[str, Any] = {"benchmark": "up_local", "spec": str(args.spec), "psctl_root": str(root), "ok": True}
+    record.update({phase: rounded(median([r[phase] for r in runs])) for phase in PHASES})
+    record["command_start_s"] = rounded(command_start(root))
+    record["runs"] = [{k: rounded(v) for k, v in r.items()} for r in runs]
+    record["machine"] = machine()
+    emit(record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
