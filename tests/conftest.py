@@ -9,6 +9,7 @@ values (found through psutil, by environment) and fails the test if any survives
 
 from __future__ import annotations
 
+import compileall
 import contextlib
 import json
 import os
@@ -24,6 +25,13 @@ import psutil
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile psctl's modules once, before the tests start their hundreds of processes (the CLI, supervisors,
+    agents, roles). Where PYTHONDONTWRITEBYTECODE is set (as in some CI images) no process writes its bytecode,
+    so each one would compile psctl from source again: ~0.1 s of CPU a start. compileall writes it regardless."""
+    compileall.compile_dir(REPO_ROOT / "psctl", quiet=1)
 
 
 def psctl_binary() -> str:
