@@ -199,7 +199,8 @@ class Chief:
                 mark_finished(self.checkpointer.directory, self.info.cluster_id, global_step)
             except OSError as exc:  # training is done: an evaluator elsewhere then stops after its grace
                 log.error("cannot leave word beside the checkpoints that training finished: %s", exc)
-        self._tell_ps_training_over()
+        # stopped next (the cluster is done), each ps goes at once, not after its grace for a checkpoint
+        self._tell_ps(list(range(len(self.ps.addresses))), training_over=True)
         log.info(
             "training done: global step %d, %s",
             global_step,
@@ -459,18 +460,16 @@ class Chief:
             except PsUnavailable:
                 continue
 
-    def _tell_ps_training_over(self) -> None:
-        """Tell every ps that training is over: stopped next (the cluster is done), each goes at once instead of
-        waiting out its grace for a chief that will not checkpoint it again."""
-        for index in range(len(self.ps.addresses)):
-            with contextlib.suppress(PsUnavailable):
-                self.ps.state(index, training_over=True, timeout=2.0)
-
     def _release(self, leaving: list[int]) -> None:
-        """Tell leaving ps they may go."""
-        for index in leaving:
+        """Tell leaving ps they may go (their state is checkpointed, or this chief is stopping too)."""
+        self._tell_ps(leaving, release=True)
+
+    def _tell_ps(self, indices: list[int], *, release: bool = False, training_over: bool = False) -> None:
+        """Say ``release`` or ``training_over`` (StateRequest) to each of ps ``indices``; best effort: one that
+        is unavailable hears nothing, and waits at most its grace when stopped."""
+        for index in indices:
             with contextlib.suppress(PsUnavailable):
-                self.ps.state(index, release=True, timeout=2.0)
+                self.ps.state(index, release=release, training_over=training_over, timeout=2.0)
 
     def _hand_over(self, coordinator: ClusterCoordinator) -> None:
         """A ps is leaving (preempted) and waits for it: with nothing in flight, checkpoint every ps, wait until
