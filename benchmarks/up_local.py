@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO_ROOT, emit, install_signal_handlers, log, machine, median, rounded
+from benchmarks.common import REPO_ROOT, emit_all, install_signal_handlers, log, machine, median, rounded
 
 PHASES = ("to_agent_s", "to_roles_up_s", "training_s", "to_cluster_end_s", "to_command_end_s", "total_s")
 
@@ -48,7 +48,10 @@ def _env(root: Path, home: Path) -> dict[str, str]:
 
 
 def _first(events: list[dict[str, Any]], role: str, to: str) -> float:
-    return next(e["time"] for e in events if e.get("role") == role and e.get("to") == to)
+    found = next((e["time"] for e in events if e.get("role") == role and e.get("to") == to), None)
+    if found is None:
+        raise RuntimeError(f"the cluster's events.jsonl has no {role} -> {to}")
+    return float(found)
 
 
 def one_run(root: Path, spec: Path, timeout: float) -> dict[str, float]:
@@ -63,7 +66,7 @@ def one_run(root: Path, spec: Path, timeout: float) -> dict[str, float]:
             raise RuntimeError(f"psctl up failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
         (events_file,) = home.glob("*/events.jsonl")
         events = [json.loads(line) for line in events_file.read_text().splitlines() if line.strip()]
-        agent = next(e["time"] for e in events if e.get("role", "").startswith("host ") and e.get("to") == "reachable")
+        agent = _first(events, "host localhost", "reachable")
         roles_up = _first(events, "cluster", "running")
         chief_done = _first(events, "chief-0", "succeeded")
         cluster_done = _first(events, "cluster", "succeeded")
@@ -95,17 +98,20 @@ def main(argv: list[str] | None = None) -> int:
     install_signal_handlers()
     root = args.psctl_root.resolve()
     spec = (REPO_ROOT / args.spec).resolve() if not Path(args.spec).is_absolute() else Path(args.spec)
-    runs = []
-    for i in range(args.runs):
-        log(f"run {i + 1}/{args.runs}: psctl up {spec} (psctl from {root})")
-        runs.append(one_run(root, spec, args.timeout))
-    record: dict[str, Any] = {"benchmark": "up_local", "spec": str(args.spec), "psctl_root": str(root), "ok": True}
-    record.update({phase: rounded(median([r[phase] for r in runs])) for phase in PHASES})
-    record["command_start_s"] = rounded(command_start(root))
-    record["runs"] = [{k: rounded(v) for k, v in r.items()} for r in runs]
-    record["machine"] = machine()
-    emit(record)
-    return 0
+    def run() -> list[dict[str, Any]]:
+        runs = []
+        for i in range(args.runs):
+            log(f"run {i + 1}/{args.runs}: psctl up {spec} (psctl from {root})")
+            runs.append(one_run(root, spec, args.timeout))
+        record: dict[str, Any] = {"benchmark": "up_local", "spec": str(args.spec), "psctl_root": str(root),
+                                  "ok": True}
+        record.update({phase: rounded(median([r[phase] for r in runs])) for phase in PHASES})
+        record["command_start_s"] = rounded(command_start(root))
+        record["runs"] = [{k: rounded(v) for k, v in r.items()} for r in runs]
+        record["machine"] = machine()
+        return [record]
+
+    return emit_all("up_local", run)
 
 
 if __name__ == "__main__":
