@@ -1,7 +1,7 @@
 """psctl against TensorFlow's ParameterServerStrategy, side by side on the same machine; one JSON line per workload.
 
     python -m benchmarks.vs_tensorflow [--workloads w1,w2,w2_zipf,w3] [--rounds 3]
-        [--psctl-steps-per-execution auto] [--tf-steps-per-execution 1]
+        [--psctl-steps-per-execution auto] [--psctl-pipelined] [--tf-steps-per-execution 1]
 
 Needs TensorFlow (``pip install -e '.[tensorflow]'``). For every round, every workload runs once on psctl
 (``benchmarks.workloads``: psctl's runtime with its default options) and once on TensorFlow
@@ -14,7 +14,8 @@ start-to-first-step. Both systems run their defaults unless told otherwise: psct
 auto``); TensorFlow's coordinator schedules one step per function, and its processes run where the kernel puts
 them (bound to one CPU each, its parameter-server training hangs: its inter-op pool gets one thread). Give
 TensorFlow several steps per function (``--tf-steps-per-execution K``, as Keras's ``steps_per_execution``), or
-psctl none of its own (``--psctl-steps-per-execution 1 --psctl-cpu-binding none``), to compare those too.
+psctl none of its own (``--psctl-steps-per-execution 1 --psctl-cpu-binding none``), or psctl two steps in
+flight per worker (``--psctl-pipelined``, ``training.pipelined``), to compare those too.
 """
 
 from __future__ import annotations
@@ -141,6 +142,8 @@ def run_psctl(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
             "--steps-per-execution", str(args.psctl_steps_per_execution), "--cpu-binding", args.psctl_cpu_binding]
     if workload.zipf:
         argv += ["--zipf", str(workload.zipf)]
+    if args.psctl_pipelined:
+        argv.append("--pipelined")
     result = workloads.run(workloads.parse_args(argv))
     return {key: result[key] for key in ("steps_per_s", "start_to_first_step_s", "cpu_ms_per_step", "peak_rss_mb")}
 
@@ -201,6 +204,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     context = {"machine": machine(), "versions": versions(), "threads_per_role": args.threads,
                "steps_per_execution": {"psctl": args.psctl_steps_per_execution,
                                        "tensorflow": args.tf_steps_per_execution},
+               "pipelined": {"psctl": args.psctl_pipelined, "tensorflow": False},
                "cpu_binding": {"psctl": args.psctl_cpu_binding, "tensorflow": "none"}}
     for workload in chosen:
         yield {**summary(workload, results[workload.name]), **context}
@@ -218,6 +222,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="psctl's training.steps_per_execution (default auto, psctl's default)")
     parser.add_argument("--tf-steps-per-execution", type=int, default=1,
                         help="steps per function TensorFlow's coordinator schedules (default 1, its default)")
+    parser.add_argument("--psctl-pipelined", action="store_true",
+                        help="psctl's training.pipelined: two steps in flight per worker (default off, psctl's default)")
     parser.add_argument("--psctl-cpu-binding", choices=CPU_BINDINGS, default="auto",
                         help="psctl's roles.*.cpu_binding (default auto, psctl's default)")
     args = parser.parse_args(argv)
