@@ -223,7 +223,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tf-steps-per-execution", type=int, default=1,
                         help="steps per function TensorFlow's coordinator schedules (default 1, its default)")
     parser.add_argument("--psctl-pipelined", action="store_true",
-                        help="psctl's training.pipelined: two steps in flight per worker (default off, psctl's default)")
+                        help="psctl's training.pipelined: two steps in flight per worker (default off)")
     parser.add_argument("--psctl-cpu-binding", choices=CPU_BINDINGS, default="auto",
                         help="psctl's roles.*.cpu_binding (default auto, psctl's default)")
     args = parser.parse_args(argv)

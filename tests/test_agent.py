@@ -146,6 +146,30 @@ def test_an_agent_gives_a_role_its_slot_s_cpu_where_the_roles_outnumber_the_cpus
     assert CPUS_VARIABLE not in psutil.Process(free.pid).environ()
 
 
+def test_an_agent_starts_its_round_robin_on_the_cpu_other_clusters_load_least(
+        tmp_path: Path, started: list[object]) -> None:
+    allowed = allowed_cpus()
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs to choose between")
+    # another cluster's ps, bound to this machine's first CPU (a real process, with a bound role's environment)
+    other = subprocess.Popen(SLEEPER, stdout=subprocess.DEVNULL, env={
+        **os.environ, CPUS_VARIABLE: str(allowed[0]), "PSCTL_ROLE": "ps-0", "PSCTL_CLUSTER_ID": "another"})
+    try:
+        endpoint, _, hello = attached(started)
+        slots = len(allowed) + 1  # one role more than CPUs here
+        for slot, name in enumerate(("ps-0", "worker-0")):
+            command = start_command(name, 1, tmp_path)
+            command.start.cpu_slot, command.start.cpu_slots = slot, slots
+            endpoint.hub.send("h1", hello.agent_pid, command)
+        cpus = [psutil.Process(endpoint.role_report("h1", name, until=lambda r: r.pid > 0).pid).environ()
+                .get(CPUS_VARIABLE) for name in ("ps-0", "worker-0")]
+        # this cluster's ps goes to the CPU the other's ps leaves free, its worker round-robin after it
+        assert cpus == [str(allowed[1]), str(allowed[2 % len(allowed)])]
+    finally:
+        other.kill()
+        other.wait(timeout=10)
+
+
 def test_a_start_that_fails_is_reported_with_why(tmp_path: Path, started: list[object]) -> None:
     endpoint, _agent, hello = attached(started)
     endpoint.hub.send("h1", hello.agent_pid, start_command("ps-0", 1, tmp_path, argv=["/nonexistent/python3"]))

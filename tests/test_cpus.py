@@ -12,7 +12,18 @@ import psutil
 import pytest
 from cluster_helpers import wait_until
 
-from psctl.launch.cpus import CPUS_VARIABLE, allowed_cpus, bind, cpus_for_slot, host_slots, slot_env
+from psctl.launch.cpus import (
+    CPUS_VARIABLE,
+    BoundRole,
+    allowed_cpus,
+    bind,
+    bound_roles,
+    cpus_for_slot,
+    first_cpu,
+    host_slots,
+    other_clusters_load,
+    slot_env,
+)
 
 
 def test_slots_go_to_ps_then_workers_then_chief_and_evaluator_by_index() -> None:
@@ -25,6 +36,41 @@ def test_roles_outnumbering_the_cpus_get_one_each_round_robin() -> None:
     allowed = [2, 5]  # a cpuset need not start at 0 nor be contiguous
     # W1 on two CPUs: ps-0 and worker-1 share one, worker-0 and the chief the other
     assert [cpus_for_slot(slot, 4, allowed) for slot in range(4)] == [[2], [5], [2], [5]]
+
+
+def test_a_cluster_s_round_robin_may_start_at_another_cpu() -> None:
+    assert [cpus_for_slot(slot, 4, [2, 5], first=5) for slot in range(4)] == [[5], [2], [5], [2]]
+    assert cpus_for_slot(0, 4, [2, 5], first=7) == [2]  # not one of its CPUs: from the lowest
+
+
+def test_the_round_robin_starts_where_other_clusters_load_the_host_least() -> None:
+    assert first_cpu({}, [3, 1, 2]) == 1  # a host's only cluster: from its first CPU, as before
+    assert first_cpu({1: 2.0, 2: 1.1, 3: 1.1}, [3, 1, 2]) == 2  # least loaded, the lowest of equals
+    assert first_cpu({0: 5.0}, []) is None
+
+
+def test_other_clusters_load_weighs_roles_by_kind_and_leaves_this_cluster_out() -> None:
+    roles = [BoundRole(1, "a", "ps-0", (0,)), BoundRole(2, "a", "worker-1", (1,)), BoundRole(3, "a", "chief-0", (1,)),
+             BoundRole(4, "a", "evaluator-0", (0, 1)), BoundRole(5, "mine", "ps-0", (1,))]
+    assert other_clusters_load(roles, "mine") == pytest.approx({0: 1.05, 1: 1.15})
+
+
+def test_bound_roles_are_read_from_the_processes_environments(children: list[subprocess.Popen[str]]) -> None:
+    def child(env: dict[str, str]) -> int:
+        started = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], text=True,
+                                   env={**{k: v for k, v in os.environ.items() if not k.startswith("PSCTL_")}, **env})
+        children.append(started)
+        return started.pid
+
+    ps = child({CPUS_VARIABLE: "0", "PSCTL_ROLE": "ps-0", "PSCTL_CLUSTER_ID": "other"})
+    worker = child({CPUS_VARIABLE: "0,1", "PSCTL_ROLE": "worker-3"})
+    not_a_role = child({CPUS_VARIABLE: "0"})
+    unbound = child({"PSCTL_ROLE": "ps-1", "PSCTL_CLUSTER_ID": "other"})
+    garbled = child({CPUS_VARIABLE: "zero", "PSCTL_ROLE": "ps-2"})
+    found = {r.pid: r for r in bound_roles()}
+    assert found[ps] == BoundRole(ps, "other", "ps-0", (0,))
+    assert found[worker] == BoundRole(worker, "", "worker-3", (0, 1))
+    assert not {not_a_role, unbound, garbled} & set(found)
 
 
 @pytest.mark.parametrize(("slot", "slots", "allowed"), [

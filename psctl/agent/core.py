@@ -29,7 +29,14 @@ from typing import Protocol
 
 import grpc
 
-from psctl.launch.cpus import CPUS_VARIABLE, slot_env
+from psctl.launch.cpus import (
+    CPUS_VARIABLE,
+    allowed_cpus,
+    bound_roles,
+    first_cpu,
+    other_clusters_load,
+    slot_env,
+)
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.cluster import TlsFiles
@@ -234,6 +241,8 @@ class Agent:
         self._threads: list[threading.Thread] = []
         self.pid = os.getpid()
         self.pid_create_time = create_time(self.pid)
+        #: Where this cluster's CPU round-robin starts on this host (chosen at the first bound role).
+        self._first_cpu: int | None = None
 
     # -- life -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -351,11 +360,18 @@ class Agent:
                 role.start_error = f"cannot start {where}: {exc}"
                 log.warning("%s: %s", command.name, role.start_error)
 
-    @staticmethod
-    def _assign_cpu(command: pb.StartRole) -> None:
+    def _assign_cpu(self, command: pb.StartRole) -> None:
         """Name the role's CPU in its environment, where the supervisor gave it a slot and this host has fewer
         CPUs than roles: the role binds itself to it once started (psctl.launch.cpus)."""
-        env = slot_env(command.cpu_slot, command.cpu_slots) if command.cpu_slots else {}
+        if not command.cpu_slots:
+            return
+        if self._first_cpu is None:  # once: a role keeps its CPU across restarts
+            loads = other_clusters_load(bound_roles(), self.cluster_id)
+            self._first_cpu = first_cpu(loads, allowed_cpus())
+            if loads:
+                log.info("other clusters' roles bound here (CPU: load): %s; this cluster's start at CPU %s",
+                         ", ".join(f"{cpu}: {load:g}" for cpu, load in sorted(loads.items())), self._first_cpu)
+        env = slot_env(command.cpu_slot, command.cpu_slots, self._first_cpu)
         if env:
             command.env.update(env)
             log.info("%s: CPU %s (slot %d of %d roles here)", command.name, env[CPUS_VARIABLE], command.cpu_slot,

@@ -11,6 +11,11 @@ evaluator); the host's agent maps slots to the CPUs it may use itself (``sched_g
 Slurm allocation is respected) and names the role's CPU in its environment (``PSCTL_CPUS``); the role binds
 itself once its heartbeats run (``bind_self``), so that a role restarting onto a busy CPU still imports and
 starts on whichever CPU is free, and comes back as fast as it would unbound.
+
+Other psctl clusters on the same host are taken into account: an agent's round-robin starts at the CPU that
+the roles other clusters have bound there load least (``first_cpu``), so that a second cluster's ps does not
+land on the first one's (two W1-sized clusters at once on 2 cores: 20-21 s each from CPU 0, 15 s so; 15-16.5
+unbound; benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +34,9 @@ CPU_BINDINGS = ("auto", "none")
 CPUS_VARIABLE = "PSCTL_CPUS"
 #: Slots go to the heaviest roles first, so that round-robin spreads ps and workers evenly over the CPUs.
 ROLE_ORDER = ("ps", "worker", "chief", "evaluator")
+#: A bound role's share of its CPU by kind, to balance clusters against each other: ps and workers run the
+#: steps; the chief and the evaluator mostly wait (W1, CPU ms per step: ps 0.73, worker 0.64, chief 0.08).
+ROLE_LOAD = {"ps": 1.0, "worker": 1.0, "chief": 0.1, "evaluator": 0.1}
 
 
 def host_slots(roles: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int]:
@@ -38,19 +47,74 @@ def host_slots(roles: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int]:
     return {r: slot for slot, r in enumerate(ranked)}
 
 
-def cpus_for_slot(slot: int, slots: int, allowed: Sequence[int]) -> list[int] | None:
-    """The CPUs of slot ``slot`` of ``slots`` on a host whose roles may use ``allowed``: one CPU, round-robin,
-    when the roles outnumber the CPUs; None (not bound) otherwise."""
+def cpus_for_slot(slot: int, slots: int, allowed: Sequence[int], first: int | None = None) -> list[int] | None:
+    """The CPUs of slot ``slot`` of ``slots`` on a host whose roles may use ``allowed``: one CPU, round-robin
+    from CPU ``first`` (default the lowest), when the roles outnumber the CPUs; None (not bound) otherwise."""
     if not allowed or slots <= len(allowed) or not 0 <= slot < slots:
         return None
-    return [sorted(allowed)[slot % len(allowed)]]
+    ordered = sorted(allowed)
+    start = ordered.index(first) if first in ordered else 0
+    return [ordered[(start + slot) % len(ordered)]]
 
 
-def slot_env(slot: int, slots: int) -> dict[str, str]:
-    """The environment that binds a role, slot ``slot`` of ``slots`` on this host, to its CPU once it runs
-    (``bind_self``): empty where the role is not to be bound."""
-    cpus = cpus_for_slot(slot, slots, allowed_cpus())
+def slot_env(slot: int, slots: int, first: int | None = None) -> dict[str, str]:
+    """The environment that binds a role, slot ``slot`` of ``slots`` on this host (round-robin from CPU
+    ``first``), to its CPU once it runs (``bind_self``): empty where the role is not to be bound."""
+    cpus = cpus_for_slot(slot, slots, allowed_cpus(), first)
     return {} if cpus is None else {CPUS_VARIABLE: cpu_list(cpus)}
+
+
+def first_cpu(loads: Mapping[int, float], allowed: Sequence[int]) -> int | None:
+    """Where a cluster's round-robin starts: the allowed CPU that ``loads`` (other clusters' bound roles) load
+    least, the lowest of equals (so a host's only cluster starts at its first CPU); None if none is allowed."""
+    return min(sorted(allowed), key=lambda cpu: loads.get(cpu, 0.0), default=None)
+
+
+@dataclass(frozen=True)
+class BoundRole:
+    """A psctl role bound to CPUs on this host, as its environment says."""
+
+    pid: int
+    cluster_id: str
+    role: str  # its name: ps-0, worker-1, ...
+    cpus: tuple[int, ...]
+
+
+def bound_roles() -> list[BoundRole]:
+    """Every psctl role on this host whose environment binds it (``PSCTL_CPUS``), of any cluster; processes this
+    user may not read are not seen."""
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        if CPUS_VARIABLE.encode() not in raw:  # (a cheap first test: most processes are not bound roles)
+            continue
+        env = dict(item.decode(errors="replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+        try:
+            cpus = tuple(int(part) for part in env.get(CPUS_VARIABLE, "").split(",") if part.strip())
+        except ValueError:
+            continue
+        if cpus and env.get("PSCTL_ROLE"):
+            found.append(BoundRole(int(entry), env.get("PSCTL_CLUSTER_ID", ""), env["PSCTL_ROLE"], cpus))
+    return found
+
+
+def other_clusters_load(roles: Iterable[BoundRole], cluster_id: str) -> dict[int, float]:
+    """CPU -> the load (ROLE_LOAD by the role's kind) that ``roles`` of clusters other than ``cluster_id`` put
+    on it."""
+    loads: dict[int, float] = {}
+    for role in roles:
+        if role.cluster_id == cluster_id:
+            continue
+        share = ROLE_LOAD.get(role.role.rpartition("-")[0], 1.0) / len(role.cpus)
+        for cpu in role.cpus:
+            loads[cpu] = loads.get(cpu, 0.0) + share
+    return loads
 
 
 def bind_self() -> list[int] | None:
