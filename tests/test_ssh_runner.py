@@ -115,10 +115,14 @@ def test_start_poll_find_and_stop_on_every_host(
         assert runner.poll(stale) == UNKNOWN_EXIT
         runner.signal_group(stale, signal.SIGKILL)  # must not touch the live process that has the pid now
         assert runner.poll(handle) is None
-        # its own session and process group, in that host's process table
-        ps = sshbed.exec(name, f"ps -ww -o pid=,pgid=,sid=,args= -p {handle.pid}").stdout
-        pid, pgid, sid, args = ps.split(None, 3)
-        assert int(pid) == int(pgid) == int(sid) == handle.pid and "time.sleep(600)" in args
+        # its own session and process group, in that host's process table, running the sleeper once the
+        # start's exec chain (setsid, nohup, env, python3) is through (ps shows "[python3]" mid-exec)
+        def ps_row(name: str = name, pid: int = handle.pid) -> list[str] | None:
+            row = sshbed.exec(name, f"ps -ww -o pid=,pgid=,sid=,args= -p {pid}").stdout.split(None, 3)
+            return row if len(row) == 4 and "time.sleep(600)" in row[3] else None
+
+        pid, pgid, sid, _ = wait_until(ps_row, timeout=10, what=f"the sleeper in {name}'s process table")
+        assert int(pid) == int(pgid) == int(sid) == handle.pid
         environ = sshbed.exec(name, f"tr '\\0' '\\n' < /proc/{handle.pid}/environ").stdout.split()
         assert f"PSCTL_TEST_HOST={name}" in environ and f"PSCTL_CLUSTER_ID={cids[name]}" in environ
         assert runner.cluster_processes(cids[name]) == [handle]
