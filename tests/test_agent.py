@@ -170,6 +170,36 @@ def test_an_agent_starts_its_round_robin_on_the_cpu_other_clusters_load_least(
         other.wait(timeout=10)
 
 
+def test_an_agent_moves_its_running_roles_to_the_cpus_their_new_slots_name(
+        tmp_path: Path, started: list[object]) -> None:
+    allowed = allowed_cpus()
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs to move between")
+    endpoint, _, hello = attached(started)
+    outnumbered = len(allowed) + 1
+    for name, slot, slots in (("ps-0", 0, outnumbered), ("worker-0", 1, outnumbered), ("chief-0", 0, 0)):
+        command = start_command(name, 1, tmp_path)
+        command.start.cpu_slot, command.start.cpu_slots = slot, slots  # (the chief: cpu_binding none)
+        endpoint.hub.send("h1", hello.agent_pid, command)
+    pids = {name: endpoint.role_report("h1", name, until=lambda r: r.pid > 0).pid
+            for name in ("ps-0", "worker-0", "chief-0")}
+
+    def affinity(name: str) -> list[int]:
+        return sorted(psutil.Process(pids[name]).cpu_affinity())
+
+    # scaled: the ps's slot moved; the worker's did not (it is left as it is: these sleepers never bind
+    # themselves, so a move would show); the chief was never the agent's to bind
+    endpoint.hub.send("h1", hello.agent_pid, pb.AgentCommand(cpus=pb.CpuSlots(
+        cpu_slot={"ps-0": 1, "worker-0": 1, "chief-0": 2}, cpu_slots=outnumbered)))
+    wait_until(lambda: affinity("ps-0") == [allowed[1]], timeout=10, what="ps-0 moved to its new slot's CPU")
+    assert affinity("worker-0") == affinity("chief-0") == allowed
+
+    # scaled down until the roles no longer outnumber the CPUs: the ps runs on every CPU again
+    endpoint.hub.send("h1", hello.agent_pid, pb.AgentCommand(cpus=pb.CpuSlots(
+        cpu_slot={"ps-0": 0, "worker-0": 1}, cpu_slots=len(allowed))))
+    wait_until(lambda: affinity("ps-0") == allowed, timeout=10, what="ps-0 unbound")
+
+
 def test_a_start_that_fails_is_reported_with_why(tmp_path: Path, started: list[object]) -> None:
     endpoint, _agent, hello = attached(started)
     endpoint.hub.send("h1", hello.agent_pid, start_command("ps-0", 1, tmp_path, argv=["/nonexistent/python3"]))

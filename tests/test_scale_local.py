@@ -1,6 +1,7 @@
 """``psctl scale`` on a running local cluster, with real processes: workers 2 -> 4 -> 1 and ps 2 -> 3 while it
 trains. Exactly the steps asked for, every batch taken once (the data shards' last positions sum to the steps),
-nothing retried, and the ps' variables resharded without a change."""
+nothing retried, the ps' variables resharded without a change, and the roles left running on the CPUs of their
+slots among the roles now (where they outnumber this machine's CPUs)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import textwrap
 from functools import partial
 from typing import Any
 
+import psutil
 import pytest
 from cluster_helpers import wait_until
 from conftest import PsctlEnv
 from supervised_cluster import SupervisedCluster
 
+from psctl.launch.cpus import allowed_cpus, cpus_for_slot, host_slots
 from psctl.runtime.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.slow
@@ -63,6 +66,17 @@ def assert_every_batch_once(cluster: SupervisedCluster, steps: int) -> dict[str,
     return result
 
 
+def assert_on_their_slots_cpus(roles: list[dict[str, Any]]) -> None:
+    """Each running role on the CPU its slot among these roles names (cpu_binding: auto), moved there as the
+    roles were scaled (where they outnumber this machine's CPUs; else on every CPU)."""
+    allowed = allowed_cpus()
+    slots = host_slots((r["role"], r["index"]) for r in roles)
+    for r in roles:
+        expected = cpus_for_slot(slots[(r["role"], r["index"])], len(slots), allowed) or allowed
+        wait_until(lambda r=r, expected=expected: sorted(psutil.Process(r["pid"]).cpu_affinity()) == expected,
+                   timeout=10, what=f"{r['name']} on CPU(s) {expected} of {allowed}")
+
+
 def test_workers_scaled_2_to_4_to_1_while_training_take_every_batch_exactly_once(psctl_env: PsctlEnv) -> None:
     steps = 12_000  # training outlasts both scales with room (at the last check ~6,700 steps were done on 2 cores)
     cluster = SupervisedCluster(psctl_env, "scalew", spec_text("scalew", steps))
@@ -87,6 +101,7 @@ def test_workers_scaled_2_to_4_to_1_while_training_take_every_batch_exactly_once
         assert "stopping: its steps finished" in cluster.log(name), cluster.log(name)[-2000:]
     status = cluster.status()
     assert [r["name"] for r in status["roles"] if r["state"] == "running"] == ["chief-0", "ps-0", "ps-1", "worker-0"]
+    assert_on_their_slots_cpus([r for r in cluster.state()["roles"] if r["state"] == "running"])
     assert cluster.progress() < steps, "training ended before the last scale was seen through"
 
     result = assert_every_batch_once(cluster, steps)

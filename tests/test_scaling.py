@@ -57,6 +57,8 @@ def test_scaling_workers_up_starts_the_new_ones_and_tells_the_chief(c: FakeClust
     assert starts == {"worker-2", "worker-3"}
     assert c.role("worker-3").port == 9003
     assert any(isinstance(a, policy.SendView) for a in actions)
+    # the host's roles changed: its agent is told their CPU slots now (the running ones may move)
+    assert [a for a in actions if isinstance(a, policy.RebindCpus)] == [policy.RebindCpus("localhost")]
     assert {"worker:2", "worker:3"} <= set(chief_view(c))
     assert [e.reason for e in c.events("cluster")][-1] == "psctl scale worker=4: worker 2 -> 4"
     c.step(1)
@@ -71,6 +73,7 @@ def test_scaling_workers_down_drains_the_highest_with_the_preemption_grace_and_n
     assert {(a.name, a.grace) for a in stops} == {("worker-1", 25.0)}  # (sent again: the agent keeps the first)
     assert c.role("worker-1").state == RoleState.STOPPED and c.role("worker-1").retired
     assert "worker:1" not in chief_view(c) and "worker:0" in chief_view(c)
+    assert [a for a in actions if isinstance(a, policy.RebindCpus)] == [policy.RebindCpus("localhost")]
     c.process("worker-1").exit_code = 75  # it drained and left
     for _ in range(5):
         actions = c.step(2)

@@ -32,10 +32,12 @@ import grpc
 from psctl.launch.cpus import (
     CPUS_VARIABLE,
     allowed_cpus,
+    bind,
     bound_roles,
+    cpu_list,
+    cpus_for_slot,
     first_cpu,
     other_clusters_load,
-    slot_env,
 )
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
@@ -150,6 +152,10 @@ class RoleProcess:
     watched_only: bool = False
     #: A watched role's step was read from its log after it exited: there is nothing more to read.
     final_step_read: bool = False
+    #: The supervisor gave it a CPU slot (it is bound where the host's roles outnumber its CPUs) ...
+    cpu_managed: bool = False
+    #: ... and the CPUs it is bound to now (None: every CPU).
+    cpus: list[int] | None = None
 
     @property
     def running(self) -> bool:
@@ -304,6 +310,9 @@ class Agent:
         elif kind == "view":
             with self.lock:
                 self.view = command.view
+        elif kind == "cpus":
+            with self.lock:
+                self._rebind(command.cpus)
         elif kind == "shutdown":
             self.handle_shutdown(command.shutdown.grace_seconds)
         self._report_now.set()
@@ -348,7 +357,7 @@ class Agent:
                     write_private(host_path(path), data)
                 os.makedirs(os.path.dirname(role.log_path), mode=0o700, exist_ok=True)
                 fd = os.open(role.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-                self._assign_cpu(command)
+                self._assign_cpu(command, role)
                 try:
                     role.process = self.spawn(command, fd)
                 finally:
@@ -360,22 +369,47 @@ class Agent:
                 role.start_error = f"cannot start {where}: {exc}"
                 log.warning("%s: %s", command.name, role.start_error)
 
-    def _assign_cpu(self, command: pb.StartRole) -> None:
+    def _assign_cpu(self, command: pb.StartRole, role: RoleProcess) -> None:
         """Name the role's CPU in its environment, where the supervisor gave it a slot and this host has fewer
         CPUs than roles: the role binds itself to it once started (psctl.launch.cpus)."""
         if not command.cpu_slots:
             return
-        if self._first_cpu is None:  # once: a role keeps its CPU across restarts
+        role.cpu_managed = True
+        cpus = cpus_for_slot(command.cpu_slot, command.cpu_slots, allowed_cpus(), self._cluster_first_cpu())
+        if cpus is not None:
+            command.env[CPUS_VARIABLE] = cpu_list(cpus)
+            role.cpus = cpus
+            log.info("%s: CPU %s (slot %d of %d roles here)", command.name, cpu_list(cpus), command.cpu_slot,
+                     command.cpu_slots)  # fmt: skip
+
+    def _cluster_first_cpu(self) -> int | None:
+        """Where this cluster's round-robin of CPUs starts on this host: chosen once, at the first bound role, so
+        that a role keeps its CPU across restarts (psctl.launch.cpus.first_cpu)."""
+        if self._first_cpu is None:
             loads = other_clusters_load(bound_roles(), self.cluster_id)
             self._first_cpu = first_cpu(loads, allowed_cpus())
             if loads:
                 log.info("other clusters' roles bound here (CPU: load): %s; this cluster's start at CPU %s",
                          ", ".join(f"{cpu}: {load:g}" for cpu, load in sorted(loads.items())), self._first_cpu)
-        env = slot_env(command.cpu_slot, command.cpu_slots, self._first_cpu)
-        if env:
-            command.env.update(env)
-            log.info("%s: CPU %s (slot %d of %d roles here)", command.name, env[CPUS_VARIABLE], command.cpu_slot,
-                     command.cpu_slots)  # fmt: skip
+        return self._first_cpu
+
+    def _rebind(self, slots: pb.CpuSlots) -> None:
+        """The host's roles changed (psctl scale): move each running role this agent gave a slot to onto the
+        CPU its slot now names, or onto every CPU where the roles no longer outnumber them (caller holds the
+        lock). A role restarted later gets its new slot in its start command."""
+        allowed = allowed_cpus()
+        for name, slot in slots.cpu_slot.items():
+            role = self.roles.get(name)
+            if role is None or not role.running or not role.cpu_managed:
+                continue
+            cpus = cpus_for_slot(slot, slots.cpu_slots, allowed, self._cluster_first_cpu())
+            if cpus == role.cpus:
+                continue
+            assert role.process is not None
+            if bind(role.process.pid, cpus or allowed):
+                role.cpus = cpus
+                log.info("%s: now on CPU(s) %s (slot %d of %d roles here)", name,
+                         cpu_list(cpus or allowed), slot, slots.cpu_slots)  # fmt: skip
 
     def _shutdown(self, grace: float) -> None:
         """Stop every role (SIGTERM, SIGKILL after ``grace``), report their exits, then end."""

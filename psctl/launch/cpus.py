@@ -10,7 +10,8 @@ The supervisor gives each role its slot among the host's roles (ps first, then w
 evaluator); the host's agent maps slots to the CPUs it may use itself (``sched_getaffinity``, so a cpuset or a
 Slurm allocation is respected) and names the role's CPU in its environment (``PSCTL_CPUS``); the role binds
 itself once its heartbeats run (``bind_self``), so that a role restarting onto a busy CPU still imports and
-starts on whichever CPU is free, and comes back as fast as it would unbound.
+starts on whichever CPU is free, and comes back as fast as it would unbound. When ``psctl scale`` changes a
+host's roles, the supervisor sends their new slots and the agent moves the running roles (``bind``).
 
 Other psctl clusters on the same host are taken into account: an agent's round-robin starts at the CPU that
 the roles other clusters have bound there load least (``first_cpu``), so that a second cluster's ps does not
@@ -57,10 +58,10 @@ def cpus_for_slot(slot: int, slots: int, allowed: Sequence[int], first: int | No
     return [ordered[(start + slot) % len(ordered)]]
 
 
-def slot_env(slot: int, slots: int, first: int | None = None) -> dict[str, str]:
-    """The environment that binds a role, slot ``slot`` of ``slots`` on this host (round-robin from CPU
-    ``first``), to its CPU once it runs (``bind_self``): empty where the role is not to be bound."""
-    cpus = cpus_for_slot(slot, slots, allowed_cpus(), first)
+def slot_env(slot: int, slots: int) -> dict[str, str]:
+    """The environment that binds a role, slot ``slot`` of ``slots`` on this host, to its CPU once it runs
+    (``bind_self``): empty where the role is not to be bound."""
+    cpus = cpus_for_slot(slot, slots, allowed_cpus())
     return {} if cpus is None else {CPUS_VARIABLE: cpu_list(cpus)}
 
 

@@ -562,14 +562,31 @@ class Shutdown(_message.Message):
     grace_seconds: float
     def __init__(self, grace_seconds: _Optional[float] = ...) -> None: ...
 
+class CpuSlots(_message.Message):
+    __slots__ = ("cpu_slot", "cpu_slots")
+    class CpuSlotEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    CPU_SLOT_FIELD_NUMBER: _ClassVar[int]
+    CPU_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    cpu_slot: _containers.ScalarMap[str, int]
+    cpu_slots: int
+    def __init__(self, cpu_slot: _Optional[_Mapping[str, int]] = ..., cpu_slots: _Optional[int] = ...) -> None: ...
+
 class AgentCommand(_message.Message):
-    __slots__ = ("start", "stop", "view", "shutdown")
+    __slots__ = ("start", "stop", "view", "shutdown", "cpus")
     START_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
     start: StartRole
     stop: StopRole
     view: ClusterView
     shutdown: Shutdown
-    def __init__(self, start: _Optional[_Union[StartRole, _Mapping]] = ..., stop: _Optional[_Union[StopRole, _Mapping]] = ..., view: _Optional[_Union[ClusterView, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+    cpus: CpuSlots
+    def __init__(self, start: _Optional[_Union[StartRole, _Mapping]] = ..., stop: _Optional[_Union[StopRole, _Mapping]] = ..., view: _Optional[_Union[ClusterView, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., cpus: _Optional[_Union[CpuSlots, _Mapping]] = ...) -> None: ...

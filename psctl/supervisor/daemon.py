@@ -240,6 +240,8 @@ class Supervisor:
                          for with_chief in (True, False)}
                 for host in [action.host] if action.host else list(self.places):
                     self.command(host, views[chief is not None and chief.host == host])
+            elif isinstance(action, policy.RebindCpus):
+                self.rebind_cpus(action.host)
             elif isinstance(action, policy.Finish):
                 self.finish(action)
 
@@ -326,6 +328,15 @@ class Supervisor:
             return 0, 0
         slots = host_slots([(r.role, r.index) for r in self._roles_on_host(role.host)])
         return slots.get((role.role, role.index), 0), len(slots)
+
+    def rebind_cpus(self, host: str) -> None:
+        """Tell ``host``'s agent the CPU slot of each of its roles among them now (they changed: psctl scale), so
+        that the running ones move to the CPUs their new slots name (or run unbound where no longer outnumbered)."""
+        slots = {role.name: self.cpu_slot(role) for role in self._roles_on_host(host)}
+        bound = {name: slot for name, (slot, count) in slots.items() if count}
+        if bound:
+            count = max(count for _, count in slots.values())
+            self.command(host, pb.AgentCommand(cpus=pb.CpuSlots(cpu_slot=bound, cpu_slots=count)))
 
     def _roles_on_host(self, host: str) -> list[RoleRecord]:
         """The host's roles that are part of the cluster now (a retired role's slot and share of CPUs are free)."""

@@ -162,6 +162,13 @@ class SendView:
 
 
 @dataclass(frozen=True)
+class RebindCpus:
+    """The roles of ``host`` changed (scaled): tell its agent each role's CPU slot among them now."""
+
+    host: str
+
+
+@dataclass(frozen=True)
 class WriteEvent:
     subject: str
     was: str
@@ -180,7 +187,7 @@ class Finish:
     grace: float
 
 
-Action = StartAgent | StartRole | StopRole | SendView | WriteEvent | Finish
+Action = StartAgent | StartRole | StopRole | SendView | RebindCpus | WriteEvent | Finish
 
 
 # -- the state the policy keeps --------------------------------------------------------------------------
@@ -786,6 +793,7 @@ class _Decision:
         why = f"psctl scale {role_name}={wanted}"
         self.actions.append(WriteEvent("cluster", self.record.state.value, self.record.state.value,
                                        f"{why}: {role_name} {len(now)} -> {wanted}"))
+        changed: set[str] = set()  # hosts whose roles changed
         if wanted > len(now):
             slots = {slot.index: slot for slot in request.slots}
             for index in range(len(now), wanted):
@@ -793,15 +801,18 @@ class _Decision:
                 if slot is None:
                     continue  # the shell checked the bounds: no slot means no certificate and port for it
                 self.add_role(role_name, slot, why)
+                changed.add(slot.host)
         else:
             for role in now[wanted:]:
                 role.retired = True
+                changed.add(role.host)
                 if role.role == "worker":
                     self.retire(role, why)
                 else:
                     self.transition(role, role.state, f"{why}: leaves once the chief has resharded without it")
         self.s.addresses = address_map(self.s.spec, self.record)
         self.actions.append(SendView())
+        self.actions.extend(RebindCpus(host) for host in sorted(changed))
 
     def add_role(self, role_name: str, slot: Slot, why: str) -> None:
         name = f"{role_name}-{slot.index}"
