@@ -168,10 +168,14 @@ def test_auto_steps_per_call_checkpoint_at_their_step_not_a_queue_of_calls_later
     assert result["global_step"] == steps
     assert result["steps_per_call"] > 1.5, result  # the calls did hold several steps
     taken = [step_of(p) for p in list_checkpoints(folder)]
-    # each falls due 100 steps after the last; the chief then waits only for what it had already scheduled
+    # each falls due 100 steps after the last; the chief then waits only for what it had already scheduled: a
+    # few single steps (without the shrinking calls, 80-110 steps late). A worker starved of CPU (a loaded
+    # machine) may still be running a call of the interval's start when the others reach the checkpoint's step:
+    # its steps come on top, once in a while (16 and 25 seen), hence the median and a looser bound on each.
     by_steps = [step for step in taken if 0 < step < steps]  # (not the one training's end takes)
     overshoot = [step - (last + every) for last, step in zip([0, *by_steps], by_steps, strict=False)]
-    assert len(overshoot) >= 4 and all(0 <= o <= 12 for o in overshoot), taken
+    assert len(overshoot) >= 4 and all(0 <= o <= every // 3 for o in overshoot), taken
+    assert sorted(overshoot)[len(overshoot) // 2] <= 12, taken
 
 
 @pytest.mark.timeout(120)
