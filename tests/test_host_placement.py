@@ -92,8 +92,11 @@ def test_a_worker_on_a_cut_off_host_restarts_on_the_least_loaded_host_of_its_poo
     old = c.process("worker-2")
     c.cut.add("h3")
     c.step(6)  # h3 silent past heartbeat_timeout: its agent is detached, its roles are lost
-    c.step(1.5)  # past the backoff: the worker restarts, the ps (which cannot move) waits for h3
+    actions = c.step(1.5)  # past the backoff: the worker restarts, the ps (which cannot move) waits for h3
     worker = c.role("worker-2")
+    # both hosts' roles changed: their agents are told the CPU slots of their roles now (h3's is cut off, so
+    # that command finds no agent attached there and is dropped; a benched host's agent would take it)
+    assert {a.host for a in actions if isinstance(a, policy.RebindCpus)} == {"h2", "h3"}
     # h1 holds chief-0 and worker-0, h2 only worker-1: the worker goes to h2
     assert (worker.host, worker.address, worker.state, worker.attempt) == ("h2", "10.9.0.2", RoleState.STARTING, 2)
     assert worker.hosts_by_attempt == [[1, "h3"], [2, "h2"]]  # where each attempt's log is

@@ -163,7 +163,8 @@ class SendView:
 
 @dataclass(frozen=True)
 class RebindCpus:
-    """The roles of ``host`` changed (scaled): tell its agent each role's CPU slot among them now."""
+    """The roles of ``host`` changed (scaled, or one moved there or away): tell its agent (if it has one
+    attached) each role's CPU slot among them now."""
 
     host: str
 
@@ -666,6 +667,7 @@ class _Decision:
         role.host, role.address = target, self.s.hosts[target].address
         self.s.addresses = address_map(self.s.spec, self.record)
         self.actions.append(SendView())
+        self.actions.extend(RebindCpus(host) for host in (old, target))  # both hosts' roles changed
 
     def lose(self, role: RoleRecord, reason: str, code: int | None = None) -> None:
         """The role's process is gone, or never started: on the cluster's first start that fails the
