@@ -84,24 +84,20 @@ class BoundRole:
 def bound_roles() -> list[BoundRole]:
     """Every psctl role on this host whose environment binds it (``PSCTL_CPUS``), of any cluster; processes this
     user may not read are not seen."""
+    import psutil  # (here: the roles import this module to bind themselves, and need psutil nowhere else)
+
     found = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if not entry.isdigit():
-            continue
+    for proc in psutil.process_iter(["pid"]):
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                raw = f.read()
-        except OSError:
+            env = proc.environ()
+        except psutil.Error:
             continue
-        if CPUS_VARIABLE.encode() not in raw:  # (a cheap first test: most processes are not bound roles)
-            continue
-        env = dict(item.decode(errors="replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)
         try:
             cpus = tuple(int(part) for part in env.get(CPUS_VARIABLE, "").split(",") if part.strip())
         except ValueError:
             continue
         if cpus and env.get("PSCTL_ROLE"):
-            found.append(BoundRole(int(entry), env.get("PSCTL_CLUSTER_ID", ""), env["PSCTL_ROLE"], cpus))
+            found.append(BoundRole(proc.info["pid"], env.get("PSCTL_CLUSTER_ID", ""), env["PSCTL_ROLE"], cpus))
     return found
 
 
