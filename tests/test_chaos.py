@@ -92,13 +92,28 @@ class Kill:
     global_step: int  # the chief's reported global step just before the kill
 
 
+class StepRate:
+    """Training's rate so far: global steps per second since the step was first seen above 0."""
+
+    def __init__(self) -> None:
+        self.start: tuple[float, int] | None = None  # when, and that step
+
+    def observe(self, step: int, now: float) -> float | None:
+        """The rate, given the step seen ``now``; None until two readings apart in time and steps."""
+        if step and self.start is None:
+            self.start = (now, step)
+        if self.start is None or now <= self.start[0] or step <= self.start[1]:
+            return None
+        return (step - self.start[1]) / (now - self.start[0])
+
+
 def chaos(run: Run, rng: random.Random) -> list[Kill]:
     """Kill a random worker each time the global step has advanced by KILL_EVERY since the previous kill,
     until too close to the end. The victim is drawn first (so the sequence depends only on the seed); if it is
     still coming back from an earlier kill, the wait goes on until it runs again."""
     kills: list[Kill] = []
     last = 0
-    first: list[tuple[float, int]] = []  # when the global step was first seen above 0, and that step
+    rate = StepRate()
     while True:
         victim = f"worker-{rng.randrange(WORKERS)}"
         attempt = 1 + sum(k.role == victim for k in kills)
@@ -106,15 +121,10 @@ def chaos(run: Run, rng: random.Random) -> list[Kill]:
         def ready(victim: str = victim, attempt: int = attempt, due: int = last + KILL_EVERY) -> str | None:
             if run.finished():
                 return "finished"
-            step, now = run.progress(), time.monotonic()
-            if step and not first:
-                first.append((now, step))
-            if step >= STEPS:
+            step = run.progress()
+            steps_per_second = rate.observe(step, time.monotonic())
+            if step >= STEPS or (steps_per_second and (STEPS - step) / steps_per_second < QUIET_END_SECONDS):
                 return "end"
-            if first and now > first[0][0] and step > first[0][1]:
-                steps_per_second = (step - first[0][1]) / (now - first[0][0])
-                if (STEPS - step) / steps_per_second < QUIET_END_SECONDS:
-                    return "end"
             record = run.role(victim)
             if step >= due and record["state"] == "running" and record["attempt"] == attempt:
                 return "kill"
