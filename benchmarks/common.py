@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,16 @@ from typing import Any
 import grpc
 import psutil
 
-from psctl.launch.cpus import host_slots, slot_env  # the same binding psctl's agents give roles
+from psctl.launch.cpus import (  # the same binding psctl's agents give roles
+    CPUS_VARIABLE,
+    allowed_cpus,
+    bound_roles,
+    cpu_list,
+    cpus_for_slot,
+    first_cpu,
+    host_slots,
+    other_clusters_load,
+)
 from psctl.launch.env import tuning_env  # the same environment the supervisor gives roles
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
@@ -193,7 +203,7 @@ class BenchCluster:
         num_workers: int,
         with_chief: bool = True,
         threads: int = 1,
-        cluster_id: str = "bench",
+        cluster_id: str = "",
         cpu_binding: bool = True,
     ) -> None:
         """``cpu_binding``: each role binds itself to a CPU when they outnumber this machine's, as under psctl's
@@ -203,7 +213,8 @@ class BenchCluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.training = dict(training)
         self.threads = threads
-        self.cluster_id = cluster_id
+        self.cluster_id = cluster_id or f"bench-{uuid.uuid4().hex[:8]}"  # two benchmarks at once are two clusters
+        self._first_cpu: int | None = None
         self._reservations: dict[str, socket.socket] = {}
         self.jobs: dict[str, list[str]] = {}
         if with_chief:
@@ -232,10 +243,22 @@ class BenchCluster:
         env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "PSCTL_CLUSTER")}
         env.update(
             PSCTL_CLUSTER=json.dumps(config),
+            PSCTL_CLUSTER_ID=self.cluster_id,  # (with PSCTL_ROLE: how other clusters' agents see its bound roles)
+            PSCTL_ROLE=f"{task_type}-{index}",
             PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
             **thread_env(self.threads),
         )
         return env
+
+    def _cpu_env(self, task_type: str, index: int) -> dict[str, str]:
+        """The role's CPU, as a host's agent names it: its slot among the cluster's roles, round-robin from the
+        CPU other clusters' bound roles load least (chosen once per cluster); empty where it is not bound."""
+        allowed = allowed_cpus()
+        if self._first_cpu is None:
+            self._first_cpu = first_cpu(other_clusters_load(bound_roles(), self.cluster_id), allowed)
+        slots = host_slots((t, i) for t, addresses in self.jobs.items() for i in range(len(addresses)))
+        cpus = cpus_for_slot(slots[(task_type, index)], len(slots), allowed, self._first_cpu)
+        return {} if cpus is None else {CPUS_VARIABLE: cpu_list(cpus)}
 
     def command(self, task_type: str, index: int) -> list[str]:
         """What a role runs (its configuration comes in :meth:`env`)."""
@@ -249,8 +272,7 @@ class BenchCluster:
         started_at = time.time()
         env = self.env(task_type, index)
         if self.cpu_binding:  # the role binds itself to this CPU, as under psctl's agents
-            slots = host_slots((t, i) for t, addresses in self.jobs.items() for i in range(len(addresses)))
-            env.update(slot_env(slots[(task_type, index)], len(slots)))
+            env.update(self._cpu_env(task_type, index))
         with log_path.open("wb") as out:
             popen = subprocess.Popen(
                 self.command(task_type, index),

@@ -22,7 +22,6 @@ from psctl.launch.cpus import (
     first_cpu,
     host_slots,
     other_clusters_load,
-    slot_env,
 )
 
 
@@ -128,12 +127,6 @@ def test_a_role_without_a_usable_cpu_list_runs_unbound(children: list[subprocess
     children.append(child)
     assert child.stdout is not None and child.stdout.readline() == "None\n"
     assert all(a == allowed_cpus() for a in thread_affinities(child.pid))
-
-
-def test_slot_env_names_a_cpu_only_where_the_roles_outnumber_the_cpus() -> None:
-    allowed = allowed_cpus()
-    assert slot_env(0, len(allowed)) == {}
-    assert slot_env(1, len(allowed) + 1) == {CPUS_VARIABLE: str(allowed[1 % len(allowed)])}
 
 
 def test_binding_a_process_that_is_gone_says_so() -> None:

@@ -58,13 +58,6 @@ def cpus_for_slot(slot: int, slots: int, allowed: Sequence[int], first: int | No
     return [ordered[(start + slot) % len(ordered)]]
 
 
-def slot_env(slot: int, slots: int) -> dict[str, str]:
-    """The environment that binds a role, slot ``slot`` of ``slots`` on this host, to its CPU once it runs
-    (``bind_self``): empty where the role is not to be bound."""
-    cpus = cpus_for_slot(slot, slots, allowed_cpus())
-    return {} if cpus is None else {CPUS_VARIABLE: cpu_list(cpus)}
-
-
 def first_cpu(loads: Mapping[int, float], allowed: Sequence[int]) -> int | None:
     """Where a cluster's round-robin starts: the allowed CPU that ``loads`` (other clusters' bound roles) load
     least, the lowest of equals (so a host's only cluster starts at its first CPU); None if none is allowed."""
