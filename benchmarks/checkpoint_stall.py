@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         client = PsClient(cluster.jobs["ps"], timeout=300)
         try:
             client.wait_ready(60.0)
-            client.init(model.shard_specs(0), config.optimizer_proto(), "bench")
+            client.init(model.shard_specs(0), config.optimizer_proto(), cluster.cluster_id)
             target = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="psctl-ckpt-"))
             stalls, writes = [], []
             nbytes = 0
