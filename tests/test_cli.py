@@ -296,3 +296,11 @@ def test_the_commands_and_the_supervisor_import_no_ssh_library_for_a_cluster_on_
               "print(sorted(m for m in sys.modules if m.split('.')[0] == 'paramiko'))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr)
+
+
+def test_a_host_s_agent_starts_without_numpy() -> None:
+    """An agent only starts, watches and reports processes: numpy (~45 ms of its start, on every host of an
+    ``up``) is for the roles."""
+    script = "import sys, psctl.agent.__main__; print('numpy' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "False", (done.stdout, done.stderr)

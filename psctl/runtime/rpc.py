@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 
 from psctl.runtime.cluster import TlsFiles
-from psctl.runtime.wire import grpc_options
+from psctl.runtime.limits import grpc_options
 
 #: Every role certificate carries this DNS name, so a role can verify a peer known only by IP:port.
 TLS_SERVER_NAME = "psctl-role"

@@ -22,6 +22,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from psctl.proto import psctl_pb2 as pb
+from psctl.runtime.limits import MAX_MESSAGE_BYTES, UNARY_MAX_BYTES, grpc_options  # noqa: F401 (wire's limits too)
 
 #: dtypes accepted on the wire. Strings and objects never travel (no pickle).
 DTYPES = frozenset(
@@ -34,13 +35,6 @@ MAX_RANK = 8
 #: Payload of each frame of a stream. Measured (64 MiB push+pull, 1 / 2 / 4 MiB): 2 MiB moves the most bytes per
 #: second; larger messages cost gRPC Python more per byte (it gathers each one into a growing bytearray).
 CHUNK_BYTES = 2 << 20
-#: Requests and responses up to this size go in one unary message; larger ones are streamed. Measured with the
-#: roles' malloc settings (grpcio 1.85, 2 cores): up to 8-16 MiB one message costs less CPU than 2 MiB frames
-#: (no frames to join, no request-iterator thread) and a push can bring the variables back in its answer; at
-#: 32-64 MiB gRPC Python's unary path costs 2-4x the stream's.
-UNARY_MAX_BYTES = 8 << 20
-#: gRPC's message size limit, raised deliberately to fit a unary message plus its framing.
-MAX_MESSAGE_BYTES = UNARY_MAX_BYTES + (1 << 20)
 #: Every array in a frame starts at a multiple of this many bytes, so that it decodes aligned, in place.
 FRAME_ALIGN = 8
 #: The PS's gRPC service (rpc paths are /psctl.ParameterServer/<method>).
@@ -517,11 +511,3 @@ def decode_entries(items: Iterable[pb.NamedTensor]) -> list[Entry]:
     assembler = Assembler()
     assembler.add(items)
     return assembler.entries()
-
-
-def grpc_options() -> list[tuple[str, int]]:
-    """Channel and server options shared by every role: message limits raised on purpose."""
-    return [
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ]

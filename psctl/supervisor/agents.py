@@ -22,8 +22,8 @@ import grpc
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.cluster import TlsFiles
+from psctl.runtime.limits import grpc_options
 from psctl.runtime.rpc import SERVER_OPTIONS
-from psctl.runtime.wire import grpc_options
 from psctl.supervisor.policy import Detached, Observation, Report
 
 log = logging.getLogger("psctl.supervisor")
