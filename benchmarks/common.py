@@ -30,16 +30,7 @@ from typing import Any
 import grpc
 import psutil
 
-from psctl.launch.cpus import (  # the same binding psctl's agents give roles
-    CPUS_VARIABLE,
-    allowed_cpus,
-    bound_roles,
-    cpu_list,
-    cpus_for_slot,
-    first_cpu,
-    host_slots,
-    other_clusters_load,
-)
+from psctl.launch.cpus import CPUS_VARIABLE, ClusterCpus, cpu_list, host_slots  # as agents bind roles
 from psctl.launch.env import tuning_env  # the same environment the supervisor gives roles
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
@@ -214,7 +205,7 @@ class BenchCluster:
         self.training = dict(training)
         self.threads = threads
         self.cluster_id = cluster_id or f"bench-{uuid.uuid4().hex[:8]}"  # two benchmarks at once are two clusters
-        self._first_cpu: int | None = None
+        self._cpus = ClusterCpus(self.cluster_id)
         self._reservations: dict[str, socket.socket] = {}
         self.jobs: dict[str, list[str]] = {}
         if with_chief:
@@ -251,13 +242,10 @@ class BenchCluster:
         return env
 
     def _cpu_env(self, task_type: str, index: int) -> dict[str, str]:
-        """The role's CPU, as a host's agent names it: its slot among the cluster's roles, round-robin from the
-        CPU other clusters' bound roles load least (chosen once per cluster); empty where it is not bound."""
-        allowed = allowed_cpus()
-        if self._first_cpu is None:
-            self._first_cpu = first_cpu(other_clusters_load(bound_roles(), self.cluster_id), allowed)
+        """The role's CPU, as a host's agent names it (its slot among the cluster's roles); empty where it is
+        not bound."""
         slots = host_slots((t, i) for t, addresses in self.jobs.items() for i in range(len(addresses)))
-        cpus = cpus_for_slot(slots[(task_type, index)], len(slots), allowed, self._first_cpu)
+        cpus = self._cpus.for_slot(slots[(task_type, index)], len(slots))
         return {} if cpus is None else {CPUS_VARIABLE: cpu_list(cpus)}
 
     def command(self, task_type: str, index: int) -> list[str]:

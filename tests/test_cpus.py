@@ -15,6 +15,7 @@ from cluster_helpers import wait_until
 from psctl.launch.cpus import (
     CPUS_VARIABLE,
     BoundRole,
+    ClusterCpus,
     allowed_cpus,
     bind,
     bound_roles,
@@ -46,6 +47,16 @@ def test_the_round_robin_starts_where_other_clusters_load_the_host_least() -> No
     assert first_cpu({}, [3, 1, 2]) == 1  # a host's only cluster: from its first CPU, as before
     assert first_cpu({1: 2.0, 2: 1.1, 3: 1.1}, [3, 1, 2]) == 2  # least loaded, the lowest of equals
     assert first_cpu({0: 5.0}, []) is None
+
+
+def test_a_cluster_looks_at_other_clusters_only_once_and_only_where_its_roles_are_bound() -> None:
+    allowed = allowed_cpus()
+    cpus = ClusterCpus("mine")
+    assert cpus.for_slot(0, len(allowed)) is None and cpus.first is None  # a CPU each: nothing to look at
+    assert cpus.for_slot(1, len(allowed) + 1) == [sorted(allowed)[(sorted(allowed).index(cpus.first) + 1)
+                                                               % len(allowed)]]  # fmt: skip
+    chosen = cpus.first
+    assert chosen in allowed and cpus.for_slot(0, len(allowed) + 1) == [chosen]  # kept
 
 
 def test_other_clusters_load_weighs_roles_by_kind_and_leaves_this_cluster_out() -> None:

@@ -29,16 +29,7 @@ from typing import Protocol
 
 import grpc
 
-from psctl.launch.cpus import (
-    CPUS_VARIABLE,
-    allowed_cpus,
-    bind,
-    bound_roles,
-    cpu_list,
-    cpus_for_slot,
-    first_cpu,
-    other_clusters_load,
-)
+from psctl.launch.cpus import CPUS_VARIABLE, ClusterCpus, allowed_cpus, bind, cpu_list
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.cluster import TlsFiles
@@ -247,8 +238,8 @@ class Agent:
         self._threads: list[threading.Thread] = []
         self.pid = os.getpid()
         self.pid_create_time = create_time(self.pid)
-        #: Where this cluster's CPU round-robin starts on this host (chosen at the first bound role).
-        self._first_cpu: int | None = None
+        #: This cluster's CPUs on this host (where its roles outnumber them).
+        self._cpus = ClusterCpus(cluster_id)
 
     # -- life -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -375,23 +366,12 @@ class Agent:
         if not command.cpu_slots:
             return
         role.cpu_managed = True
-        cpus = cpus_for_slot(command.cpu_slot, command.cpu_slots, allowed_cpus(), self._cluster_first_cpu())
+        cpus = self._cpus.for_slot(command.cpu_slot, command.cpu_slots)
         if cpus is not None:
             command.env[CPUS_VARIABLE] = cpu_list(cpus)
             role.cpus = cpus
             log.info("%s: CPU %s (slot %d of %d roles here)", command.name, cpu_list(cpus), command.cpu_slot,
                      command.cpu_slots)  # fmt: skip
-
-    def _cluster_first_cpu(self) -> int | None:
-        """Where this cluster's round-robin of CPUs starts on this host: chosen once, at the first bound role, so
-        that a role keeps its CPU across restarts (psctl.launch.cpus.first_cpu)."""
-        if self._first_cpu is None:
-            loads = other_clusters_load(bound_roles(), self.cluster_id)
-            self._first_cpu = first_cpu(loads, allowed_cpus())
-            if loads:
-                log.info("other clusters' roles bound here (CPU: load): %s; this cluster's start at CPU %s",
-                         ", ".join(f"{cpu}: {load:g}" for cpu, load in sorted(loads.items())), self._first_cpu)
-        return self._first_cpu
 
     def _rebind(self, slots: pb.CpuSlots) -> None:
         """The host's roles changed (psctl scale): move each running role this agent gave a slot to onto the
@@ -402,7 +382,7 @@ class Agent:
             role = self.roles.get(name)
             if role is None or not role.running or not role.cpu_managed:
                 continue
-            cpus = cpus_for_slot(slot, slots.cpu_slots, allowed, self._cluster_first_cpu())
+            cpus = self._cpus.for_slot(slot, slots.cpu_slots)
             if cpus == role.cpus:
                 continue
             assert role.process is not None

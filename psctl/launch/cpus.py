@@ -107,6 +107,29 @@ def other_clusters_load(roles: Iterable[BoundRole], cluster_id: str) -> dict[int
     return loads
 
 
+class ClusterCpus:
+    """One cluster's CPUs on this host (its agent's, or a benchmark harness's): slot -> CPU, round-robin from the
+    CPU that other clusters' bound roles load least, chosen at the first role that is bound and then kept, so
+    that a role keeps its CPU across restarts. Other clusters are looked at only where roles are bound."""
+
+    def __init__(self, cluster_id: str) -> None:
+        self.cluster_id = cluster_id
+        self.first: int | None = None
+
+    def for_slot(self, slot: int, slots: int) -> list[int] | None:
+        """The CPUs of slot ``slot`` of ``slots`` roles here; None where they do not outnumber the CPUs."""
+        allowed = allowed_cpus()
+        if cpus_for_slot(slot, slots, allowed) is None:
+            return None
+        if self.first is None:
+            loads = other_clusters_load(bound_roles(), self.cluster_id)
+            self.first = first_cpu(loads, allowed)
+            if loads:
+                log.info("other clusters' roles bound here (CPU: load): %s; this cluster's start at CPU %s",
+                         ", ".join(f"{cpu}: {load:g}" for cpu, load in sorted(loads.items())), self.first)
+        return cpus_for_slot(slot, slots, allowed, self.first)
+
+
 def bind_self() -> list[int] | None:
     """Bind this process (every thread) to the CPUs ``PSCTL_CPUS`` names; the CPUs, or None if it names none or
     they cannot be used (said in a warning: the role runs unbound, which is only slower)."""
