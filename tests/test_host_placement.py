@@ -94,8 +94,8 @@ def test_a_worker_on_a_cut_off_host_restarts_on_the_least_loaded_host_of_its_poo
     c.step(6)  # h3 silent past heartbeat_timeout: its agent is detached, its roles are lost
     actions = c.step(1.5)  # past the backoff: the worker restarts, the ps (which cannot move) waits for h3
     worker = c.role("worker-2")
-    # both hosts' roles changed: their agents are told the CPU slots of their roles now (h3's is cut off, so
-    # that command finds no agent attached there and is dropped; a benched host's agent would take it)
+    # both hosts' roles changed: their agents are told the CPU slots of their roles now (h3's is cut off: that
+    # command finds no agent attached and is dropped, so h3's agent is told again once it answers; below)
     assert {a.host for a in actions if isinstance(a, policy.RebindCpus)} == {"h2", "h3"}
     # h1 holds chief-0 and worker-0, h2 only worker-1: the worker goes to h2
     assert (worker.host, worker.address, worker.state, worker.attempt) == ("h2", "10.9.0.2", RoleState.STARTING, 2)
@@ -116,8 +116,9 @@ def test_a_worker_on_a_cut_off_host_restarts_on_the_least_loaded_host_of_its_poo
     # The old worker could not be stopped on the cut-off host; once h3's agent reports it again, it is.
     assert old.exit_code is None
     c.cut.clear()
-    c.step(0.5)
+    actions = c.step(0.5)
     assert old.exit_code == -9
+    assert policy.RebindCpus("h3") in actions  # the CPU slots of the roles h3 has now
     assert c.record.host_problems == {} and "host h3" not in shown(c, tmp_path)
     c.step(1.5)  # and the ps starts there again
     assert (c.role("ps-0").state, c.role("ps-0").attempt) == (RoleState.STARTING, 2)

@@ -471,6 +471,8 @@ class _Decision:
         if h.shown != "reachable":
             self.host_event(obs.host, h.shown, "reachable", "agent attached" if h.shown == "starting"
                             else "answers again")
+            if h.shown != "starting":  # its roles may have changed while it was cut off (one moved away)
+                self.actions.append(RebindCpus(obs.host))
             h.shown = "reachable"
         reported = set()
         for rr in report.roles:
