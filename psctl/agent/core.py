@@ -374,9 +374,9 @@ class Agent:
                      command.cpu_slots)  # fmt: skip
 
     def _rebind(self, slots: pb.CpuSlots) -> None:
-        """The host's roles changed (psctl scale): move each running role this agent gave a slot to onto the
-        CPU its slot now names, or onto every CPU where the roles no longer outnumber them (caller holds the
-        lock). A role restarted later gets its new slot in its start command."""
+        """The host's roles changed (psctl scale, a role moved, the host answered again after a cut): move each
+        running role this agent gave a slot to onto the CPU its slot now names, or onto every CPU where the roles
+        no longer outnumber them (caller holds the lock). A role restarted later gets its slot in its start."""
         allowed = allowed_cpus()
         for name, slot in slots.cpu_slot.items():
             role = self.roles.get(name)

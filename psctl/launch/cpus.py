@@ -10,8 +10,9 @@ The supervisor gives each role its slot among the host's roles (ps first, then w
 evaluator); the host's agent maps slots to the CPUs it may use itself (``sched_getaffinity``, so a cpuset or a
 Slurm allocation is respected) and names the role's CPU in its environment (``PSCTL_CPUS``); the role binds
 itself once its heartbeats run (``bind_self``), so that a role restarting onto a busy CPU still imports and
-starts on whichever CPU is free, and comes back as fast as it would unbound. When ``psctl scale`` changes a
-host's roles, the supervisor sends their new slots and the agent moves the running roles (``bind``).
+starts on whichever CPU is free, and comes back as fast as it would unbound. When a host's roles change
+(``psctl scale``, a role moved to or from it), the supervisor sends their new slots and the agent moves the
+running roles (``bind``).
 
 Other psctl clusters on the same host are taken into account: an agent's round-robin starts at the CPU that
 the roles other clusters have bound there load least (``first_cpu``), so that a second cluster's ps does not
