@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import psutil
 
@@ -440,9 +440,8 @@ def _tear_down(
         pids = ", ".join(f"{h.host}:{h.pid}" for h in survivors)
         raise LaunchError(f"processes of cluster {cdir.name!r} survived SIGKILL: {pids}")
     if purge:  # logs, state and keys go, on every host; checkpoints are training results and stay
-        from psctl.launch.ssh import SSHRunner
-
-        remote = [r for r in runners.values() if isinstance(r, SSHRunner)]
+        # every host but this machine has an SSH runner (host_runners), checked without importing paramiko
+        remote = [cast("SSHRunner", r) for name, r in runners.items() if name != LOCAL_HOST]
         roots = {name: HostDir(PurePosixPath(raw["root"])) for name, raw in record.hosts.items()}
         check_results(run_on_all(remote, lambda r: remove_files(r, roots[r.host])))
         for path in cdir.root.iterdir():
