@@ -323,20 +323,24 @@ class Supervisor:
         outnumber the host's CPUs; (0, 0): not bound: cpu_binding: none; Slurm, where a role is a job step, bound
         or not by Slurm's own task plugin; a framework's program, which sizes its own thread pools by the CPUs it
         may use (TensorFlow's parameter-server training bound to one CPU hangs: one inter-op thread)."""
-        if (self.spec.roles[role.role].cpu_binding == "none" or self.record.backend == "slurm"
-                or self.spec.training.get("framework") == "tensorflow"):
+        if not self._cpu_bound(role):
             return 0, 0
         slots = host_slots([(r.role, r.index) for r in self._roles_on_host(role.host)])
         return slots.get((role.role, role.index), 0), len(slots)
 
+    def _cpu_bound(self, role: RoleRecord) -> bool:
+        return not (self.spec.roles[role.role].cpu_binding == "none" or self.record.backend == "slurm"
+                    or self.spec.training.get("framework") == "tensorflow")
+
     def rebind_cpus(self, host: str) -> None:
-        """Tell ``host``'s agent the CPU slot of each of its roles among them now (they changed: psctl scale), so
-        that the running ones move to the CPUs their new slots name (or run unbound where no longer outnumbered)."""
-        slots = {role.name: self.cpu_slot(role) for role in self._roles_on_host(host)}
-        bound = {name: slot for name, (slot, count) in slots.items() if count}
+        """Tell ``host``'s agent the CPU slot of each of its roles among them now (they changed: psctl scale, a
+        role moved, the host answered again), so that the running ones move to the CPUs their new slots name (or
+        run unbound where no longer outnumbered)."""
+        roles = self._roles_on_host(host)
+        slots = host_slots([(r.role, r.index) for r in roles])
+        bound = {r.name: slots[(r.role, r.index)] for r in roles if self._cpu_bound(r)}
         if bound:
-            count = max(count for _, count in slots.values())
-            self.command(host, pb.AgentCommand(cpus=pb.CpuSlots(cpu_slot=bound, cpu_slots=count)))
+            self.command(host, pb.AgentCommand(cpus=pb.CpuSlots(cpu_slot=bound, cpu_slots=len(slots))))
 
     def _roles_on_host(self, host: str) -> list[RoleRecord]:
         """The host's roles that are part of the cluster now (a retired role's slot and share of CPUs are free)."""
