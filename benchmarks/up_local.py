@@ -15,7 +15,10 @@ clock around the command:
 | `to_command_end_s` | the cluster has succeeded | the command has returned |
 | `total_s` | the command starts | the command has returned |
 
-Beside them, `command_start_s`: ``psctl --help`` from start to exit (what every command pays before its work).
+Beside them, how long a command takes that only reads (medians of 10): `command_start_s`, ``psctl --help``
+from start to exit (what every command pays before its work); `status_s` and `logs_s`, ``psctl status`` and
+``psctl logs chief-0`` of the cluster just finished; and their ceiling, `python_start_s`, ``python -c pass``
+with the same interpreter.
 Figures are medians over ``--runs``; `runs` lists each run's. ``--psctl-root DIR`` runs another psctl tree (a
 ``git worktree`` of an older commit) with this Python, to compare two trees on the same machine in turn; the
 tree is byte-compiled first (``compile_tree``), as the one in use already is.
@@ -55,7 +58,7 @@ def _first(events: list[dict[str, Any]], role: str, to: str) -> float:
     return float(found)
 
 
-def one_run(root: Path, spec: Path, timeout: float) -> dict[str, float]:
+def one_run(root: Path, spec: Path, timeout: float, *, measure_reads: bool = False) -> dict[str, float]:
     home = Path(tempfile.mkdtemp(prefix="psctl-up-bench-"))
     env = _env(root, home)
     try:
@@ -73,20 +76,31 @@ def one_run(root: Path, spec: Path, timeout: float) -> dict[str, float]:
         cluster_done = _first(events, "cluster", "succeeded")
         return {"to_agent_s": agent - started, "to_roles_up_s": roles_up - agent, "training_s": chief_done - roles_up,
                 "to_cluster_end_s": cluster_done - chief_done, "to_command_end_s": ended - cluster_done,
-                "total_s": ended - started}
+                "total_s": ended - started, **(read_commands(root, home) if measure_reads else {})}
     finally:
         subprocess.run(_psctl("down"), env=env, cwd=root, capture_output=True, timeout=120)
         shutil.rmtree(home, ignore_errors=True)
 
 
-def command_start(root: Path, repeats: int = 10) -> float:
+def command_time(command: list[str], env: dict[str, str], cwd: Path, repeats: int = 10) -> float:
+    """Median seconds of ``command`` from start to exit (it must succeed)."""
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
-        subprocess.run(_psctl("--help"), env=_env(root, Path(tempfile.gettempdir())), cwd=root,
-                       capture_output=True, check=True, timeout=60)
+        subprocess.run(command, env=env, cwd=cwd, capture_output=True, check=True, timeout=60)
         times.append(time.perf_counter() - started)
     return median(times)
+
+
+def read_commands(root: Path, home: Path) -> dict[str, float]:
+    """The commands that only read, against the cluster under ``home``, and the interpreter's own start."""
+    env = _env(root, home)
+    return {
+        "command_start_s": command_time(_psctl("--help"), env, root),
+        "status_s": command_time(_psctl("status"), env, root),
+        "logs_s": command_time(_psctl("logs", "chief-0"), env, root),
+        "python_start_s": command_time([sys.executable, "-c", "pass"], env, root),
+    }
 
 
 def compile_tree(root: Path) -> None:
@@ -113,11 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         for i in range(args.runs):
             log(f"run {i + 1}/{args.runs}: psctl up {spec} (psctl from {root})")
-            runs.append(one_run(root, spec, args.timeout))
+            runs.append(one_run(root, spec, args.timeout, measure_reads=i == 0))
         record: dict[str, Any] = {"benchmark": "up_local", "spec": str(args.spec), "psctl_root": str(root),
                                   "ok": True}
         record.update({phase: rounded(median([r[phase] for r in runs])) for phase in PHASES})
-        record["command_start_s"] = rounded(command_start(root))
+        record.update({k: rounded(v, 3) for k, v in runs[0].items() if k not in PHASES})
         record["runs"] = [{k: rounded(v) for k, v in r.items()} for r in runs]
         record["machine"] = machine()
         return [record]

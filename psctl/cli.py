@@ -16,12 +16,10 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from psctl import __version__, operations
-from psctl.checkpoints import find_snapshot
+from psctl import __version__, observe
 from psctl.errors import PsctlError, TrainingFailed, UsageError
 from psctl.home import ClusterDir, list_clusters
 from psctl.render import host_table, plan_table, progress_line, status_dict, status_view
-from psctl.runtime.checkpoint import export_arrays
 from psctl.supervisor.state import ClusterState, load_state
 from psctl.top import snapshot, top_view
 
@@ -57,6 +55,8 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.argument("spec", type=click.Path(dir_okay=False))
 def validate(spec: str) -> None:
     """Check a cluster spec and print the plan (which role runs where)."""
+    from psctl import operations
+
     _spec, plan = operations.plan_spec(spec)
     console.print(plan_table(plan))
     console.print(f"[green]{escape(spec)}: valid[/green] ({len(plan.instances)} roles)")
@@ -66,6 +66,8 @@ def validate(spec: str) -> None:
 @click.argument("spec", type=click.Path(dir_okay=False))
 def check(spec: str) -> None:
     """Check that the spec's hosts are ready: SSH, python and modules, psctl, ports, disk, clocks."""
+    from psctl import operations
+
     cluster_spec, plan = operations.plan_spec(spec)
     runners = operations.ssh_runners(cluster_spec, plan)
     if not runners:
@@ -89,6 +91,8 @@ def check(spec: str) -> None:
 @click.option("--dry-run", is_flag=True, help="Validate and print the plan; start nothing.")
 def up(spec: str, detach: bool, dry_run: bool) -> None:
     """Start the cluster SPEC describes and watch it until training finishes (Ctrl-C detaches)."""
+    from psctl import operations
+
     cluster_spec, plan = operations.plan_spec(spec)
     if dry_run:
         console.print(plan_table(plan))
@@ -122,7 +126,7 @@ def _watch(cdir: ClusterDir, *, plain_every: float = 5.0) -> Any:
     try:
         while True:
             record = load_state(cdir.state_file)
-            stale = operations.is_stale(record)
+            stale = observe.is_stale(record)
             if live is not None:
                 live.update(status_view(cdir, record, stale=stale))
             elif time.monotonic() - last_line >= plain_every or record.state.terminal:
@@ -173,9 +177,9 @@ def _finish_line(cdir: ClusterDir, record: Any) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the state as JSON, for scripts.")
 def status(name: str | None, as_json: bool) -> None:
     """Show a cluster's roles, their state and training progress."""
-    cdir = operations.resolve_cluster(name)
+    cdir = observe.resolve_cluster(name)
     record = load_state(cdir.state_file)
-    stale = operations.is_stale(record)
+    stale = observe.is_stale(record)
     if as_json:
         click.echo(json.dumps(status_dict(cdir, record, stale=stale), indent=2, default=str))
         return
@@ -194,7 +198,7 @@ def status(name: str | None, as_json: bool) -> None:
 def top(name: str | None, as_json: bool, interval: float) -> None:
     """A live view of where each role's time goes: steps/s, step time, pull/compute/push/wait, requests/s,
     CPU and memory; stragglers and hot parameter servers flagged. Ctrl-C leaves it."""
-    cdir = operations.resolve_cluster(name)
+    cdir = observe.resolve_cluster(name)
     record = load_state(cdir.state_file)
     if as_json:
         click.echo(json.dumps(snapshot(record), indent=2, default=str))
@@ -223,7 +227,7 @@ def plot(name: str | None, out: str) -> None:
     from psctl.plot import curves
     from psctl.plot import plot as draw
 
-    cdir = operations.resolve_cluster(name)
+    cdir = observe.resolve_cluster(name)
     data = curves(cdir.run_dir)
     draw(data, Path(out), title=f"cluster {cdir.name}")
     shown = ", ".join(f"{k.replace('_', ' ')} ({len(v[0])} points)" for k, v in data.items())
@@ -238,7 +242,7 @@ def list_command() -> None:
         table.add_column(col)
     for cdir in list_clusters():
         record = load_state(cdir.state_file)
-        state = record.state.value + (" (stale)" if operations.is_stale(record) else "")
+        state = record.state.value + (" (stale)" if observe.is_stale(record) else "")
         table.add_row(record.name, state, str(len(record.roles)), str(record.steps),
                       time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.updated_at)))
     console.print(table)
@@ -262,16 +266,16 @@ def logs(role: str | None, name: str | None, tail: int, follow: bool, attempt: i
         return
     if role is None:
         raise UsageError("name the role whose log to print (e.g. worker-1), or use --all for every role")
-    cdir = operations.resolve_cluster(name)
+    cdir = observe.resolve_cluster(name)
     record = load_state(cdir.state_file)
-    attempt = operations.check_attempt(record, role, attempt)
-    log = operations.role_log(cdir, record, role)
+    attempt = observe.check_attempt(record, role, attempt)
+    log = observe.role_log(cdir, record, role)
     try:
-        lines, offset = operations.tail_log(log, attempt, tail)
+        lines, offset = observe.tail_log(log, attempt, tail)
         for line in lines:
             click.echo(line)
         if follow:
-            for line in operations.follow(cdir, log, start_attempt=attempt, offset=offset):
+            for line in observe.follow(cdir, log, start_attempt=attempt, offset=offset):
                 click.echo(line)
     except KeyboardInterrupt:
         pass
@@ -280,14 +284,14 @@ def logs(role: str | None, name: str | None, tail: int, follow: bool, attempt: i
 
 
 def _all_logs(name: str | None, tail: int, follow: bool) -> None:
-    cdir = operations.resolve_cluster(name)
-    logs = operations.cluster_logs(cdir, load_state(cdir.state_file))
+    cdir = observe.resolve_cluster(name)
+    logs = observe.cluster_logs(cdir, load_state(cdir.state_file))
     try:
-        lines, offsets = operations.merged_tail(logs, tail)
+        lines, offsets = observe.merged_tail(logs, tail)
         for line in lines:
             click.echo(line)
         if follow:
-            for line in operations.follow_all(cdir, logs, offsets):
+            for line in observe.follow_all(cdir, logs, offsets):
                 click.echo(line)
     except KeyboardInterrupt:
         pass
@@ -301,7 +305,9 @@ def _all_logs(name: str | None, tail: int, follow: bool) -> None:
 @click.option("--detach", "-d", is_flag=True, help="Return once the supervisor runs; do not watch the cluster.")
 def supervise(name: str | None, detach: bool) -> None:
     """Start a new supervisor for a cluster whose supervisor died; its running roles are adopted, not restarted."""
-    cdir = operations.resolve_cluster(name)
+    from psctl import operations
+
+    cdir = observe.resolve_cluster(name)
     record = operations.resupervise(cdir)
     console.print(f"cluster {cdir.name!r}: supervised again (pid {record.supervisor_pid}); its running roles "
                   "are adopted as they are", markup=False)
@@ -331,7 +337,7 @@ def scale(name: str, targets: tuple[str, ...]) -> None:
         raise UsageError(f"{name!r} is a change, not a cluster: give the cluster's name first",
                          hint=f"psctl scale NAME {' '.join((name, *targets))}")
     wanted = scaling.parse_targets(targets)
-    cdir = operations.resolve_cluster(name)
+    cdir = observe.resolve_cluster(name)
     for change in scaling.scale(cdir, wanted):
         verb = "unchanged" if change.was == change.now else f"{change.was} -> {change.now}"
         console.print(f"cluster {cdir.name!r}: {change.role} {verb}", markup=False)
@@ -344,7 +350,9 @@ def scale(name: str, targets: tuple[str, ...]) -> None:
 @click.option("--purge", is_flag=True, help="Also delete the cluster's logs and state.")
 def down(name: str | None, grace: float, purge: bool) -> None:
     """Stop every process of a cluster and verify that none is left."""
-    cdir = operations.resolve_cluster(name)
+    from psctl import operations
+
+    cdir = observe.resolve_cluster(name)
     report = operations.tear_down(cdir, grace=grace, purge=purge)
     what = f"stopped {report.stopped} process(es)" if report.stopped else "nothing was running"
     kept = "logs and state deleted" if purge else f"logs kept in {cdir.logs}"
@@ -358,8 +366,8 @@ def down(name: str | None, grace: float, purge: bool) -> None:
 @click.option("--tail", "-n", "tail", type=int, default=20, show_default=True)
 def events(name: str | None, tail: int) -> None:
     """Show the cluster's recent role state changes, with their reasons."""
-    cdir = operations.resolve_cluster(name)
-    for line in operations.tail_lines(cdir.events_file, tail):
+    cdir = observe.resolve_cluster(name)
+    for line in observe.tail_lines(cdir.events_file, tail):
         try:
             ev = json.loads(line)
         except ValueError:
@@ -377,9 +385,12 @@ def events(name: str | None, tail: int) -> None:
 @click.option("--out", "-o", type=click.Path(dir_okay=False), required=True, help="The .npz file to write.")
 def export(name: str | None, checkpoint: str | None, out: str) -> None:
     """Write the trained variables of the latest valid checkpoint as plain arrays (.npz), for serving."""
+    from psctl.checkpoints import find_snapshot  # (numpy, and SSH for a checkpoint on another host)
+    from psctl.runtime.checkpoint import export_arrays
+
     cdir = record = None
     if checkpoint is None or (":" in checkpoint and not Path(checkpoint).exists()):
-        cdir = operations.resolve_cluster(name)
+        cdir = observe.resolve_cluster(name)
         record = load_state(cdir.state_file)
     where, snapshot = find_snapshot(cdir, record, checkpoint)
     written = export_arrays(snapshot, out)

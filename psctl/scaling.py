@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from psctl.errors import PsctlError, UsageError
 from psctl.home import ClusterDir
-from psctl.operations import supervisor_alive
+from psctl.observe import supervisor_alive
 from psctl.runtime.atomic import write_json_atomic
 from psctl.spec import ClusterSpec, load_spec
 from psctl.supervisor.policy import members

@@ -304,3 +304,21 @@ def test_a_host_s_agent_starts_without_numpy() -> None:
     script = "import sys, psctl.agent.__main__; print('numpy' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "False", (done.stdout, done.stderr)
+
+
+def test_the_commands_that_read_a_cluster_import_none_of_the_launch_machinery() -> None:
+    """`psctl status`, `logs`, `top`, `events`, `ls` and `--help` read state files and logs: numpy (spec
+    validation, checkpoints), cryptography (certificates) and gRPC (the agents' endpoint) are for the commands
+    that start or stop something, which import them when they run (`psctl status` 0.31 -> 0.14 s)."""
+    heavy = ("numpy", "cryptography", "grpc", "paramiko", "psctl.operations", "psctl.spec.schema")
+    script = f"import sys, psctl.cli; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr)
+
+
+def test_a_spec_read_back_from_a_cluster_s_state_needs_no_validation_imports() -> None:
+    """The supervisor's state holds the spec and plan already validated: reading them back (psctl.supervisor.state)
+    must not load the validation's optimizers and partitioners."""
+    script = "import sys, psctl.supervisor.state; print('psctl.spec.schema' in sys.modules, 'numpy' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "False False", (done.stdout, done.stderr)

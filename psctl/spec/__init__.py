@@ -20,7 +20,6 @@ from psctl.spec.model import (
     SupervisionSpec,
 )
 from psctl.spec.plan import Plan, RoleInstance, make_plan
-from psctl.spec.schema import build_spec
 
 __all__ = [
     "ROLE_NAMES",
@@ -62,6 +61,10 @@ def load_spec_text(text: str, *, filename: str = "<string>") -> ClusterSpec:
 
 
 def _load(text: str, *, shown: str, path: Path | None) -> ClusterSpec:
+    # imported here: validation loads the runtime's optimizers and partitioners (numpy), which what only reads
+    # a cluster's recorded spec and plan (psctl status, logs, the supervisor's state) never needs
+    from psctl.spec.schema import build_spec
+
     data, source = load_yaml(text, filename=shown)
     base_dir = path.parent if path is not None else Path.cwd()
     default_name = path.stem if path is not None else shown.strip("<>")

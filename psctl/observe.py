@@ -1,0 +1,250 @@
+"""Finding a cluster and reading what it wrote: which cluster a command means, whether its supervisor still
+runs, and its roles' logs, on whichever host ran each attempt.
+
+What the read-only commands (``psctl status``, ``logs``, ``top``, ``events``, ``ls``) need, kept apart from
+the launch machinery in :mod:`psctl.operations` (spec validation, certificates, the agents' gRPC endpoint),
+so that they start without importing numpy, cryptography or gRPC.
+"""
+
+from __future__ import annotations
+
+import heapq
+import queue
+import re
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from psctl.errors import ClusterNotFound, UsageError
+from psctl.home import ClusterDir, list_clusters
+from psctl.launch.hostset import Placement, host_runners, placements
+from psctl.supervisor.state import ClusterRecord, RoleRecord, load_state
+
+
+def supervisor_alive(record: ClusterRecord) -> bool:
+    if record.backend == "slurm":  # it runs in the cluster's job, on a node of its own
+        from psctl.slurm_cluster import job_alive
+
+        return job_alive(record)
+    if not record.supervisor_pid:
+        return False
+    try:
+        proc = psutil.Process(record.supervisor_pid)
+        if record.supervisor_create_time and abs(proc.create_time() - record.supervisor_create_time) > 0.01:
+            return False
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def is_stale(record: ClusterRecord) -> bool:
+    """The state file says the cluster runs, but its supervisor is gone: what it shows is the last known."""
+    return not record.state.terminal and not supervisor_alive(record)
+
+
+def resolve_cluster(name: str | None) -> ClusterDir:
+    """The named cluster, or the only one (the only one not finished, if several exist)."""
+    if name:
+        cdir = ClusterDir.named(name)
+        if not cdir.state_file.is_file():
+            known = ", ".join(c.name for c in list_clusters()) or "none"
+            raise ClusterNotFound(f"no cluster named {name!r} (known: {known}); start one with `psctl up SPEC`")
+        return cdir
+    clusters = list_clusters()
+    if not clusters:
+        raise ClusterNotFound("no cluster found; start one with `psctl up SPEC`")
+    if len(clusters) == 1:
+        return clusters[0]
+    active = [c for c in clusters if not load_state(c.state_file).state.terminal]
+    if len(active) == 1:
+        return active[0]
+    names = ", ".join(c.name for c in (active or clusters))
+    raise UsageError(f"several clusters exist ({names}); name the one you mean")
+
+
+def role_names(record: ClusterRecord) -> list[str]:
+    return [r.name for r in record.roles]
+
+
+def check_role(record: ClusterRecord, role: str) -> RoleRecord:
+    try:
+        return record.role(role)
+    except KeyError:
+        raise UsageError(
+            f"no role {role!r} in cluster {record.name!r}; roles are: {', '.join(role_names(record))}"
+        ) from None
+
+
+@dataclass
+class RoleLog:
+    """A role's log files (one per attempt) on whatever host ran each attempt, read through its runner."""
+
+    role: str
+    places: Mapping[str, Placement]
+    #: The role's record: which host ran which attempt (``follow`` refreshes it as the role restarts).
+    record: RoleRecord
+
+    def read(self, attempt: int, offset: int = 0) -> bytes | None:
+        """The attempt's log from ``offset`` on; None if it does not exist (yet)."""
+        place = self.places[self.record.host_of(attempt)]
+        try:
+            return place.runner.read_file(str(place.dirs.role_log(self.role, attempt)), offset)
+        except FileNotFoundError:
+            return None
+
+    def read_end(self, attempt: int, nbytes: int) -> tuple[bytes, int] | None:
+        """The last ``nbytes`` of the attempt's log and its size; None if it does not exist (yet)."""
+        place = self.places[self.record.host_of(attempt)]
+        try:
+            return place.runner.read_end(str(place.dirs.role_log(self.role, attempt)), nbytes)
+        except FileNotFoundError:
+            return None
+
+    def close(self) -> None:
+        for place in self.places.values():
+            place.runner.close()
+
+
+def role_log(cdir: ClusterDir, record: ClusterRecord, role: str) -> RoleLog:
+    rec = check_role(record, role)
+    runners = host_runners(record.hosts)
+    return RoleLog(role, placements(cdir, record.hosts, runners, cwd=str(cdir.root)), rec)
+
+
+def cluster_logs(cdir: ClusterDir, record: ClusterRecord) -> list[RoleLog]:
+    """The log of every role of the cluster (one runner per host, shared: close one of them to close all)."""
+    places = placements(cdir, record.hosts, host_runners(record.hosts), cwd=str(cdir.root))
+    return [RoleLog(r.name, places, r) for r in record.roles]
+
+
+#: A role's log line starts with its time (``logging``'s default asctime), which sorts as text.
+_LOG_TIME = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
+
+
+def merged_tail(logs: Sequence[RoleLog], n: int) -> tuple[list[str], dict[str, int]]:
+    """The last ``n`` lines (all if n <= 0) of every role's latest attempt, merged in time order and prefixed
+    ``role: `` (a line without a time, such as a traceback's, keeps the time of the line above it); and
+    where each role's log was read up to (to follow them from there)."""
+    streams: list[list[tuple[str, int, str]]] = []
+    offsets: dict[str, int] = {}
+    for order, log in enumerate(logs):
+        lines, offsets[log.role] = tail_log(log, max(log.record.attempt, 1), n)
+        stamp, stream = "", []
+        for line in lines:
+            if _LOG_TIME.match(line):
+                stamp = line[:23]
+            stream.append((stamp, order, f"{log.role}: {line}"))
+        streams.append(stream)
+    merged = [text for _, _, text in heapq.merge(*streams, key=lambda item: (item[0], item[1]))]
+    return (merged[-n:] if n > 0 else merged), offsets
+
+
+def follow_all(cdir: ClusterDir, logs: Sequence[RoleLog], offsets: Mapping[str, int]) -> Iterator[str]:
+    """Every role's new lines as they are written, prefixed ``role: `` (in the order they are read), across
+    restarts; ends when the cluster has finished and all is read."""
+    lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+
+    def pump(log: RoleLog) -> None:
+        try:
+            for line in follow(cdir, log, start_attempt=max(log.record.attempt, 1), offset=offsets.get(log.role)):
+                lines.put(f"{log.role}: {line}")
+        finally:
+            lines.put(None)
+
+    for log in logs:
+        threading.Thread(target=pump, args=(log,), daemon=True, name=f"psctl-logs-{log.role}").start()
+    running = len(logs)
+    while running:
+        line = lines.get()
+        if line is None:
+            running -= 1
+        else:
+            yield line
+
+
+def check_attempt(record: ClusterRecord, role: str, attempt: int | None) -> int:
+    """The attempt asked for (default: the latest); a UsageError if the role never had it."""
+    rec = check_role(record, role)
+    last = max(rec.attempt, 1)
+    if attempt is None:
+        return last
+    if not 1 <= attempt <= last:
+        raise UsageError(f"{role} has attempts 1..{last}; --attempt {attempt} does not exist")
+    return attempt
+
+
+def tail_lines(path: Path, n: int) -> list[str]:
+    """The last ``n`` lines of a local file (all if n <= 0; none if it does not exist)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    return _last_lines(data, n)
+
+
+def _last_lines(data: bytes, n: int) -> list[str]:
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    return lines[-n:] if n > 0 else lines
+
+
+#: ``logs --tail`` reads this much of the log's end first, and four times more while lines are missing.
+TAIL_CHUNK = 64 << 10
+
+
+def tail_log(log: RoleLog, attempt: int, n: int) -> tuple[list[str], int]:
+    """The last ``n`` lines (all if n <= 0) of the attempt's log, and the offset where reading stopped.
+    Only the end of a long log is read (it may be on another host)."""
+    if n <= 0:
+        data = log.read(attempt) or b""
+        return _last_lines(data, n), len(data)
+    nbytes = TAIL_CHUNK
+    while True:
+        found = log.read_end(attempt, nbytes)
+        if found is None:
+            return [], 0
+        data, size = found
+        whole = len(data) >= size
+        if not whole:  # the first line is cut: it is not one of the last n unless more is read
+            data = data[data.find(b"\n") + 1:] if b"\n" in data else b""
+        if whole or data.count(b"\n") > n:
+            return _last_lines(data, n), size
+        nbytes *= 4
+
+
+def follow(
+    cdir: ClusterDir, log: RoleLog, *, start_attempt: int, offset: int | None = None, poll: float = 0.2
+) -> Iterator[str]:
+    """Yield new log lines of the role as they are written, from ``offset`` (default: the end), moving on to
+    the next attempt's log when the role restarts; ends when the cluster has finished and all is read."""
+    attempt = start_attempt
+    if offset is None:
+        end = log.read_end(attempt, 0)  # its size: nothing of it is read
+        offset = end[1] if end is not None else 0
+    pending = ""
+    while True:
+        data = log.read(attempt, offset)
+        if data:
+            offset += len(data)
+            pending += data.decode("utf-8", errors="replace")
+            *lines, pending = pending.split("\n")
+            yield from lines
+            continue
+        record = load_state(cdir.state_file)
+        log.record = record.role(log.role)  # the next attempt may run on another host
+        if log.read_end(attempt + 1, 0) is not None:  # the next attempt has begun (its log exists)
+            if pending:
+                yield pending
+                pending = ""
+            attempt += 1
+            offset = 0
+            yield f"--- {log.role}: attempt {attempt} ---"
+            continue
+        if record.state.terminal or is_stale(record):
+            if pending:
+                yield pending
+            return
+        time.sleep(poll)
