@@ -200,6 +200,40 @@ def test_an_agent_moves_its_running_roles_to_the_cpus_their_new_slots_name(
     wait_until(lambda: affinity("ps-0") == allowed, timeout=10, what="ps-0 unbound")
 
 
+def test_a_role_moved_before_it_bound_itself_binds_itself_where_it_was_moved(
+        tmp_path: Path, started: list[object]) -> None:
+    """A role binds itself only once its heartbeats run (~0.5 s after its start): a scale or a move in between
+    must not be undone by that first bind to the CPU its start named."""
+    allowed = allowed_cpus()
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs to move between")
+    go = tmp_path / "go"
+    # a role slow to start: it binds itself as psctl.runtime does, once told to go, and says where it is
+    late_binder = [sys.executable, "-c", (
+        "import os, time\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.02)\n"
+        "from psctl.launch.cpus import bind_self\n"
+        "print('bound', bind_self(), sorted(os.sched_getaffinity(0)), flush=True)\n"
+        "time.sleep(120)\n")]
+    endpoint, _, hello = attached(started)
+    outnumbered = len(allowed) + 1
+    command = start_command("ps-0", 1, tmp_path, late_binder)
+    command.start.cpu_slot, command.start.cpu_slots = 0, outnumbered
+    endpoint.hub.send("h1", hello.agent_pid, command)
+    pid = endpoint.role_report("h1", "ps-0", until=lambda r: r.pid > 0).pid
+    assert psutil.Process(pid).environ()[CPUS_VARIABLE] == str(allowed[0])
+
+    endpoint.hub.send("h1", hello.agent_pid, pb.AgentCommand(cpus=pb.CpuSlots(
+        cpu_slot={"ps-0": 1}, cpu_slots=outnumbered)))
+    wait_until(lambda: sorted(psutil.Process(pid).cpu_affinity()) == [allowed[1]], timeout=10,
+               what="the agent to move ps-0 to its new slot's CPU")
+    go.touch()  # now the role binds itself
+    log = tmp_path / "logs" / "ps-0.1.log"
+    wait_until(lambda: "bound" in log.read_text(), timeout=30, what="ps-0 to bind itself")
+    assert f"bound [{allowed[1]}] [{allowed[1]}]" in log.read_text()
+    assert sorted(psutil.Process(pid).cpu_affinity()) == [allowed[1]]
+
+
 def test_a_start_that_fails_is_reported_with_why(tmp_path: Path, started: list[object]) -> None:
     endpoint, _agent, hello = attached(started)
     endpoint.hub.send("h1", hello.agent_pid, start_command("ps-0", 1, tmp_path, argv=["/nonexistent/python3"]))

@@ -7,12 +7,15 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
 from cluster_helpers import wait_until
 
+from psctl.launch import cpus as cpus_module
 from psctl.launch.cpus import (
+    CPUS_FILE_VARIABLE,
     CPUS_VARIABLE,
     BoundRole,
     ClusterCpus,
@@ -66,7 +69,8 @@ def test_other_clusters_load_weighs_roles_by_kind_and_leaves_this_cluster_out() 
     assert other_clusters_load(roles, "mine") == pytest.approx({0: 1.05, 1: 1.15})
 
 
-def test_bound_roles_are_read_from_the_processes_environments(children: list[subprocess.Popen[str]]) -> None:
+def test_bound_roles_are_read_from_the_processes_environments(
+        children: list[subprocess.Popen[str]], tmp_path: Path) -> None:
     def child(env: dict[str, str]) -> int:
         started = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], text=True,
                                    env={**{k: v for k, v in os.environ.items() if not k.startswith("PSCTL_")}, **env})
@@ -78,9 +82,14 @@ def test_bound_roles_are_read_from_the_processes_environments(children: list[sub
     not_a_role = child({CPUS_VARIABLE: "0"})
     unbound = child({"PSCTL_ROLE": "ps-1", "PSCTL_CLUSTER_ID": "other"})
     garbled = child({CPUS_VARIABLE: "zero", "PSCTL_ROLE": "ps-2"})
+    (tmp_path / "worker-4.1.cpus").write_text("1")  # its agent moved it from CPU 0 to CPU 1
+    moved = child({CPUS_VARIABLE: "0", CPUS_FILE_VARIABLE: str(tmp_path / "worker-4.1.cpus"), "PSCTL_ROLE": "worker-4"})
+    never_moved = child({CPUS_VARIABLE: "0", CPUS_FILE_VARIABLE: str(tmp_path / "none.cpus"), "PSCTL_ROLE": "ps-3"})
     found = {r.pid: r for r in bound_roles()}
     assert found[ps] == BoundRole(ps, "other", "ps-0", (0,))
     assert found[worker] == BoundRole(worker, "", "worker-3", (0, 1))
+    assert found[moved] == BoundRole(moved, "", "worker-4", (1,))
+    assert found[never_moved] == BoundRole(never_moved, "", "ps-3", (0,))
     assert not {not_a_role, unbound, garbled} & set(found)
 
 
@@ -96,9 +105,9 @@ def test_no_binding_where_a_role_has_a_cpu_of_its_own_or_nothing_is_known(
     assert cpus_for_slot(slot, slots, allowed) is None
 
 
-def start_child(cpus: str | None) -> subprocess.Popen[str]:
+def start_child(cpus: str | None, moved_file: Path | None = None) -> subprocess.Popen[str]:
     """A Python process with a second thread already running when it calls ``bind_self`` (``PSCTL_CPUS`` =
-    ``cpus``); it prints what bind_self returned."""
+    ``cpus``, ``PSCTL_CPUS_FILE`` = ``moved_file``); it prints what bind_self returned."""
     code = ("import threading, time\n"
             "threading.Thread(target=time.sleep, args=(60,)).start()\n"
             "from psctl.launch.cpus import bind_self\n"
@@ -107,6 +116,8 @@ def start_child(cpus: str | None) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k != CPUS_VARIABLE}
     if cpus is not None:
         env[CPUS_VARIABLE] = cpus
+    if moved_file is not None:
+        env[CPUS_FILE_VARIABLE] = str(moved_file)
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)  # fmt: skip
 
@@ -139,6 +150,38 @@ def test_a_role_without_a_usable_cpu_list_runs_unbound(children: list[subprocess
     children.append(child)
     assert child.stdout is not None and child.stdout.readline() == "None\n"
     assert all(a == allowed_cpus() for a in thread_affinities(child.pid))
+
+
+def test_a_role_its_agent_moved_before_it_bound_itself_binds_where_it_was_moved(
+        children: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    allowed = allowed_cpus()
+    moved = tmp_path / "worker-0.1.cpus"
+    moved.write_text(str(allowed[-1]))
+    child = start_child(str(allowed[0]), moved)  # started for the first CPU, moved to the last one since
+    children.append(child)
+    assert child.stdout is not None and child.stdout.readline() == f"[{allowed[-1]}]\n"
+    assert all(a == [allowed[-1]] for a in thread_affinities(child.pid))
+
+
+def test_a_role_moved_while_it_binds_itself_ends_where_it_was_moved(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent writes the file and binds the role between the role's reading its CPUs and its binding to
+    them: the role's late bind to its old CPU must not stand (the binds are recorded, not done, in this unit)."""
+    moved = tmp_path / "ps-0.1.cpus"
+    monkeypatch.setenv(CPUS_VARIABLE, "0")
+    monkeypatch.setenv(CPUS_FILE_VARIABLE, str(moved))
+    binds: list[list[int]] = []
+
+    def bind_racing_the_agent(pid: int, cpus: list[int]) -> bool:
+        if not binds:  # the agent's move lands just before this first bind
+            moved.write_text("1")
+            binds.append([1])  # (the agent's own bind of the role)
+        binds.append(list(cpus))
+        return True
+
+    monkeypatch.setattr(cpus_module, "bind", bind_racing_the_agent)
+    assert cpus_module.bind_self() == [1]
+    assert binds == [[1], [0], [1]]  # agent, the role's stale bind, the role again: the last is the move
 
 
 def test_binding_a_process_that_is_gone_says_so() -> None:

@@ -29,7 +29,7 @@ from typing import Protocol
 
 import grpc
 
-from psctl.launch.cpus import CPUS_VARIABLE, ClusterCpus, allowed_cpus, bind, cpu_list
+from psctl.launch.cpus import CPUS_FILE_VARIABLE, CPUS_VARIABLE, ClusterCpus, allowed_cpus, bind, cpu_list
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.cluster import TlsFiles
@@ -147,6 +147,9 @@ class RoleProcess:
     cpu_managed: bool = False
     #: ... and the CPUs it is bound to now (None: every CPU).
     cpus: list[int] | None = None
+    #: Where this agent writes the CPUs it moves the role to, for the role to bind itself there
+    #: (psctl.launch.cpus.bind_self); "" where it has no slot.
+    cpus_file: str = ""
 
     @property
     def running(self) -> bool:
@@ -366,6 +369,10 @@ class Agent:
         if not command.cpu_slots:
             return
         role.cpu_managed = True
+        role.cpus_file = os.path.splitext(role.log_path)[0] + ".cpus"  # beside its log: logs/worker-0.3.cpus
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(role.cpus_file)  # an earlier cluster's of the same name: this role has not moved yet
+        command.env[CPUS_FILE_VARIABLE] = role.cpus_file
         cpus = self._cpus.for_slot(command.cpu_slot, command.cpu_slots)
         if cpus is not None:
             command.env[CPUS_VARIABLE] = cpu_list(cpus)
@@ -386,6 +393,11 @@ class Agent:
             if cpus == role.cpus:
                 continue
             assert role.process is not None
+            try:  # first, for a role that has not bound itself yet: it binds itself there, not to its start's
+                write_private(role.cpus_file, cpu_list(cpus or allowed).encode())
+            except OSError as exc:
+                log.warning("%s: cannot write %s: %s; a role not yet bound may bind to its first CPU",
+                            name, role.cpus_file, exc)  # fmt: skip
             if bind(role.process.pid, cpus or allowed):
                 role.cpus = cpus
                 log.info("%s: now on CPU(s) %s (slot %d of %d roles here)", name,

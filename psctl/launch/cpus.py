@@ -12,7 +12,8 @@ Slurm allocation is respected) and names the role's CPU in its environment (``PS
 itself once its heartbeats run (``bind_self``), so that a role restarting onto a busy CPU still imports and
 starts on whichever CPU is free, and comes back as fast as it would unbound. When a host's roles change
 (``psctl scale``, a role moved to or from it), the supervisor sends their new slots and the agent moves the
-running roles (``bind``).
+running roles (``bind``), writing where it moved each one first (the file ``PSCTL_CPUS_FILE`` names): a role
+that has not bound itself yet binds where it was moved, not where it started (``bind_self``).
 
 Other psctl clusters on the same host are taken into account: an agent's round-robin starts at the CPU that
 the roles other clusters have bound there load least (``first_cpu``), so that a second cluster's ps does not
@@ -34,6 +35,10 @@ log = logging.getLogger(__name__)
 CPU_BINDINGS = ("auto", "none")
 #: The CPUs a role binds itself to, comma-separated (set by its agent).
 CPUS_VARIABLE = "PSCTL_CPUS"
+#: A file where the role's agent writes the CPUs it moved the role to since it started (same form), if it did.
+CPUS_FILE_VARIABLE = "PSCTL_CPUS_FILE"
+#: How many times a role binds itself while its agent keeps moving it (each try after the first follows a move).
+BIND_TRIES = 5
 #: Slots go to the heaviest roles first, so that round-robin spreads ps and workers evenly over the CPUs.
 ROLE_ORDER = ("ps", "worker", "chief", "evaluator")
 #: A bound role's share of its CPU by kind, to balance clusters against each other: ps and workers run the
@@ -67,7 +72,7 @@ def first_cpu(loads: Mapping[int, float], allowed: Sequence[int]) -> int | None:
 
 @dataclass(frozen=True)
 class BoundRole:
-    """A psctl role bound to CPUs on this host, as its environment says."""
+    """A psctl role bound to CPUs on this host, as its environment (and its agent's moves) say."""
 
     pid: int
     cluster_id: str
@@ -86,10 +91,7 @@ def bound_roles() -> list[BoundRole]:
             env = proc.environ()
         except psutil.Error:
             continue
-        try:
-            cpus = tuple(int(part) for part in env.get(CPUS_VARIABLE, "").split(",") if part.strip())
-        except ValueError:
-            continue
+        cpus = parse_cpus(moved_cpus(env.get(CPUS_FILE_VARIABLE)) or env.get(CPUS_VARIABLE, ""))
         if cpus and env.get("PSCTL_ROLE"):
             found.append(BoundRole(proc.info["pid"], env.get("PSCTL_CLUSTER_ID", ""), env["PSCTL_ROLE"], cpus))
     return found
@@ -132,17 +134,48 @@ class ClusterCpus:
 
 
 def bind_self() -> list[int] | None:
-    """Bind this process (every thread) to the CPUs ``PSCTL_CPUS`` names; the CPUs, or None if it names none or
-    they cannot be used (said in a warning: the role runs unbound, which is only slower)."""
-    text = os.environ.get(CPUS_VARIABLE, "").strip()
-    if not text:
+    """Bind this process (every thread) to its CPUs: where its agent last moved it (the file ``PSCTL_CPUS_FILE``
+    names), else those ``PSCTL_CPUS`` names. Returns the CPUs, or None if there are none or they cannot be used
+    (said in a warning: the role runs unbound, which is only slower).
+
+    An agent writes the file before it binds the role; the role reads it again after binding itself, and binds
+    again if it changed meanwhile: whichever of the two binds last, the role ends where the agent moved it."""
+    path = os.environ.get(CPUS_FILE_VARIABLE)
+    cpus = None
+    for _ in range(BIND_TRIES):
+        moved = moved_cpus(path)
+        text = (moved or os.environ.get(CPUS_VARIABLE, "")).strip()
+        if not text:
+            return None
+        cpus = parse_cpus(text)
+        if cpus is None:
+            log.warning("%s=%r is not a list of CPU numbers; running unbound", CPUS_VARIABLE, text)
+            return None
+        if not bind(os.getpid(), cpus):
+            return None
+        if moved_cpus(path) == moved:
+            break
+    return list(cpus) if cpus is not None else None
+
+
+def parse_cpus(text: str) -> tuple[int, ...] | None:
+    """CPUs as ``PSCTL_CPUS`` writes them (``0,3``), sorted; None if ``text`` is not such a list."""
+    try:
+        return tuple(sorted({int(part) for part in text.split(",")})) if text.strip() else None
+    except ValueError:
+        return None
+
+
+def moved_cpus(path: str | None) -> str | None:
+    """The CPUs the role's agent last moved it to (``PSCTL_CPUS``'s form), or None if it never moved it (no such
+    file) or the file cannot be read."""
+    if not path:
         return None
     try:
-        cpus = sorted({int(part) for part in text.split(",")})
-    except ValueError:
-        log.warning("%s=%r is not a list of CPU numbers; running unbound", CPUS_VARIABLE, text)
+        with open(path, encoding="ascii") as f:
+            return f.read().strip()
+    except (OSError, ValueError):
         return None
-    return cpus if bind(os.getpid(), cpus) else None
 
 
 def allowed_cpus() -> list[int]:
