@@ -30,7 +30,14 @@ from typing import Any
 import grpc
 import psutil
 
-from psctl.launch.cpus import CPUS_VARIABLE, ClusterCpus, cpu_list, host_slots  # as agents bind roles
+from psctl.launch.cpus import (  # as agents bind roles
+    CPUS_VARIABLE,
+    ClusterCpus,
+    cpu_list,
+    host_slots,
+    set_yielding,
+    yields,
+)
 from psctl.launch.env import tuning_env  # the same environment the supervisor gives roles
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
@@ -259,8 +266,8 @@ class BenchCluster:
             reservation.close()
         started_at = time.time()
         env = self.env(task_type, index)
-        if self.cpu_binding:  # the role binds itself to this CPU, as under psctl's agents
-            env.update(self._cpu_env(task_type, index))
+        cpu_env = self._cpu_env(task_type, index) if self.cpu_binding else {}
+        env.update(cpu_env)  # the role binds itself to this CPU, as under psctl's agents
         with log_path.open("wb") as out:
             popen = subprocess.Popen(
                 self.command(task_type, index),
@@ -271,6 +278,8 @@ class BenchCluster:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group, killed as a whole in close()
             )
+        if cpu_env and yields(f"{task_type}-{index}"):  # bound: it yields to the ps and the chief, as under agents
+            set_yielding(popen.pid, True)
         try:
             process: psutil.Process | None = psutil.Process(popen.pid)
         except psutil.NoSuchProcess:

@@ -38,6 +38,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 
 
+def autogroup_nice(pid: int) -> int | None:
+    """The nice of the process's autogroup (``/autogroup-17 nice 19``); None where the kernel has none."""
+    try:
+        return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+    except FileNotFoundError:
+        return None
+
+
 def wait_until(
     condition: Callable[[], T | None],
     *,

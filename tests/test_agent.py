@@ -15,10 +15,10 @@ from pathlib import Path
 import grpc
 import psutil
 import pytest
-from cluster_helpers import wait_until
+from cluster_helpers import autogroup_nice, wait_until
 
 from psctl.agent.core import Agent, RoleProcess, sweep_orphans
-from psctl.launch.cpus import CPUS_VARIABLE, allowed_cpus
+from psctl.launch.cpus import CPUS_VARIABLE, YIELD_NICE, allowed_cpus
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.rpc import make_channel
@@ -140,10 +140,14 @@ def test_an_agent_gives_a_role_its_slot_s_cpu_where_the_roles_outnumber_the_cpus
     bound = endpoint.role_report("h1", "worker-1", until=lambda r: r.pid > 0)
     # the role binds itself to it once started (psctl.runtime does; this one only sleeps)
     assert psutil.Process(bound.pid).environ().get(CPUS_VARIABLE) == str(allowed[1 % len(allowed)])
+    # a bound worker yields its CPU to the ps and the chief: the lowest priority, its autogroup's too
+    assert psutil.Process(bound.pid).nice() == YIELD_NICE
+    assert autogroup_nice(bound.pid) in (YIELD_NICE, None)
 
     endpoint.hub.send("h1", hello.agent_pid, start_command("worker-2", 1, tmp_path))  # no slot: not bound
     free = endpoint.role_report("h1", "worker-2", until=lambda r: r.pid > 0)
     assert CPUS_VARIABLE not in psutil.Process(free.pid).environ()
+    assert psutil.Process(free.pid).nice() == 0 and autogroup_nice(free.pid) in (0, None)
 
 
 def test_an_agent_starts_its_round_robin_on_the_cpu_other_clusters_load_least(
@@ -194,10 +198,16 @@ def test_an_agent_moves_its_running_roles_to_the_cpus_their_new_slots_name(
     wait_until(lambda: affinity("ps-0") == [allowed[1]], timeout=10, what="ps-0 moved to its new slot's CPU")
     assert affinity("worker-0") == affinity("chief-0") == allowed
 
-    # scaled down until the roles no longer outnumber the CPUs: the ps runs on every CPU again
+    assert psutil.Process(pids["ps-0"]).nice() == 0  # the ps never yields
+    assert autogroup_nice(pids["worker-0"]) in (YIELD_NICE, None)
+
+    # scaled down until the roles no longer outnumber the CPUs: the ps runs on every CPU again, and the worker
+    # at the usual priority (its autogroup's, which needs no privilege to lower again)
     endpoint.hub.send("h1", hello.agent_pid, pb.AgentCommand(cpus=pb.CpuSlots(
         cpu_slot={"ps-0": 0, "worker-0": 1}, cpu_slots=len(allowed))))
     wait_until(lambda: affinity("ps-0") == allowed, timeout=10, what="ps-0 unbound")
+    wait_until(lambda: affinity("worker-0") == allowed and autogroup_nice(pids["worker-0"]) in (0, None),
+               timeout=10, what="worker-0 unbound, at the usual priority")
 
 
 def test_a_role_moved_before_it_bound_itself_binds_itself_where_it_was_moved(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from cluster_helpers import wait_until
+from cluster_helpers import autogroup_nice, wait_until
 
 from psctl.launch import cpus as cpus_module
 from psctl.launch.cpus import (
@@ -26,6 +26,8 @@ from psctl.launch.cpus import (
     first_cpu,
     host_slots,
     other_clusters_load,
+    set_yielding,
+    yields,
 )
 
 
@@ -182,6 +184,25 @@ def test_a_role_moved_while_it_binds_itself_ends_where_it_was_moved(
     monkeypatch.setattr(cpus_module, "bind", bind_racing_the_agent)
     assert cpus_module.bind_self() == [1]
     assert binds == [[1], [0], [1]]  # agent, the role's stale bind, the role again: the last is the move
+
+
+def test_workers_and_the_evaluator_yield_the_ps_and_the_chief_do_not() -> None:
+    assert [yields(r) for r in ("worker-0", "evaluator-0", "ps-0", "chief-0", "worker-12")] == [
+        True, True, False, False, True]
+
+
+def test_a_yielding_role_runs_every_thread_and_its_group_at_the_lowest_priority(
+        children: list[subprocess.Popen[str]]) -> None:
+    child = start_child(None)  # a second thread already running
+    children.append(child)
+    assert child.stdout is not None and child.stdout.readline() == "None\n"
+    assert set_yielding(child.pid, True)
+    assert [t.nice() for t in map(psutil.Process, (t.id for t in psutil.Process(child.pid).threads()))] == [19, 19]
+    assert autogroup_nice(child.pid) in (19, None)
+    back = set_yielding(child.pid, False)  # (lowering a thread's nice again needs privilege)
+    assert autogroup_nice(child.pid) in (0, None)
+    if os.geteuid() == 0:
+        assert back and psutil.Process(child.pid).nice() == 0
 
 
 def test_binding_a_process_that_is_gone_says_so() -> None:

@@ -29,7 +29,16 @@ from typing import Protocol
 
 import grpc
 
-from psctl.launch.cpus import CPUS_FILE_VARIABLE, CPUS_VARIABLE, ClusterCpus, allowed_cpus, bind, cpu_list
+from psctl.launch.cpus import (
+    CPUS_FILE_VARIABLE,
+    CPUS_VARIABLE,
+    ClusterCpus,
+    allowed_cpus,
+    bind,
+    cpu_list,
+    set_yielding,
+    yields,
+)
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.cluster import TlsFiles
@@ -150,6 +159,8 @@ class RoleProcess:
     #: Where this agent writes the CPUs it moves the role to, for the role to bind itself there
     #: (psctl.launch.cpus.bind_self); "" where it has no slot.
     cpus_file: str = ""
+    #: It runs at the lowest priority: a worker or the evaluator on a host whose roles are bound.
+    yielding: bool = False
 
     @property
     def running(self) -> bool:
@@ -357,6 +368,7 @@ class Agent:
                 finally:
                     os.close(fd)
                 role.create_time = create_time(role.process.pid)
+                self._set_yielding(role, role.cpus is not None)
                 log.info("%s: attempt %d started, pid %d", command.name, command.attempt, role.process.pid)
             except (OSError, ValueError) as exc:
                 where = command.argv[0] if command.argv else "(empty argv)"
@@ -398,10 +410,23 @@ class Agent:
             except OSError as exc:
                 log.warning("%s: cannot write %s: %s; a role not yet bound may bind to its first CPU",
                             name, role.cpus_file, exc)  # fmt: skip
+            self._set_yielding(role, cpus is not None)
             if bind(role.process.pid, cpus or allowed):
                 role.cpus = cpus
                 log.info("%s: now on CPU(s) %s (slot %d of %d roles here)", name,
                          cpu_list(cpus or allowed), slot, slots.cpu_slots)  # fmt: skip
+
+    @staticmethod
+    def _set_yielding(role: RoleProcess, bound: bool) -> None:
+        """Where this host's roles are ``bound`` (they outnumber its CPUs), its workers and evaluator yield their
+        CPU to the ps and the chief (psctl.launch.cpus.set_yielding); elsewhere they run at the usual priority."""
+        yielding = bound and yields(role.name)
+        if yielding == role.yielding or not isinstance(role.process, subprocess.Popen):  # (fakes: not real pids)
+            return
+        if not set_yielding(role.process.pid, yielding):
+            log.warning("%s: cannot set its priority %s; it runs as it was", role.name,
+                        "to yield its CPU" if yielding else "back to the usual")  # fmt: skip
+        role.yielding = yielding
 
     def _shutdown(self, grace: float) -> None:
         """Stop every role (SIGTERM, SIGKILL after ``grace``), report their exits, then end."""

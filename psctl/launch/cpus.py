@@ -15,6 +15,11 @@ starts on whichever CPU is free, and comes back as fast as it would unbound. Whe
 running roles (``bind``), writing where it moved each one first (the file ``PSCTL_CPUS_FILE`` names): a role
 that has not bound itself yet binds where it was moved, not where it started (``bind_self``).
 
+Where roles are bound, the workers and the evaluator run at the lowest priority (``set_yielding``): the ps and
+the chief serve every worker's steps, so a ps that waits for its CPU behind a worker's computation stalls them
+all, while a worker that waits delays only its own step. W1 on 2 cores, pipelined, 690-700 -> 870-890 steps/s
+(not pipelined 651-691 -> 741-789); W2 and W3 unchanged (benchmarks/README.md).
+
 Other psctl clusters on the same host are taken into account: an agent's round-robin starts at the CPU that
 the roles other clusters have bound there load least (``first_cpu``), so that a second cluster's ps does not
 land on the first one's (two W1-sized clusters at once on 2 cores: 20-21 s each from CPU 0, 15 s so; 15-16.5
@@ -39,6 +44,9 @@ CPUS_VARIABLE = "PSCTL_CPUS"
 CPUS_FILE_VARIABLE = "PSCTL_CPUS_FILE"
 #: How many times a role binds itself while its agent keeps moving it (each try after the first follows a move).
 BIND_TRIES = 5
+#: The roles that yield their CPU to the ps and the chief where roles are bound, and the nice value they run at.
+YIELDING_ROLES = ("worker", "evaluator")
+YIELD_NICE = 19
 #: Slots go to the heaviest roles first, so that round-robin spreads ps and workers evenly over the CPUs.
 ROLE_ORDER = ("ps", "worker", "chief", "evaluator")
 #: A bound role's share of its CPU by kind, to balance clusters against each other: ps and workers run the
@@ -199,6 +207,39 @@ def bind(pid: int, cpus: Sequence[int]) -> bool:
         with contextlib.suppress(ProcessLookupError):  # (one that ended meanwhile)
             os.sched_setaffinity(tid, cpus)
     return True
+
+
+def yields(role: str) -> bool:
+    """Whether the role named ``role`` (``worker-3``) yields its CPU where roles are bound."""
+    return role.rpartition("-")[0] in YIELDING_ROLES
+
+
+def set_yielding(pid: int, yielding: bool) -> bool:
+    """Run process ``pid`` at YIELD_NICE (``yielding``) or at nice 0: every thread it has (the threads it starts
+    later inherit it), and its autogroup, where the kernel has them: there each session (psctl starts every role
+    in its own) is one scheduling group, whose nice is what weighs it against the other roles'. False if that
+    could not be done in full (a nice lowered back needs privilege, except an autogroup's; the process exited)."""
+    nice = YIELD_NICE if yielding else 0
+    done = True
+    try:
+        with open(f"/proc/{pid}/autogroup", "w", encoding="ascii") as f:
+            f.write(str(nice))
+    except FileNotFoundError:  # no autogroups in this kernel (or the process is gone: seen below)
+        pass
+    except OSError:
+        done = False
+    try:
+        threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        threads = [pid]  # (no /proc: the process's main thread, as setpriority sees it)
+    for tid in threads:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except ProcessLookupError:
+            done = done and tid != pid
+        except OSError:
+            done = False
+    return done
 
 
 def cpu_list(cpus: Sequence[int]) -> str:
