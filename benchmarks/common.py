@@ -35,8 +35,6 @@ from psctl.launch.cpus import (  # as agents bind roles
     ClusterCpus,
     cpu_list,
     host_slots,
-    set_yielding,
-    yields,
 )
 from psctl.launch.env import tuning_env  # the same environment the supervisor gives roles
 from psctl.proto import psctl_pb2 as pb
@@ -266,8 +264,8 @@ class BenchCluster:
             reservation.close()
         started_at = time.time()
         env = self.env(task_type, index)
-        cpu_env = self._cpu_env(task_type, index) if self.cpu_binding else {}
-        env.update(cpu_env)  # the role binds itself to this CPU, as under psctl's agents
+        if self.cpu_binding:  # the role binds itself to this CPU (a worker yields it), as under psctl's agents
+            env.update(self._cpu_env(task_type, index))
         with log_path.open("wb") as out:
             popen = subprocess.Popen(
                 self.command(task_type, index),
@@ -278,8 +276,6 @@ class BenchCluster:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group, killed as a whole in close()
             )
-        if cpu_env and yields(f"{task_type}-{index}"):  # bound: it yields to the ps and the chief, as under agents
-            set_yielding(popen.pid, True)
         try:
             process: psutil.Process | None = psutil.Process(popen.pid)
         except psutil.NoSuchProcess:

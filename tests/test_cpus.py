@@ -17,8 +17,10 @@ from psctl.launch import cpus as cpus_module
 from psctl.launch.cpus import (
     CPUS_FILE_VARIABLE,
     CPUS_VARIABLE,
+    YIELD_NICE,
     BoundRole,
     ClusterCpus,
+    Move,
     allowed_cpus,
     bind,
     bound_roles,
@@ -84,7 +86,7 @@ def test_bound_roles_are_read_from_the_processes_environments(
     not_a_role = child({CPUS_VARIABLE: "0"})
     unbound = child({"PSCTL_ROLE": "ps-1", "PSCTL_CLUSTER_ID": "other"})
     garbled = child({CPUS_VARIABLE: "zero", "PSCTL_ROLE": "ps-2"})
-    (tmp_path / "worker-4.1.cpus").write_text("1")  # its agent moved it from CPU 0 to CPU 1
+    (tmp_path / "worker-4.1.cpus").write_text(Move("1", yielding=True).text())  # its agent moved it from CPU 0 to 1
     moved = child({CPUS_VARIABLE: "0", CPUS_FILE_VARIABLE: str(tmp_path / "worker-4.1.cpus"), "PSCTL_ROLE": "worker-4"})
     never_moved = child({CPUS_VARIABLE: "0", CPUS_FILE_VARIABLE: str(tmp_path / "none.cpus"), "PSCTL_ROLE": "ps-3"})
     found = {r.pid: r for r in bound_roles()}
@@ -107,21 +109,24 @@ def test_no_binding_where_a_role_has_a_cpu_of_its_own_or_nothing_is_known(
     assert cpus_for_slot(slot, slots, allowed) is None
 
 
-def start_child(cpus: str | None, moved_file: Path | None = None) -> subprocess.Popen[str]:
+def start_child(cpus: str | None, moved_file: Path | None = None, role: str = "ps-0") -> subprocess.Popen[str]:
     """A Python process with a second thread already running when it calls ``bind_self`` (``PSCTL_CPUS`` =
-    ``cpus``, ``PSCTL_CPUS_FILE`` = ``moved_file``); it prints what bind_self returned."""
+    ``cpus``, ``PSCTL_CPUS_FILE`` = ``moved_file``, ``PSCTL_ROLE`` = ``role``), then ``settle_priority``; it
+    prints what each returned, a line each."""
     code = ("import threading, time\n"
             "threading.Thread(target=time.sleep, args=(60,)).start()\n"
-            "from psctl.launch.cpus import bind_self\n"
+            "from psctl.launch.cpus import bind_self, settle_priority\n"
             "print(bind_self(), flush=True)\n"
+            "print(settle_priority(), flush=True)\n"
             "time.sleep(60)\n")
-    env = {k: v for k, v in os.environ.items() if k != CPUS_VARIABLE}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PSCTL_")}
+    env["PSCTL_ROLE"] = role
     if cpus is not None:
         env[CPUS_VARIABLE] = cpus
     if moved_file is not None:
         env[CPUS_FILE_VARIABLE] = str(moved_file)
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)  # fmt: skip
+                            text=True, env=env, start_new_session=True)  # (a session of its own, as roles)
 
 
 @pytest.fixture
@@ -157,33 +162,69 @@ def test_a_role_without_a_usable_cpu_list_runs_unbound(children: list[subprocess
 def test_a_role_its_agent_moved_before_it_bound_itself_binds_where_it_was_moved(
         children: list[subprocess.Popen[str]], tmp_path: Path) -> None:
     allowed = allowed_cpus()
-    moved = tmp_path / "worker-0.1.cpus"
-    moved.write_text(str(allowed[-1]))
-    child = start_child(str(allowed[0]), moved)  # started for the first CPU, moved to the last one since
+    moved = tmp_path / "evaluator-0.1.cpus"
+    moved.write_text(Move(str(allowed[-1]), yielding=False).text())  # no longer yielding: as its agent said
+    child = start_child(str(allowed[0]), moved, "evaluator-0")  # started for the first CPU, moved to the last
     children.append(child)
     assert child.stdout is not None and child.stdout.readline() == f"[{allowed[-1]}]\n"
     assert all(a == [allowed[-1]] for a in thread_affinities(child.pid))
+    assert child.stdout.readline() == "False\n"
+    assert psutil.Process(child.pid).nice() == 0
+
+
+def test_a_bound_worker_yields_its_cpu_a_ps_does_not(children: list[subprocess.Popen[str]]) -> None:
+    allowed = allowed_cpus()
+    worker, ps = start_child(str(allowed[0]), role="worker-1"), start_child(str(allowed[0]), role="ps-0")
+    children.extend((worker, ps))
+    for child, yielding in ((worker, "True"), (ps, "False")):
+        assert child.stdout is not None and child.stdout.readline() == f"[{allowed[0]}]\n"
+        assert child.stdout.readline() == f"{yielding}\n"
+    assert [psutil.Process(t.id).nice() for t in psutil.Process(worker.pid).threads()] == [YIELD_NICE] * 2
+    assert autogroup_nice(worker.pid) in (YIELD_NICE, None)
+    assert [psutil.Process(t.id).nice() for t in psutil.Process(ps.pid).threads()] == [0, 0]
 
 
 def test_a_role_moved_while_it_binds_itself_ends_where_it_was_moved(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The agent writes the file and binds the role between the role's reading its CPUs and its binding to
     them: the role's late bind to its old CPU must not stand (the binds are recorded, not done, in this unit)."""
-    moved = tmp_path / "ps-0.1.cpus"
+    moved = tmp_path / "worker-0.1.cpus"
     monkeypatch.setenv(CPUS_VARIABLE, "0")
     monkeypatch.setenv(CPUS_FILE_VARIABLE, str(moved))
     binds: list[list[int]] = []
 
     def bind_racing_the_agent(pid: int, cpus: list[int]) -> bool:
-        if not binds:  # the agent's move lands just before this first bind
-            moved.write_text("1")
-            binds.append([1])  # (the agent's own bind of the role)
+        if not binds:  # the agent's move lands just before this first bind: every CPU
+            moved.write_text(Move("0,1", yielding=False).text())
+            binds.append([0, 1])  # (the agent's own bind of the role)
         binds.append(list(cpus))
         return True
 
     monkeypatch.setattr(cpus_module, "bind", bind_racing_the_agent)
-    assert cpus_module.bind_self() == [1]
-    assert binds == [[1], [0], [1]]  # agent, the role's stale bind, the role again: the last is the move
+    assert cpus_module.bind_self() == [0, 1]
+    assert binds == [[0, 1], [0], [0, 1]]  # agent, the role's stale bind, the role again: the last is the move
+
+
+def test_a_worker_unbound_while_it_starts_yielding_ends_at_the_usual_priority(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same race for the priority: the agent's move (unbound, no longer yielding) lands between the
+    worker's reading its start's binding and its yielding (recorded, not done, in this unit)."""
+    moved = tmp_path / "worker-0.1.cpus"
+    monkeypatch.setenv(CPUS_VARIABLE, "0")
+    monkeypatch.setenv(CPUS_FILE_VARIABLE, str(moved))
+    monkeypatch.setenv("PSCTL_ROLE", "worker-0")
+    priorities: list[bool] = []
+
+    def yield_racing_the_agent(pid: int, yielding: bool) -> bool:
+        if not priorities:
+            moved.write_text(Move("0,1", yielding=False).text())
+            priorities.append(False)  # (the agent's own setting)
+        priorities.append(yielding)
+        return True
+
+    monkeypatch.setattr(cpus_module, "set_yielding", yield_racing_the_agent)
+    assert cpus_module.settle_priority() is False
+    assert priorities == [False, True, False]  # agent, the worker's stale yield, taken back
 
 
 def test_workers_and_the_evaluator_yield_the_ps_and_the_chief_do_not() -> None:

@@ -17,7 +17,7 @@ from cluster_helpers import wait_until
 from conftest import PsctlEnv
 from supervised_cluster import SupervisedCluster
 
-from psctl.launch.cpus import allowed_cpus, cpus_for_slot, host_slots
+from psctl.launch.cpus import YIELD_NICE, allowed_cpus, cpus_for_slot, host_slots
 from psctl.runtime.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.slow
@@ -93,6 +93,14 @@ def test_workers_scaled_2_to_4_to_1_while_training_take_every_batch_exactly_once
     for name in ("worker-2", "worker-3"):  # they joined and got work
         wait_until(partial(training, name), timeout=60, what=f"{name} training", detail=cluster.describe)
     assert cluster.progress() < steps, "training ended before the scale-down"
+
+    def nice(name: str) -> int:
+        return int(psutil.Process(cluster.role(name)["pid"]).nice())
+
+    # bound (7 roles here), the training workers yield their CPUs to the ps and the chief
+    wait_until(lambda: all(nice(f"worker-{i}") == YIELD_NICE for i in range(4)), timeout=30,
+               what="every worker yielding its CPU", detail=cluster.describe)
+    assert nice("ps-0") == nice("ps-1") == nice("chief-0") == 0
 
     assert "worker 4 -> 1" in scale(psctl_env, cluster, "worker=1")
     for name in ("worker-1", "worker-2", "worker-3"):

@@ -33,6 +33,7 @@ from psctl.launch.cpus import (
     CPUS_FILE_VARIABLE,
     CPUS_VARIABLE,
     ClusterCpus,
+    Move,
     allowed_cpus,
     bind,
     cpu_list,
@@ -159,8 +160,6 @@ class RoleProcess:
     #: Where this agent writes the CPUs it moves the role to, for the role to bind itself there
     #: (psctl.launch.cpus.bind_self); "" where it has no slot.
     cpus_file: str = ""
-    #: It runs at the lowest priority: a worker or the evaluator on a host whose roles are bound.
-    yielding: bool = False
 
     @property
     def running(self) -> bool:
@@ -368,7 +367,6 @@ class Agent:
                 finally:
                     os.close(fd)
                 role.create_time = create_time(role.process.pid)
-                self._set_yielding(role, role.cpus is not None)
                 log.info("%s: attempt %d started, pid %d", command.name, command.attempt, role.process.pid)
             except (OSError, ValueError) as exc:
                 where = command.argv[0] if command.argv else "(empty argv)"
@@ -377,7 +375,8 @@ class Agent:
 
     def _assign_cpu(self, command: pb.StartRole, role: RoleProcess) -> None:
         """Name the role's CPU in its environment, where the supervisor gave it a slot and this host has fewer
-        CPUs than roles: the role binds itself to it once started (psctl.launch.cpus)."""
+        CPUs than roles: the role binds itself to it once started (a worker or the evaluator also yields it to
+        the ps and the chief: psctl.launch.cpus)."""
         if not command.cpu_slots:
             return
         role.cpu_managed = True
@@ -405,28 +404,20 @@ class Agent:
             if cpus == role.cpus:
                 continue
             assert role.process is not None
+            # bound, a worker or the evaluator yields its CPU to the ps and the chief (psctl.launch.cpus)
+            move = Move(cpu_list(cpus or allowed), yielding=cpus is not None and yields(name))
             try:  # first, for a role that has not bound itself yet: it binds itself there, not to its start's
-                write_private(role.cpus_file, cpu_list(cpus or allowed).encode())
+                write_private(role.cpus_file, move.text().encode())
             except OSError as exc:
                 log.warning("%s: cannot write %s: %s; a role not yet bound may bind to its first CPU",
                             name, role.cpus_file, exc)  # fmt: skip
-            self._set_yielding(role, cpus is not None)
             if bind(role.process.pid, cpus or allowed):
                 role.cpus = cpus
-                log.info("%s: now on CPU(s) %s (slot %d of %d roles here)", name,
-                         cpu_list(cpus or allowed), slot, slots.cpu_slots)  # fmt: skip
-
-    @staticmethod
-    def _set_yielding(role: RoleProcess, bound: bool) -> None:
-        """Where this host's roles are ``bound`` (they outnumber its CPUs), its workers and evaluator yield their
-        CPU to the ps and the chief (psctl.launch.cpus.set_yielding); elsewhere they run at the usual priority."""
-        yielding = bound and yields(role.name)
-        if yielding == role.yielding or not isinstance(role.process, subprocess.Popen):  # (fakes: not real pids)
-            return
-        if not set_yielding(role.process.pid, yielding):
-            log.warning("%s: cannot set its priority %s; it runs as it was", role.name,
-                        "to yield its CPU" if yielding else "back to the usual")  # fmt: skip
-        role.yielding = yielding
+                log.info("%s: now on CPU(s) %s (slot %d of %d roles here)", name, move.cpus, slot,
+                         slots.cpu_slots)  # fmt: skip
+            if isinstance(role.process, subprocess.Popen) and not set_yielding(role.process.pid, move.yielding):
+                log.warning("%s: cannot set its priority %s; it runs as it was", name,
+                            "to yield its CPU" if move.yielding else "back to the usual")  # fmt: skip
 
     def _shutdown(self, grace: float) -> None:
         """Stop every role (SIGTERM, SIGKILL after ``grace``), report their exits, then end."""

@@ -15,10 +15,11 @@ starts on whichever CPU is free, and comes back as fast as it would unbound. Whe
 running roles (``bind``), writing where it moved each one first (the file ``PSCTL_CPUS_FILE`` names): a role
 that has not bound itself yet binds where it was moved, not where it started (``bind_self``).
 
-Where roles are bound, the workers and the evaluator run at the lowest priority (``set_yielding``): the ps and
-the chief serve every worker's steps, so a ps that waits for its CPU behind a worker's computation stalls them
-all, while a worker that waits delays only its own step. W1 on 2 cores, pipelined, 690-700 -> 870-890 steps/s
-(not pipelined 651-691 -> 741-789); W2 and W3 unchanged (benchmarks/README.md).
+Where roles are bound, the workers (from their first step) and the evaluator run at the lowest priority
+(``settle_priority``, ``set_yielding``): the ps and the chief serve every worker's steps, so a ps that waits
+for its CPU behind a worker's computation stalls them all, while a worker that waits delays only its own step.
+W1 on 2 cores, pipelined, 690-700 -> 870-890 steps/s (not pipelined 651-691 -> 741-789); W2 and W3 unchanged
+(benchmarks/README.md).
 
 Other psctl clusters on the same host are taken into account: an agent's round-robin starts at the CPU that
 the roles other clusters have bound there load least (``first_cpu``), so that a second cluster's ps does not
@@ -99,7 +100,8 @@ def bound_roles() -> list[BoundRole]:
             env = proc.environ()
         except psutil.Error:
             continue
-        cpus = parse_cpus(moved_cpus(env.get(CPUS_FILE_VARIABLE)) or env.get(CPUS_VARIABLE, ""))
+        moved = read_move(env.get(CPUS_FILE_VARIABLE))
+        cpus = parse_cpus(moved.cpus if moved is not None else env.get(CPUS_VARIABLE, ""))
         if cpus and env.get("PSCTL_ROLE"):
             found.append(BoundRole(proc.info["pid"], env.get("PSCTL_CLUSTER_ID", ""), env["PSCTL_ROLE"], cpus))
     return found
@@ -151,8 +153,8 @@ def bind_self() -> list[int] | None:
     path = os.environ.get(CPUS_FILE_VARIABLE)
     cpus = None
     for _ in range(BIND_TRIES):
-        moved = moved_cpus(path)
-        text = (moved or os.environ.get(CPUS_VARIABLE, "")).strip()
+        moved = read_move(path)
+        text = moved.cpus if moved is not None else os.environ.get(CPUS_VARIABLE, "").strip()
         if not text:
             return None
         cpus = parse_cpus(text)
@@ -161,9 +163,28 @@ def bind_self() -> list[int] | None:
             return None
         if not bind(os.getpid(), cpus):
             return None
-        if moved_cpus(path) == moved:
+        if read_move(path) == moved:
             break
     return list(cpus) if cpus is not None else None
+
+
+def settle_priority() -> bool:
+    """Yield this role's CPU to the ps and the chief (``set_yielding``) if it is a worker or the evaluator that
+    its agent bound, or as its agent's last move says; True if it yields. A worker calls it at its first step,
+    the evaluator once bound: a worker that yields from its start takes ~0.25 s longer to its first step (W1,
+    2 cores). Like ``bind_self``, it reads the agent's move again after acting and acts again if it changed."""
+    path = os.environ.get(CPUS_FILE_VARIABLE)
+    bound = bool(os.environ.get(CPUS_VARIABLE, "").strip()) and yields(os.environ.get("PSCTL_ROLE", ""))
+    yielded = False  # (every role starts at the usual priority)
+    for _ in range(BIND_TRIES):
+        moved = read_move(path)
+        wanted = moved.yielding if moved is not None else bound
+        if wanted != yielded:
+            set_yielding(os.getpid(), wanted)
+            yielded = wanted
+        if read_move(path) == moved:
+            break
+    return yielded
 
 
 def parse_cpus(text: str) -> tuple[int, ...] | None:
@@ -174,16 +195,29 @@ def parse_cpus(text: str) -> tuple[int, ...] | None:
         return None
 
 
-def moved_cpus(path: str | None) -> str | None:
-    """The CPUs the role's agent last moved it to (``PSCTL_CPUS``'s form), or None if it never moved it (no such
-    file) or the file cannot be read."""
+@dataclass(frozen=True)
+class Move:
+    """Where a role's agent moved it since it started: its CPUs (``PSCTL_CPUS``'s form; every CPU the agent may
+    use where it is no longer bound), and whether it yields them (see ``set_yielding``)."""
+
+    cpus: str
+    yielding: bool
+
+    def text(self) -> str:
+        """As the agent writes it in the role's ``PSCTL_CPUS_FILE``: ``0,3`` then ``yield`` or ``run``."""
+        return f"{self.cpus}\n{'yield' if self.yielding else 'run'}\n"
+
+
+def read_move(path: str | None) -> Move | None:
+    """The role's last move, or None if its agent never moved it (no such file) or the file cannot be read."""
     if not path:
         return None
     try:
         with open(path, encoding="ascii") as f:
-            return f.read().strip()
+            cpus, _, priority = f.read().strip().partition("\n")
     except (OSError, ValueError):
         return None
+    return Move(cpus.strip(), priority.strip() == "yield")
 
 
 def allowed_cpus() -> list[int]:
@@ -218,13 +252,17 @@ def set_yielding(pid: int, yielding: bool) -> bool:
     """Run process ``pid`` at YIELD_NICE (``yielding``) or at nice 0: every thread it has (the threads it starts
     later inherit it), and its autogroup, where the kernel has them: there each session (psctl starts every role
     in its own) is one scheduling group, whose nice is what weighs it against the other roles'. False if that
-    could not be done in full (a nice lowered back needs privilege, except an autogroup's; the process exited)."""
+    could not be done in full (a nice lowered back needs privilege, except an autogroup's; the process exited).
+    The autogroup is changed only where ``pid`` leads its session, as roles do."""
     nice = YIELD_NICE if yielding else 0
     done = True
     try:
-        with open(f"/proc/{pid}/autogroup", "w", encoding="ascii") as f:
-            f.write(str(nice))
-    except FileNotFoundError:  # no autogroups in this kernel (or the process is gone: seen below)
+        # only a session's leader has an autogroup of its own (psctl starts every role so): another process's
+        # is its session's, shared with the shell or whatever started it
+        if os.getsid(pid) == pid:
+            with open(f"/proc/{pid}/autogroup", "w", encoding="ascii") as f:
+                f.write(str(nice))
+    except (FileNotFoundError, ProcessLookupError):  # no autogroups in this kernel, or the process is gone
         pass
     except OSError:
         done = False

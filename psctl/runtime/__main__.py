@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from psctl.launch.cpus import bind_self, cpu_list
+from psctl.launch.cpus import bind_self, cpu_list, settle_priority
 from psctl.runtime.cluster import ClusterConfigError, ClusterInfo, from_env
 from psctl.runtime.exits import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED
 from psctl.signals import on_signals
@@ -75,6 +75,7 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
             chief_fence=CHIEF_FENCE,
             relayout=layout,
             serial=not cfg.pipelined,
+            on_first_step=settle_priority,  # bound, it yields its CPU to the ps and the chief from then on
         )
         # a ps restarted on another host of its pool: push and pull there
         ADDRESSES.subscribe(lambda addresses: servicer.ps.follow(addresses))
@@ -156,6 +157,8 @@ def main() -> int:
     cpus = bind_self()
     if cpus is not None:
         logging.info("%s bound to CPU %s", info.task, cpu_list(cpus))
+        if info.task_type == "evaluator":  # it never waits for the others: it yields its CPU from now on
+            settle_priority()
     try:
         if info.task_type == "chief":
             return _chief(info, stop)

@@ -72,12 +72,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         chief_fence: ChiefFence | None = None,
         relayout: Callable[[Sequence[str]], tuple[ShardedModel, PsClient]] | None = None,
         serial: bool = True,
+        on_first_step: Callable[[], object] | None = None,
     ) -> None:
         """``relayout(ps_addresses)``: the model and ps client of another ps layout (psctl scale ps=N), which a
         step from the chief may carry. ``serial``: training steps run one at a time (the chief keeps a second one
         queued here so that its round trip overlaps this worker's step); False
-        for pipelined training, whose two steps compute at once."""
+        for pipelined training, whose two steps compute at once. ``on_first_step``: called once, as the first
+        training step begins (the worker then yields its CPU to the ps and the chief where they share it)."""
         self.relayout = relayout
+        self._on_first_step = on_first_step
         self._serial = threading.Lock() if serial else None
         self.model = model
         self.ps = ps
@@ -218,6 +221,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return self._train_now(request)
 
     def _train_now(self, request: pb.StepRequest) -> pb.StepResponse:
+        first, self._on_first_step = self._on_first_step, None
+        if first is not None:
+            first()
         self._follow_layout(request.ps_addresses)
         if self._ps_was_down:
             self.ps.wait_ready(5.0)
