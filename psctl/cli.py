@@ -16,6 +16,9 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
+# The commands that start, change or stop a cluster import psctl.operations where they run (spec validation with
+# numpy, certificates, the agents' gRPC): the read-only ones (status, logs, top, ls) need psctl.observe only, and
+# start in ~0.13 s instead of ~0.3 (tests/test_cli.py holds them to it).
 from psctl import __version__, observe
 from psctl.errors import PsctlError, TrainingFailed, UsageError
 from psctl.home import ClusterDir, list_clusters

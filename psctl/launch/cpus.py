@@ -18,7 +18,7 @@ that has not bound itself yet binds where it was moved, not where it started (``
 Where roles are bound, the workers (from their first step) and the evaluator run at the lowest priority
 (``settle_priority``, ``set_yielding``): the ps and the chief serve every worker's steps, so a ps that waits
 for its CPU behind a worker's computation stalls them all, while a worker that waits delays only its own step.
-W1 on 2 cores, pipelined, 690-700 -> 870-890 steps/s (not pipelined 651-691 -> 741-789); W2 and W3 unchanged
+W1 on 2 cores, pipelined, 814-819 -> 924-972 steps/s (interleaved runs); W2 and W3 unchanged
 (benchmarks/README.md).
 
 Other psctl clusters on the same host are taken into account: an agent's round-robin starts at the CPU that
@@ -171,8 +171,9 @@ def bind_self() -> list[int] | None:
 def settle_priority() -> bool:
     """Yield this role's CPU to the ps and the chief (``set_yielding``) if it is a worker or the evaluator that
     its agent bound, or as its agent's last move says; True if it yields. A worker calls it at its first step,
-    the evaluator once bound: a worker that yields from its start takes ~0.25 s longer to its first step (W1,
-    2 cores). Like ``bind_self``, it reads the agent's move again after acting and acts again if it changed."""
+    the evaluator once bound: workers that yield from their start reach the first step ~0.25 s later (W1, 2
+    cores: 0.81-0.88 s against 0.55-0.61). Like ``bind_self``, it reads the agent's move again after acting and
+    acts again if it changed."""
     path = os.environ.get(CPUS_FILE_VARIABLE)
     bound = bool(os.environ.get(CPUS_VARIABLE, "").strip()) and yields(os.environ.get("PSCTL_ROLE", ""))
     yielded = False  # (every role starts at the usual priority)
