@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -150,10 +150,8 @@ def bind_self() -> list[int] | None:
 
     An agent writes the file before it binds the role; the role reads it again after binding itself, and binds
     again if it changed meanwhile: whichever of the two binds last, the role ends where the agent moved it."""
-    path = os.environ.get(CPUS_FILE_VARIABLE)
     cpus = None
-    for _ in range(BIND_TRIES):
-        moved = read_move(path)
+    for moved in _moves():
         text = moved.cpus if moved is not None else os.environ.get(CPUS_VARIABLE, "").strip()
         if not text:
             return None
@@ -163,8 +161,6 @@ def bind_self() -> list[int] | None:
             return None
         if not bind(os.getpid(), cpus):
             return None
-        if read_move(path) == moved:
-            break
     return list(cpus) if cpus is not None else None
 
 
@@ -174,18 +170,28 @@ def settle_priority() -> bool:
     the evaluator once bound: workers that yield from their start reach the first step ~0.25 s later (W1, 2
     cores: 0.81-0.88 s against 0.55-0.61). Like ``bind_self``, it reads the agent's move again after acting and
     acts again if it changed."""
-    path = os.environ.get(CPUS_FILE_VARIABLE)
     bound = bool(os.environ.get(CPUS_VARIABLE, "").strip()) and yields(os.environ.get("PSCTL_ROLE", ""))
     yielded = False  # (every role starts at the usual priority)
-    for _ in range(BIND_TRIES):
-        moved = read_move(path)
+    for moved in _moves():
         wanted = moved.yielding if moved is not None else bound
         if wanted != yielded:
             set_yielding(os.getpid(), wanted)
             yielded = wanted
-        if read_move(path) == moved:
-            break
     return yielded
+
+
+def _moves() -> Iterator[Move | None]:
+    """This role's last move by its agent (None: it never moved it) to act on, then the next each time one landed
+    while the role acted: the agent writes a move before it acts on the role itself, so whichever of the two acts
+    last, the move stands (at most BIND_TRIES times, against an agent that keeps moving it)."""
+    path = os.environ.get(CPUS_FILE_VARIABLE)
+    moved = read_move(path)
+    for _ in range(BIND_TRIES):
+        yield moved
+        landed = read_move(path)
+        if landed == moved:
+            return
+        moved = landed
 
 
 def parse_cpus(text: str) -> tuple[int, ...] | None:
