@@ -97,9 +97,11 @@ def test_workers_scaled_2_to_4_to_1_while_training_take_every_batch_exactly_once
     def nice(name: str) -> int:
         return int(psutil.Process(cluster.role(name)["pid"]).nice())
 
-    # bound (7 roles here), the training workers yield their CPUs to the ps and the chief
-    wait_until(lambda: all(nice(f"worker-{i}") == YIELD_NICE for i in range(4)), timeout=30,
-               what="every worker yielding its CPU", detail=cluster.describe)
+    # where the 7 roles outnumber this machine's CPUs (bound), the training workers yield theirs to the ps and
+    # the chief; elsewhere every role runs at the usual priority
+    yielding = YIELD_NICE if len(allowed_cpus()) < 7 else 0
+    wait_until(lambda: all(nice(f"worker-{i}") == yielding for i in range(4)), timeout=30,
+               what=f"every worker at nice {yielding}", detail=cluster.describe)
     assert nice("ps-0") == nice("ps-1") == nice("chief-0") == 0
 
     assert "worker 4 -> 1" in scale(psctl_env, cluster, "worker=1")
