@@ -58,7 +58,7 @@ from benchmarks.common import (
     run_directory,
 )
 from psctl.proto import psctl_pb2 as pb
-from psctl.runtime import wire
+from psctl.runtime import limits, wire
 from psctl.runtime.ps_client import PsClient, PushHeader
 from psctl.runtime.wire import DENSE, Entry
 
@@ -158,7 +158,7 @@ def grpc_raw_server(port: int) -> int:
         "Source": grpc.unary_unary_rpc_method_handler(source),
         "SourceStream": grpc.unary_stream_rpc_method_handler(source_stream),
     }
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=wire.grpc_options())
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=limits.grpc_options())
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(_RAW_SERVICE, handlers)])
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
@@ -211,7 +211,7 @@ def grpc_raw_ops(channel: grpc.Channel, nbytes: int) -> dict[str, Op]:
         "stream_send": lambda: sink_stream(chunks(), timeout=120),
         "stream_recv": recv_stream,
     }
-    if nbytes <= wire.UNARY_MAX_BYTES:  # psctl's message limit: larger ones must be streamed
+    if nbytes <= limits.UNARY_MAX_BYTES:  # psctl's message limit: larger ones must be streamed
         ops["unary_send"] = lambda: sink(data, timeout=120)
         ops["unary_recv"] = lambda: source(ask, timeout=120)
     return ops
@@ -291,7 +291,7 @@ def record(nbytes: int, samples: dict[str, Sample], args: argparse.Namespace) ->
         "benchmark": "pushpull",
         "size_mib": nbytes / MIB,
         "bytes": nbytes,
-        "rpc": "stream" if nbytes > wire.UNARY_MAX_BYTES else "unary",
+        "rpc": "stream" if nbytes > limits.UNARY_MAX_BYTES else "unary",
         "repeats": args.repeats,
         "warmup": args.warmup,
         **{k: rounded(v, 1) for k, v in rates.items()},
@@ -330,7 +330,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         raw_port = stack.enter_context(helper("--grpc-raw-server", 0))
         conn = stack.enter_context(socket.create_connection(("127.0.0.1", tcp_port)))
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        channel = grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=wire.grpc_options())
+        channel = grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=limits.grpc_options())
         stack.callback(channel.close)
         client = PsClient(cluster.jobs["ps"], timeout=120.0)
         stack.callback(client.close)

@@ -48,7 +48,7 @@ from benchmarks.common import (
 )
 from psctl.pki import create_cluster_pki
 from psctl.proto import psctl_pb2 as pb
-from psctl.runtime import wire
+from psctl.runtime import limits
 from psctl.runtime.cluster import TlsFiles
 from psctl.runtime.ps_client import PsClient, PushHeader
 from psctl.runtime.wire import DENSE, Entry
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "benchmark": "tls_pushpull",
                     "size_mib": n / MIB,
                     "bytes": n,
-                    "rpc": "stream" if n > wire.UNARY_MAX_BYTES else "unary",
+                    "rpc": "stream" if n > limits.UNARY_MAX_BYTES else "unary",
                     "servers": "one python -m psctl.runtime PS process per mode (PSCTL_CLUSTER tls entry / null)",
                     "repeats": args.repeats,
                     "warmup": args.warmup,

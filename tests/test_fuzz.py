@@ -35,7 +35,7 @@ from psctl.cli import cli
 from psctl.errors import SpecError
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
-from psctl.runtime import wire
+from psctl.runtime import limits, wire
 from psctl.runtime.ps import ParameterServerServicer, VariableStore, add_to_server
 from psctl.runtime.rpc import make_channel, make_server
 from psctl.spec import ClusterSpec, Plan, load_spec_text, make_plan
@@ -665,7 +665,7 @@ def test_huge_repeated_fields_are_refused(ps: Ps, what: str) -> None:
         entries = [raw_tensor("w", wire.DENSE, "float32", [1] * 1_000_000, bytes(4))]
     else:
         # As many rows as fit in half of a message (8 bytes of id and 8 of row values each).
-        ids = np.tile(np.arange(10, dtype=np.int64), wire.MAX_MESSAGE_BYTES // 2 // 16 // 10)
+        ids = np.tile(np.arange(10, dtype=np.int64), limits.MAX_MESSAGE_BYTES // 2 // 16 // 10)
         values = np.full((len(ids), 2), 0.5, dtype=np.float32)
         if what == "many-ids-one-out-of-range":
             ids[-1] = 10
@@ -673,7 +673,7 @@ def test_huge_repeated_fields_are_refused(ps: Ps, what: str) -> None:
             values[-1, -1] = np.nan
         entries = [tensor("emb", wire.IDS, ids), tensor("emb", wire.ROWS, values)]
     request = ps.push_request(*entries)
-    assert request.ByteSize() < wire.MAX_MESSAGE_BYTES  # refused by the PS itself, not by gRPC's size limit
+    assert request.ByteSize() < limits.MAX_MESSAGE_BYTES  # refused by the PS itself, not by gRPC's size limit
     ps.refused(lambda: ps.stub.Push(request, timeout=60), grpc.StatusCode.INVALID_ARGUMENT)
 
 
@@ -683,9 +683,9 @@ def test_an_oversized_message_is_refused_by_size(ps: Ps) -> None:
         push = channel.unary_unary(
             "/psctl.ParameterServer/Push", request_serializer=lambda b: b, response_deserializer=lambda b: b
         )
-        n = wire.MAX_MESSAGE_BYTES + 1
+        n = limits.MAX_MESSAGE_BYTES + 1
         request = ps.push_request(raw_tensor("w", wire.DENSE, "uint8", [n], bytes(n))).SerializeToString()
-        assert len(request) > wire.MAX_MESSAGE_BYTES
+        assert len(request) > limits.MAX_MESSAGE_BYTES
         ps.refused(lambda: push(request, timeout=60), grpc.StatusCode.RESOURCE_EXHAUSTED)
         # ... and the PS goes on answering the same client.
         assert ps.stub.GetState(pb.StateRequest(), timeout=30).initialized

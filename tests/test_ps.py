@@ -21,8 +21,8 @@ import pytest
 
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
+from psctl.runtime import limits, wire
 from psctl.runtime import ps as ps_module
-from psctl.runtime import wire
 from psctl.runtime.fencing import ChiefReplaced
 from psctl.runtime.initializers import initialize
 from psctl.runtime.optimizers import make_optimizer
@@ -253,7 +253,7 @@ def test_invalid_init_is_refused_and_leaves_the_ps_uninitialized(
 def test_dense_pull_equals_the_initializer_values_through_both_rpcs(ps: Ps) -> None:
     init(ps)
     unary = pull_dense(ps)
-    pulled, step = ps.client.pull({0: [Entry(s.name, DENSE, EMPTY) for s in SPECS]}, {0: wire.UNARY_MAX_BYTES + 1})
+    pulled, step = ps.client.pull({0: [Entry(s.name, DENSE, EMPTY) for s in SPECS]}, {0: limits.UNARY_MAX_BYTES + 1})
     assert step == 0
     streamed = {e.name: e.array for e in pulled[0]}
     for spec in SPECS:
@@ -805,7 +805,7 @@ def test_empty_push_before_init_is_refused_and_records_nothing(ps: Ps) -> None:
 def test_large_variable_round_trips_through_the_streaming_rpcs(ps: Ps) -> None:
     big = pb.VariableSpec(name="big", dtype="float32", shape=[3072, 4096], initializer="normal", seed=5)  # 48 MiB
     nbytes = 3072 * 4096 * 4
-    assert nbytes > 2 * wire.UNARY_MAX_BYTES
+    assert nbytes > 2 * limits.UNARY_MAX_BYTES
     init(ps, [big])
     want = initial_value(big)
 
@@ -821,7 +821,7 @@ def test_large_variable_round_trips_through_the_streaming_rpcs(ps: Ps) -> None:
     assert entry.array.tobytes() == want.tobytes()
 
     grad = np.random.default_rng(0).standard_normal((3072, 4096), dtype=np.float32)
-    assert wire.payload_bytes([Entry("big", DENSE, grad)]) > wire.UNARY_MAX_BYTES  # PsClient streams it
+    assert wire.payload_bytes([Entry("big", DENSE, grad)]) > limits.UNARY_MAX_BYTES  # PsClient streams it
     response = push(ps, 1, [Entry("big", DENSE, grad)])
     assert response.applied and response.global_step == 1
 
@@ -855,7 +855,7 @@ def test_push_pull_answers_the_variables_right_after_the_update(ps: Ps) -> None:
 
 
 def test_a_push_asking_back_more_than_one_message_holds_is_refused_and_changes_nothing(ps: Ps) -> None:
-    big = pb.VariableSpec(name="big", dtype="float32", shape=[wire.UNARY_MAX_BYTES // 4 + 1], initializer="ones")
+    big = pb.VariableSpec(name="big", dtype="float32", shape=[limits.UNARY_MAX_BYTES // 4 + 1], initializer="ones")
     init(ps, [*SPECS, big])
     before = snapshot(ps)
     code = rpc_code(lambda: _framed("PushFramed", _push_frame([GOOD_W], pull_dense=["w", "big"]))(ps))
@@ -865,14 +865,14 @@ def test_a_push_asking_back_more_than_one_message_holds_is_refused_and_changes_n
 
 
 def test_push_pull_needs_gradients_that_fit_one_message(ps: Ps) -> None:
-    big = Entry("w", DENSE, np.zeros(wire.UNARY_MAX_BYTES // 4 + 1, np.float32))
+    big = Entry("w", DENSE, np.zeros(limits.UNARY_MAX_BYTES // 4 + 1, np.float32))
     with pytest.raises(ValueError, match="do not fit one message"):
         ps.client.push_pull(PushHeader(step_id=1, task="worker:0", incarnation=1), {0: [big]}, {0: ["w"]})
 
 
 def test_a_plain_grpc_server_serves_the_framed_rpcs_too(servers: Servers) -> None:
     # Frames are ordinary protobuf messages: the generated registration parses and re-encodes them (slower).
-    big = pb.VariableSpec(name="big", dtype="float32", shape=[wire.UNARY_MAX_BYTES // 4 + 7], initializer="ones")
+    big = pb.VariableSpec(name="big", dtype="float32", shape=[limits.UNARY_MAX_BYTES // 4 + 7], initializer="ones")
     ps = servers.start(generated=True)
     init(ps, [*SPECS, big])
     g = w_grad(2.0)

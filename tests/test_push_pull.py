@@ -13,7 +13,7 @@ import pytest
 from inprocess_cluster import Cluster, MakeCluster, cluster_factory
 
 from psctl.proto import psctl_pb2 as pb
-from psctl.runtime import wire
+from psctl.runtime import limits
 from psctl.runtime.program import ProgramRef
 from psctl.runtime.ps_client import PushHeader
 from psctl.runtime.wire import DENSE, Entry
@@ -49,7 +49,7 @@ def test_a_model_of_several_mib_per_ps_still_costs_one_unary_round_trip_per_step
     # 3.6 MB on the one ps (a 64 x 12,288 kernel): one message each way, the push bringing the variables back
     wide = ProgramRef("psctl.models.mlp", {"hidden_units": 12_288}, {"name": "digits"}, 0)
     cluster = make_cluster(wide, num_ps=1)
-    assert 2 << 20 < cluster.model.pull_bytes(cluster.model.pull_plan())[0] <= wire.UNARY_MAX_BYTES
+    assert 2 << 20 < cluster.model.pull_bytes(cluster.model.pull_plan())[0] <= limits.UNARY_MAX_BYTES
     assert all(r.applied for r in _train(cluster, 4))
     assert cluster.pulls() == [1] and cluster.pushes() == [4]  # neither streamed nor pulled again
 

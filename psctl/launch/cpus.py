@@ -114,7 +114,7 @@ def other_clusters_load(roles: Iterable[BoundRole], cluster_id: str) -> dict[int
     for role in roles:
         if role.cluster_id == cluster_id:
             continue
-        share = ROLE_LOAD.get(role.role.rpartition("-")[0], 1.0) / len(role.cpus)
+        share = ROLE_LOAD.get(_kind(role.role), 1.0) / len(role.cpus)
         for cpu in role.cpus:
             loads[cpu] = loads.get(cpu, 0.0) + share
     return loads
@@ -252,7 +252,12 @@ def bind(pid: int, cpus: Sequence[int]) -> bool:
 
 def yields(role: str) -> bool:
     """Whether the role named ``role`` (``worker-3``) yields its CPU where roles are bound."""
-    return role.rpartition("-")[0] in YIELDING_ROLES
+    return _kind(role) in YIELDING_ROLES
+
+
+def _kind(role: str) -> str:
+    """A role's kind from its name: ``worker`` of ``worker-3``."""
+    return role.rpartition("-")[0]
 
 
 def set_yielding(pid: int, yielding: bool) -> bool:

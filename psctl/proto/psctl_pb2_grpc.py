@@ -185,7 +185,7 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PullFramed(self, request, context):
-        """Pull, framed: the answer in one frame (up to wire.UNARY_MAX_BYTES).
+        """Pull, framed: the answer in one frame (up to limits.UNARY_MAX_BYTES).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -27,7 +27,7 @@ import numpy as np
 
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
-from psctl.runtime import wire
+from psctl.runtime import limits, wire
 from psctl.runtime.accumulator import StepAccumulator
 from psctl.runtime.fencing import ChiefFence, ChiefReplaced
 from psctl.runtime.initializers import initialize
@@ -278,8 +278,8 @@ class VariableStore:
     def _check_pull_dense(self, names: Sequence[str]) -> None:
         """What a push asks back must exist and fit its one-message answer, before anything changes."""
         size = sum(self._shard(name).value.nbytes for name in names)
-        if size > wire.UNARY_MAX_BYTES:
-            raise WireError(f"pull_dense asks for {size} bytes; one answer holds at most {wire.UNARY_MAX_BYTES}")
+        if size > limits.UNARY_MAX_BYTES:
+            raise WireError(f"pull_dense asks for {size} bytes; one answer holds at most {limits.UNARY_MAX_BYTES}")
 
     def _push_sync(self, request: pb.PushRequest, step_id: int, updates: list[Update]) -> PushOutcome:
         """Accumulate a fresh gradient; apply the average once enough arrived (caller holds the lock)."""

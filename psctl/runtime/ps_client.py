@@ -19,7 +19,7 @@ import grpc
 
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
-from psctl.runtime import wire
+from psctl.runtime import limits, wire
 from psctl.runtime.cluster import TlsFiles
 from psctl.runtime.fencing import ChiefReplaced, replaced
 from psctl.runtime.heartbeat import tasks_of
@@ -215,7 +215,7 @@ class PsClient:
         calls: dict[int, Call] = {}
         for ps in range(len(self._framed)):
             request = wire.encode_frame(pb.PullRequest(include_slots=include_slots), plan.get(ps, []))
-            if include_slots or (expected_bytes or {}).get(ps, 0) > wire.UNARY_MAX_BYTES:
+            if include_slots or (expected_bytes or {}).get(ps, 0) > limits.UNARY_MAX_BYTES:
                 calls[ps] = partial(self._pull_stream, ps, request)
             else:
                 calls[ps] = (self._framed[ps].pull, request)
@@ -282,7 +282,7 @@ class PsClient:
                 pull_dense=list(pull.get(ps, ())),
                 chief_incarnation=header.chief_incarnation,
             )
-            if wire.payload_bytes(entries) <= wire.UNARY_MAX_BYTES:
+            if wire.payload_bytes(entries) <= limits.UNARY_MAX_BYTES:
                 calls[ps] = (self._framed[ps].push, wire.encode_frame(request, entries))
             elif request.pull_dense:
                 raise ValueError(f"push_pull: the gradients for ps:{ps} do not fit one message")

@@ -22,7 +22,6 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from psctl.proto import psctl_pb2 as pb
-from psctl.runtime.limits import MAX_MESSAGE_BYTES, UNARY_MAX_BYTES, grpc_options  # noqa: F401 (wire's limits too)
 
 #: dtypes accepted on the wire. Strings and objects never travel (no pickle).
 DTYPES = frozenset(

@@ -37,11 +37,12 @@ from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.evaluation import evaluate_batch
 from psctl.runtime.fencing import ChiefFence, ChiefReplaced
 from psctl.runtime.heartbeat import PROGRESS, Progress
+from psctl.runtime.limits import UNARY_MAX_BYTES
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import Dataset
 from psctl.runtime.ps_client import PsClient, PsUnavailable, PushHeader
 from psctl.runtime.stepstats import StepStats
-from psctl.runtime.wire import DENSE, UNARY_MAX_BYTES, Entry
+from psctl.runtime.wire import DENSE, Entry
 
 
 @dataclass(frozen=True)
