@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from pathlib import Path
 
 import pytest
+from cluster_helpers import wait_until
 from policy_driver import FakeCluster
 from rich.console import Console
 from supervisor_fakes import Clock, FakeRunner
@@ -341,3 +343,22 @@ def test_each_role_gets_its_cpu_slot_among_its_host_s_roles_unless_it_must_not_b
     # a framework's program sizes its thread pools by the CPUs it may use (TensorFlow's hangs on one): never bound
     tensorflow = make_shell(tmp_path / "tf", framework="tensorflow")
     assert {tensorflow.supervisor.cpu_slot(r) for r in tensorflow.record.roles} == {(0, 0)}
+
+
+def test_the_supervisor_starts_the_agents_at_its_first_pass_without_waiting_a_poll_interval(tmp_path: Path) -> None:
+    """``psctl up`` waits for the agents before anything else: the first pass must not wait a poll interval."""
+    made = make_shell(tmp_path)
+    shell = made.supervisor
+    shell.poll_interval = 120.0  # a first pass that waited would start no agent within the bound below
+    shell.finish_wait = 0.1
+    runner = threading.Thread(target=shell.run, name="supervisor", daemon=True)
+    runner.start()
+    try:
+        hosts = set(shell.places)
+        wait_until(lambda: hosts <= {h for h, a in made.record.agents.items() if a.get("pid")}, timeout=30,
+                   what="every host's agent started")
+    finally:
+        shell.poll_interval = 0.01
+        shell.stop_requested.set()
+        runner.join(timeout=30)
+    assert not runner.is_alive()

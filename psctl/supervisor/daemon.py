@@ -114,9 +114,11 @@ class Supervisor:
             return self.record.state
         if adopting:  # the first pass asks for every host's agent: those that still run are waited for
             self.state.adopt(self.time())
+        waited = False  # the first pass runs at once: it starts the agents, the start of every role
         try:
             while not self.record.state.terminal:
-                observations = self.drain()
+                observations = self.drain(wait=waited)
+                waited = True
                 if self.stop_requested.is_set() and not self.state.finishing:
                     observations.append(policy.StopRequested(self.stop_grace(), self.stop_reason))
                 self.act(policy.decide(self.state, observations, self.time()))
@@ -163,14 +165,15 @@ class Supervisor:
             self.record.agents.setdefault(host, {})["forward_port"] = port
         return port
 
-    def drain(self) -> list[Observation]:
-        """What arrives within one ``poll_interval``: the policy then decides once on the batch (with a thousand
-        agents reporting every second, a pass per report would look at every role a thousand times a second)."""
+    def drain(self, *, wait: bool = True) -> list[Observation]:
+        """What arrives within one ``poll_interval`` (what has arrived, without ``wait``): the policy then
+        decides once on the batch (with a thousand agents reporting every second, a pass per report would look
+        at every role a thousand times a second)."""
         # one wake-up per interval, not one per report (they are taken in one go); a stop request wakes it
         # early, once: after it, the finish drains at the same pace
-        if self.stop_requested.is_set():
+        if wait and self.stop_requested.is_set():
             time.sleep(self.poll_interval)
-        else:
+        elif wait:
             self.stop_requested.wait(self.poll_interval)
         out: list[Observation] = []
         with contextlib.suppress(queue.Empty):
