@@ -130,7 +130,7 @@ def supervise(folder: str) -> None:
     places = {h.name: Placement(h.name, HostRunner(h.name), sys.executable, cdir, str(REPO_ROOT), {}, 1,
                                 remote=False, address=h.address) for h in spec.hosts}
     supervisor = Supervisor(cdir, spec, record, places)
-    signal.signal(signal.SIGTERM, lambda *_: supervisor.stop_requested.set())
+    signal.signal(signal.SIGTERM, lambda *_: supervisor.request_stop())
     supervisor.run()
 
 

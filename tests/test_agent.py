@@ -9,7 +9,8 @@ import queue
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -31,9 +32,9 @@ SLEEPER = [sys.executable, "-c", "import sys, time; print('up', flush=True); tim
 class Endpoint:
     """A supervisor's agent endpoint and what came in through it."""
 
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, on_change: Callable[[], None] = lambda: None) -> None:
         self.inbox: queue.SimpleQueue[policy.Observation] = queue.SimpleQueue()
-        self.hub = AgentHub(self.inbox)
+        self.hub = AgentHub(self.inbox, on_change=on_change)
         self.port = self.hub.start(f"127.0.0.1:{port}")
         self.seen: list[policy.Observation] = []
 
@@ -128,6 +129,38 @@ def test_an_agent_starts_watches_and_stops_roles_on_the_supervisor_s_word(
     endpoint.hub.send("h1", hello.agent_pid, pb.AgentCommand(stop=pb.StopRole(name="worker-0", grace_seconds=5)))
     stopped = endpoint.role_report("h1", "worker-0", until=lambda r: r.exited, timeout=10)
     assert (stopped.pid, stopped.exit_code) == (second.pid, -signal.SIGTERM)
+
+
+def test_reports_sent_for_a_change_are_marked_and_wake_the_supervisor_periodic_ones_do_not(
+        tmp_path: Path, started: list[object]) -> None:
+    wakes: list[float] = []
+    endpoint = Endpoint(on_change=lambda: wakes.append(time.monotonic()))
+    started.append(endpoint)
+    agent = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=0.1)
+    started.append(agent)
+    agent.start()
+    hello = endpoint.report("h1", hello=True)
+    wait_until(lambda: len(wakes) == 1, timeout=5, what="the attach to wake the supervisor")
+    periodic = [endpoint.report("h1") for _ in range(3)]  # nothing changed: the interval's reports
+    assert not any(r.changed for r in periodic) and len(wakes) == 1
+
+    def report_where(until: Callable[[pb.AgentReport], bool]) -> pb.AgentReport:
+        def matching() -> pb.AgentReport | None:
+            report = endpoint.report("h1")
+            return report if until(report) else None
+
+        return wait_until(matching, timeout=10, interval=0.0, what="a report of h1")  # type: ignore[no-any-return]
+
+    endpoint.hub.send("h1", hello.agent_pid, start_command("worker-0", 7, tmp_path))
+    running = report_where(lambda r: any(role.pid > 0 for role in r.roles))
+    assert running.changed
+    wait_until(lambda: len(wakes) == 2, timeout=5, what="the start to wake the supervisor")
+    os.kill(running.roles[0].pid, signal.SIGKILL)
+    dead = report_where(lambda r: r.roles[0].exited)
+    assert dead.changed
+    wait_until(lambda: len(wakes) == 3, timeout=5, what="the exit to wake the supervisor")
+    agent.stop()  # its stream ends: the supervisor learns the agent went
+    wait_until(lambda: len(wakes) == 4, timeout=10, what="the detach to wake the supervisor")
 
 
 def test_an_agent_gives_a_role_its_slot_s_cpu_where_the_roles_outnumber_the_cpus(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from psctl.proto import psctl_pb2 as pb
 from psctl.render import status_view
 from psctl.spec import load_spec_text, make_plan
 from psctl.supervisor import policy
-from psctl.supervisor.daemon import Supervisor
+from psctl.supervisor.daemon import MIN_PASS_GAP, Supervisor
 from psctl.supervisor.hosts import HostBench, Occupant, restart_host
 from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, save_state
 
@@ -359,6 +360,25 @@ def test_the_supervisor_starts_the_agents_at_its_first_pass_without_waiting_a_po
                    what="every host's agent started")
     finally:
         shell.poll_interval = 0.01
-        shell.stop_requested.set()
+        shell.request_stop()
         runner.join(timeout=30)
     assert not runner.is_alive()
+
+
+def test_a_change_from_an_agent_wakes_the_supervisor_before_its_poll_interval_but_passes_stay_apart(
+        tmp_path: Path) -> None:
+    shell = make_shell(tmp_path).supervisor
+    shell.poll_interval = 120.0  # only a wake-up ends the wait below within the test's bound
+    shell.drain(wait=False)  # a pass, now
+    passed = time.monotonic()
+    woken: list[float] = []
+    waiting = threading.Thread(target=lambda: (shell.drain(), woken.append(time.monotonic())), daemon=True)
+    waiting.start()
+    shell.hub.on_change()  # what the hub calls when an agent attaches, goes, or reports a role start or exit
+    waiting.join(timeout=30)
+    assert woken and woken[0] - passed >= MIN_PASS_GAP  # at once, but not sooner than the gap after the last
+    waiting = threading.Thread(target=lambda: (shell.drain(), woken.append(time.monotonic())), daemon=True)
+    waiting.start()
+    shell.request_stop()  # psctl down: the finish begins at the next pass, which comes at once
+    waiting.join(timeout=30)
+    assert len(woken) == 2 and shell.stop_requested.is_set()

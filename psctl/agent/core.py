@@ -427,7 +427,7 @@ class Agent:
         deadline = self.time() + grace + 5.0
         while self.time() < deadline and any(r.running for r in list(self.roles.values())):
             time.sleep(WATCH_INTERVAL)
-        self._send(self.report())
+        self._send(self.report(changed=True))
         outbox = self._outbox
         if outbox is not None:
             outbox.put(None)  # ends the stream: the supervisor has the last report before the agent goes
@@ -462,18 +462,20 @@ class Agent:
                     if role.running and role.kill_at is not None and now >= role.kill_at:
                         role.signal(signal.SIGKILL)
                         role.kill_at = now + 1.0  # again, should the group have left a process behind
-            if changed or self._report_now.is_set() or now >= next_report:
+            urgent = changed or self._report_now.is_set()
+            if urgent or now >= next_report:
                 self._report_now.clear()
-                self._send(self.report())
+                self._send(self.report(changed=urgent))
                 next_report = now + self.interval
             self._report_now.wait(WATCH_INTERVAL)
 
-    def report(self, *, hello: bool = False) -> pb.AgentReport:
+    def report(self, *, hello: bool = False, changed: bool = False) -> pb.AgentReport:
+        """Every role's state now; ``changed``: sent because a role started, exited or was signalled."""
         now = self.time()
         with self.lock:
             roles = [role.report(now) for role in self.roles.values()]
         return pb.AgentReport(host=self.host, agent_pid=self.pid, agent_create_time=self.pid_create_time,
-                              heartbeat_address=self.heartbeat_address, hello=hello, roles=roles)
+                              heartbeat_address=self.heartbeat_address, hello=hello, roles=roles, changed=changed)
 
     # -- the stream to the supervisor -----------------------------------------------------------------
     def _send(self, report: pb.AgentReport) -> None:

@@ -463,20 +463,22 @@ class RoleReport(_message.Message):
     def __init__(self, name: _Optional[str] = ..., incarnation: _Optional[int] = ..., attempt: _Optional[int] = ..., pid: _Optional[int] = ..., create_time: _Optional[float] = ..., exited: _Optional[bool] = ..., exit_code: _Optional[int] = ..., log_tail: _Optional[str] = ..., start_error: _Optional[str] = ..., heartbeat_age: _Optional[float] = ..., last: _Optional[_Union[HeartbeatRequest, _Mapping]] = ...) -> None: ...
 
 class AgentReport(_message.Message):
-    __slots__ = ("host", "agent_pid", "agent_create_time", "heartbeat_address", "hello", "roles")
+    __slots__ = ("host", "agent_pid", "agent_create_time", "heartbeat_address", "hello", "roles", "changed")
     HOST_FIELD_NUMBER: _ClassVar[int]
     AGENT_PID_FIELD_NUMBER: _ClassVar[int]
     AGENT_CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ROLES_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
     host: str
     agent_pid: int
     agent_create_time: float
     heartbeat_address: str
     hello: bool
     roles: _containers.RepeatedCompositeFieldContainer[RoleReport]
-    def __init__(self, host: _Optional[str] = ..., agent_pid: _Optional[int] = ..., agent_create_time: _Optional[float] = ..., heartbeat_address: _Optional[str] = ..., hello: _Optional[bool] = ..., roles: _Optional[_Iterable[_Union[RoleReport, _Mapping]]] = ...) -> None: ...
+    changed: bool
+    def __init__(self, host: _Optional[str] = ..., agent_pid: _Optional[int] = ..., agent_create_time: _Optional[float] = ..., heartbeat_address: _Optional[str] = ..., hello: _Optional[bool] = ..., roles: _Optional[_Iterable[_Union[RoleReport, _Mapping]]] = ..., changed: _Optional[bool] = ...) -> None: ...
 
 class StartRole(_message.Message):
     __slots__ = ("name", "incarnation", "attempt", "argv", "env", "cwd", "log_path", "files", "watched_only", "cpu_slot", "cpu_slots")

@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
             supervisor.stop_reason = "stopped by Slurm (preempted, requeued, cancelled or out of time)"
             supervisor.default_grace = spec.supervision.preemption_grace
             supervisor.finish_wait = SLURM_FINISH_WAIT
-        supervisor.stop_requested.set()
+        supervisor.request_stop()
 
     on_signals((signal.SIGTERM,), on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the terminal of `psctl up` only detaches

@@ -36,8 +36,11 @@ def agent_member(host: str) -> str:
 
 class AgentHub(pb_grpc.AgentLinkServicer):
     def __init__(self, inbox: queue.SimpleQueue[Observation], *, get_time: Callable[[], float] = time.monotonic,
-                 tls: TlsFiles | None = None) -> None:
+                 tls: TlsFiles | None = None, on_change: Callable[[], None] = lambda: None) -> None:
+        """``on_change``: called once an observation that the supervisor should act on at once is in ``inbox``:
+        an agent attached or went, or reported a role that started, exited or was signalled."""
         self.inbox = inbox
+        self.on_change = on_change
         self.time = get_time
         self.tls = tls
         self.port = 0
@@ -118,6 +121,7 @@ class AgentHub(pb_grpc.AgentLinkServicer):
         key = (hello.host, hello.agent_pid)
         self._streams[key] = outbox
         self.inbox.put(Report(hello.host, self.time(), hello))
+        self.on_change()
         reason = "its agent's stream ended"
 
         async def read() -> None:
@@ -125,6 +129,8 @@ class AgentHub(pb_grpc.AgentLinkServicer):
             try:
                 async for report in request_iterator:
                     self.inbox.put(Report(hello.host, self.time(), report))
+                    if report.changed:
+                        self.on_change()
             except (grpc.RpcError, asyncio.CancelledError) as exc:
                 reason = f"its agent's stream broke ({type(exc).__name__})"
             finally:
@@ -139,6 +145,7 @@ class AgentHub(pb_grpc.AgentLinkServicer):
             if self._streams.get(key) is outbox:
                 del self._streams[key]
             self.inbox.put(Detached(hello.host, hello.agent_pid, reason))
+            self.on_change()
 
     def _certified(self, host: str, context: grpc.aio.ServicerContext) -> bool:
         if self.tls is None:

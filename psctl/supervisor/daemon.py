@@ -51,6 +51,10 @@ log = logging.getLogger("psctl.supervisor")
 MIRROR_INTERVAL = 2.0
 #: Threads that start agents (SSH round trips) at once: ``up`` of many hosts is bounded by this, not serial.
 AGENT_STARTERS = 16
+#: A change an agent reports (a role started, exited or was signalled; an agent came or went) wakes the loop
+#: before its next poll, so that a start, an exit or a finish is acted on at once; passes stay at least this
+#: far apart, so that a burst of changes (a thousand agents attaching) costs at most one pass each time.
+MIN_PASS_GAP = 0.02
 
 
 class Supervisor:
@@ -78,7 +82,9 @@ class Supervisor:
         self.time = get_time
         self.poll_interval = poll_interval
         self.inbox: queue.SimpleQueue[Observation] = queue.SimpleQueue()
-        self.hub = AgentHub(self.inbox, get_time=get_time,
+        self._wake = threading.Event()  # a change arrived, or a stop was requested: pass now (see drain)
+        self._last_pass = float("-inf")  # (time.monotonic: the gap between passes is real time)
+        self.hub = AgentHub(self.inbox, get_time=get_time, on_change=self._wake.set,
                             tls=member_files(cdir.tls_dir, "supervisor") if record.tls else None)
         hosts = {name: HostLive(remote=p.remote, address=p.address) for name, p in self.places.items()}
         self.state = PolicyState(record, spec, hosts, wall_offset=time.time() - get_time())
@@ -165,16 +171,23 @@ class Supervisor:
             self.record.agents.setdefault(host, {})["forward_port"] = port
         return port
 
+    def request_stop(self) -> None:
+        """Stop the cluster (``psctl down``, a signal): the next pass begins the finish, at once."""
+        self.stop_requested.set()
+        self._wake.set()
+
     def drain(self, *, wait: bool = True) -> list[Observation]:
-        """What arrives within one ``poll_interval`` (what has arrived, without ``wait``): the policy then
-        decides once on the batch (with a thousand agents reporting every second, a pass per report would look
-        at every role a thousand times a second)."""
-        # one wake-up per interval, not one per report (they are taken in one go); a stop request wakes it
-        # early, once: after it, the finish drains at the same pace
-        if wait and self.stop_requested.is_set():
-            time.sleep(self.poll_interval)
-        elif wait:
-            self.stop_requested.wait(self.poll_interval)
+        """What arrived by the next pass (what has arrived, without ``wait``): the policy then decides once on the
+        batch (with a thousand agents reporting every second, a pass per report would look at every role a
+        thousand times a second). The next pass is one ``poll_interval`` after this one, or sooner once a change
+        or a stop request arrives, but never within MIN_PASS_GAP of the last."""
+        if wait:
+            self._wake.wait(self.poll_interval)
+            early = self._last_pass + MIN_PASS_GAP - time.monotonic()
+            if early > 0:
+                time.sleep(early)
+        self._wake.clear()  # (before taking the inbox: a change that lands after it wakes the next pass)
+        self._last_pass = time.monotonic()
         out: list[Observation] = []
         with contextlib.suppress(queue.Empty):
             while True:
