@@ -120,20 +120,35 @@ def up(spec: str, detach: bool, dry_run: bool) -> None:
     _finish_line(cdir, record)
 
 
+#: How often ``psctl up`` looks at the state file (a stat; it is read again only when it changed) and redraws.
+WATCH_POLL = 0.05
+WATCH_REDRAW = 0.25
+
+
 def _watch(cdir: ClusterDir, *, plain_every: float = 5.0) -> Any:
-    """A live table on a terminal; elsewhere (CI logs, pipes) a progress line every few seconds."""
+    """A live table on a terminal; elsewhere (CI logs, pipes) a progress line every few seconds. The state
+    file is read again only when it changed (the supervisor writes it about once a second, and once more with
+    the outcome), so that the end is seen within WATCH_POLL without parsing a large cluster's state each time."""
     live = Live(console=console, refresh_per_second=4, transient=False) if console.is_terminal else None
-    last_line = 0.0
+    last_line = drawn = 0.0
+    seen: tuple[int, int, int] | None = None
+    record: Any = None
     if live is not None:
         live.start()
     try:
         while True:
-            record = load_state(cdir.state_file)
+            stat = cdir.state_file.stat()
+            changed = (stat.st_ino, stat.st_mtime_ns, stat.st_size) != seen  # (written anew, then renamed)
+            if changed:
+                seen = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+                record = load_state(cdir.state_file)
             stale = observe.is_stale(record)
-            if live is not None:
+            now = time.monotonic()
+            if live is not None and (changed or now - drawn >= WATCH_REDRAW):
+                drawn = now
                 live.update(status_view(cdir, record, stale=stale))
-            elif time.monotonic() - last_line >= plain_every or record.state.terminal:
-                last_line = time.monotonic()
+            elif live is None and (now - last_line >= plain_every or record.state.terminal):
+                last_line = now
                 click.echo(progress_line(cdir, record))
             if record.state.terminal:
                 return record
@@ -142,7 +157,7 @@ def _watch(cdir: ClusterDir, *, plain_every: float = 5.0) -> Any:
                     f"the supervisor of {record.name!r} died; roles may still run",
                     hint=f"`psctl supervise {record.name}` adopts them, `psctl down {record.name}` stops everything",
                 )
-            time.sleep(0.25)
+            time.sleep(WATCH_POLL)
     finally:
         if live is not None:
             live.stop()

@@ -31,6 +31,9 @@ from psctl.runtime.program import EmbeddingRows, Program, ProgramRef, load_progr
 from psctl.runtime.tensorboard import ScalarWriter
 
 log = logging.getLogger("psctl.evaluator")
+#: How often the checkpoint folder is looked at (a listing): a new checkpoint is evaluated, and the end of
+#: training seen, within this.
+POLL_SECONDS = 0.1
 
 
 def evaluate_snapshot(program: Program, snapshot: Snapshot, split: str = "test") -> dict[str, float]:
@@ -47,7 +50,7 @@ def evaluate_snapshot(program: Program, snapshot: Snapshot, split: str = "test")
 
 
 class Evaluator:
-    def __init__(self, info: ClusterInfo, *, stop: threading.Event, poll_seconds: float = 0.5) -> None:
+    def __init__(self, info: ClusterInfo, *, stop: threading.Event, poll_seconds: float = POLL_SECONDS) -> None:
         cfg = TrainingConfig.from_dict(info.training)
         if not (cfg.checkpoint or {}).get("dir"):
             raise ValueError("the evaluator needs checkpoints: set training.checkpoint.dir")
