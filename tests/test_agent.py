@@ -143,6 +143,10 @@ def test_reports_sent_for_a_change_are_marked_and_wake_the_supervisor_periodic_o
     wait_until(lambda: len(wakes) == 1, timeout=5, what="the attach to wake the supervisor")
     periodic = [endpoint.report("h1") for _ in range(3)]  # nothing changed: the interval's reports
     assert not any(r.changed for r in periodic) and len(wakes) == 1
+    # a new cluster view is reported promptly but changes no role: it wakes nothing (a thousand agents answer it)
+    endpoint.hub.send("h1", hello.agent_pid, pb.AgentCommand(view=pb.ClusterView(chief_incarnation=3)))
+    wait_until(lambda: agent.view.chief_incarnation == 3, timeout=5, what="the view to arrive")
+    assert not any(endpoint.report("h1").changed for _ in range(2)) and len(wakes) == 1
 
     def report_where(until: Callable[[pb.AgentReport], bool]) -> pb.AgentReport:
         def matching() -> pb.AgentReport | None:

@@ -245,6 +245,9 @@ class Agent:
         self.view = pb.ClusterView()
         self._outbox: queue.SimpleQueue[pb.AgentReport | None] | None = None
         self._report_now = threading.Event()
+        #: A role started, began to stop or sent its first heartbeat: the next report says so (``changed``), and
+        #: the supervisor acts on it at once (a view or CPU move is reported promptly too, but not marked).
+        self._role_changed = threading.Event()
         self._stopping = threading.Event()
         self._done = threading.Event()
         self._server: grpc.Server | None = None
@@ -288,8 +291,9 @@ class Agent:
             role = self.roles.get(f"{job}-{index}")
             if role is None or role.incarnation != request.incarnation or not role.running:
                 return pb.HeartbeatResponse(fenced=True)
-            if role.last_beat is None:
-                self._report_now.set()  # its first: the supervisor learns at once that it runs
+            if role.last_beat is None:  # its first: the supervisor learns at once that it runs
+                self._role_changed.set()
+                self._report_now.set()
             role.last, role.last_beat = request, self.time()
             view = self.view
         response = pb.HeartbeatResponse()
@@ -319,6 +323,8 @@ class Agent:
                 self._rebind(command.cpus)
         elif kind == "shutdown":
             self.handle_shutdown(command.shutdown.grace_seconds)
+        if kind in ("start", "stop"):
+            self._role_changed.set()
         self._report_now.set()
 
     def handle_shutdown(self, grace: float) -> None:
@@ -462,10 +468,11 @@ class Agent:
                     if role.running and role.kill_at is not None and now >= role.kill_at:
                         role.signal(signal.SIGKILL)
                         role.kill_at = now + 1.0  # again, should the group have left a process behind
-            urgent = changed or self._report_now.is_set()
-            if urgent or now >= next_report:
+            changed |= self._role_changed.is_set()
+            if changed or self._report_now.is_set() or now >= next_report:
+                self._role_changed.clear()
                 self._report_now.clear()
-                self._send(self.report(changed=urgent))
+                self._send(self.report(changed=changed))
                 next_report = now + self.interval
             self._report_now.wait(WATCH_INTERVAL)
 
