@@ -52,9 +52,12 @@ MIRROR_INTERVAL = 2.0
 #: Threads that start agents (SSH round trips) at once: ``up`` of many hosts is bounded by this, not serial.
 AGENT_STARTERS = 16
 #: A change an agent reports (a role started, exited or was signalled; an agent came or went) wakes the loop
-#: before its next poll, so that a start, an exit or a finish is acted on at once; passes stay at least this
-#: far apart, so that a burst of changes (a thousand agents attaching) costs at most one pass each time.
+#: before its next poll, so that a start, an exit or a finish is acted on at once. An early pass comes at least
+#: MIN_PASS_GAP, and EARLY_PASS_WORK times the last pass's own work, after the last one began: under a burst of
+#: changes (a thousand agents attaching, a pass over their roles taking tens of milliseconds) early passes take
+#: at most a sixth of the loop's time, and of the GIL it shares with the thread that reads the agents' streams.
 MIN_PASS_GAP = 0.02
+EARLY_PASS_WORK = 5.0
 
 
 class Supervisor:
@@ -180,12 +183,16 @@ class Supervisor:
         """What arrived by the next pass (what has arrived, without ``wait``): the policy then decides once on the
         batch (with a thousand agents reporting every second, a pass per report would look at every role a
         thousand times a second). The next pass is one ``poll_interval`` after this one, or sooner once a change
-        or a stop request arrives, but never within MIN_PASS_GAP of the last."""
+        or a stop request arrives (see MIN_PASS_GAP)."""
         if wait:
-            self._wake.wait(self.poll_interval)
-            early = self._last_pass + MIN_PASS_GAP - time.monotonic()
-            if early > 0:
-                time.sleep(early)
+            start = time.monotonic()
+            work = start - self._last_pass  # the last pass's own (drain is called as soon as it is done)
+            if self._wake.wait(self.poll_interval):
+                not_before = min(self._last_pass + max(MIN_PASS_GAP, EARLY_PASS_WORK * work),
+                                 start + self.poll_interval)  # never later than the pass it replaces
+                pause = not_before - time.monotonic()
+                if pause > 0:
+                    time.sleep(pause)
         self._wake.clear()  # (before taking the inbox: a change that lands after it wakes the next pass)
         self._last_pass = time.monotonic()
         out: list[Observation] = []
