@@ -100,8 +100,14 @@ def test_top_in_a_real_terminal_shows_every_role_s_time(psctl_env: PsctlEnv) -> 
             assert name in shown, shown
         assert "cluster toptest running" in shown
         if importlib.util.find_spec("tensorboard") is not None:  # the chief's scalars, for TensorBoard
-            tags = {v.tag for e in read_events(cluster.root / "run" / "tensorboard" / "train") for v in e.summary.value}
-            assert {"loss", "steps_per_sec", "workers/worker-0/steps_per_sec"} <= tags, tags
+            # (written once per log_every_seconds: top may show the workers' step times before the first)
+            def tags() -> set[str]:
+                return {v.tag for e in read_events(cluster.root / "run" / "tensorboard" / "train")
+                        for v in e.summary.value}
+
+            wanted = {"loss", "steps_per_sec", "workers/worker-0/steps_per_sec"}
+            wait_until(lambda: wanted <= tags(), timeout=30, interval=0.2, what="the chief's TensorBoard scalars",
+                       detail=lambda: str(sorted(tags())))
     finally:
         tmux("kill-server")
 
@@ -151,8 +157,10 @@ def read_events(folder: Path) -> list[Any]:
     for path in sorted(folder.glob("events.out.tfevents.*")):
         data = path.read_bytes()
         at = 0
-        while at < len(data):
+        while at + 12 <= len(data):
             (length,) = struct.unpack("<Q", data[at:at + 8])
+            if at + 12 + length + 4 > len(data):
+                break  # a record still being written
             events.append(event_pb2.Event.FromString(data[at + 12:at + 12 + length]))
             at += 12 + length + 4
     return events
