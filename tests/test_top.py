@@ -79,7 +79,10 @@ def test_top_in_a_real_terminal_shows_every_role_s_time(psctl_env: PsctlEnv) -> 
     cluster.up()
     env = " ".join(f"{k}={v}" for k, v in (("PSCTL_HOME", psctl_env.home), ("TERM", "xterm-256color")))
     started = tmux("new-session", "-d", "-s", "top", "-x", "200", "-y", "50",
-                   f"env {env} {psctl_binary()} top toptest --interval 0.5")
+                   # (without COLUMNS and LINES: GNU readline, once imported in this process, sets them, 80 x 24
+                   # without a terminal, in the C environment that tmux's server inherits; top is to size itself
+                   # to the 200 x 50 terminal)
+                   f"env -u COLUMNS -u LINES {env} {psctl_binary()} top toptest --interval 0.5")
     assert started.returncode == 0, started.stderr
     try:
         def screen() -> str | None:
