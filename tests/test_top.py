@@ -56,7 +56,11 @@ def test_stragglers_and_hot_parameter_servers_are_flagged(tmp_path: Path) -> Non
 
 
 def tmux(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["tmux", "-L", "psctl-test", *args], capture_output=True, text=True, timeout=30)
+    # os.environ given as is: GNU readline, once imported in this process, sets COLUMNS and LINES (80 x 24 without
+    # a terminal) in its C environment, which a child would otherwise inherit; tmux's server keeps them for the
+    # programs it runs, and top then draws itself 80 wide in the 200 x 50 window
+    return subprocess.run(["tmux", "-L", "psctl-test", *args], capture_output=True, text=True, timeout=30,
+                          env=dict(os.environ))
 
 
 @pytest.mark.slow
@@ -79,10 +83,7 @@ def test_top_in_a_real_terminal_shows_every_role_s_time(psctl_env: PsctlEnv) -> 
     cluster.up()
     env = " ".join(f"{k}={v}" for k, v in (("PSCTL_HOME", psctl_env.home), ("TERM", "xterm-256color")))
     started = tmux("new-session", "-d", "-s", "top", "-x", "200", "-y", "50",
-                   # (without COLUMNS and LINES: GNU readline, once imported in this process, sets them, 80 x 24
-                   # without a terminal, in the C environment that tmux's server inherits; top is to size itself
-                   # to the 200 x 50 terminal)
-                   f"env -u COLUMNS -u LINES {env} {psctl_binary()} top toptest --interval 0.5")
+                   f"env {env} {psctl_binary()} top toptest --interval 0.5")
     assert started.returncode == 0, started.stderr
     try:
         def screen() -> str | None:

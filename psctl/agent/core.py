@@ -477,7 +477,8 @@ class Agent:
             self._report_now.wait(WATCH_INTERVAL)
 
     def report(self, *, hello: bool = False, changed: bool = False) -> pb.AgentReport:
-        """Every role's state now; ``changed``: sent because a role started, exited or was signalled."""
+        """Every role's state now; ``changed``: sent because a role started, exited, was told to stop or sent its
+        first heartbeat (see AgentReport.changed)."""
         now = self.time()
         with self.lock:
             roles = [role.report(now) for role in self.roles.values()]
