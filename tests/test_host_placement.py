@@ -369,8 +369,8 @@ def test_a_change_from_an_agent_wakes_the_supervisor_before_its_poll_interval_bu
         tmp_path: Path) -> None:
     shell = make_shell(tmp_path).supervisor
     shell.poll_interval = 120.0  # only a wake-up ends the wait below within the test's bound
-    shell.drain(wait=False)  # a pass, now
     passed = time.monotonic()
+    shell.drain(wait=False)  # a pass, now (it began no sooner than ``passed``)
     woken: list[float] = []
     waiting = threading.Thread(target=lambda: (shell.drain(), woken.append(time.monotonic())), daemon=True)
     waiting.start()
