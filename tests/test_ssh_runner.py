@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import stat
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,6 +28,7 @@ from psctl.launch.base import ProcessHandle, stop_processes
 from psctl.launch.fanout import HostsError, check_results, run_on_all
 from psctl.launch.hostset import RemoteHost
 from psctl.launch.local import UNKNOWN_EXIT
+from psctl.launch.remote import _PREFLIGHT, LOCATED_MODULES
 from psctl.launch.ssh import HostUnreachable, SSHRunner
 from psctl.runtime.checkpoint import Snapshot, write_checkpoint
 from psctl.spec.model import HostSpec
@@ -469,3 +472,23 @@ def test_accept_new_records_the_key_and_a_changed_key_is_refused(sshbed: SSHBed,
     assert known.read_text() == key_before + "\n"  # nothing recorded
     with sshbed.runner("h1") as runner:  # the bed's known_hosts has the new key
         assert runner.run("hostname") == (0, "h1\n", "")
+
+
+def test_the_preflight_finds_tensorflow_installed_without_importing_it(tmp_path: Path) -> None:
+    """The host's script (run here with this python, as SSH runs it there): a module of LOCATED_MODULES is only
+    looked for (TensorFlow's import takes seconds on every host, on every `psctl up`), any other is imported."""
+    (tmp_path / "tensorflow").mkdir()  # installed, but breaks when imported: found, so not imported
+    (tmp_path / "tensorflow" / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    (tmp_path / "brokenmod").mkdir()
+    (tmp_path / "brokenmod" / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    assert "tensorflow" in LOCATED_MODULES and "brokenmod" not in LOCATED_MODULES
+
+    def missing(modules: list[str], located: list[str]) -> list[str]:
+        args = json.dumps({"modules": modules, "located": located, "ports": [], "workdir": str(tmp_path)})
+        done = subprocess.run([sys.executable, "-c", _PREFLIGHT, args], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "PYTHONPATH": str(tmp_path)}, check=True)
+        return list(json.loads(done.stdout.strip().splitlines()[-1])["missing"])
+
+    assert missing(["numpy", "tensorflow", "brokenmod"], ["tensorflow"]) == ["brokenmod"]
+    assert missing(["tensorflow"], []) == ["tensorflow"]  # imported, it fails: what the located check skips
+    assert missing(["nosuchmodule_psctl"], ["nosuchmodule_psctl"]) == ["nosuchmodule_psctl"]
