@@ -120,9 +120,11 @@ def up(spec: str, detach: bool, dry_run: bool) -> None:
     _finish_line(cdir, record)
 
 
-#: How often ``psctl up`` looks at the state file (a stat; it is read again only when it changed) and redraws.
+#: How often ``psctl up`` looks at the state file (a stat; it is read again only when it changed), redraws, and
+#: checks that the supervisor still runs (a Slurm cluster's: a query of Slurm, not to be made 20 times a second).
 WATCH_POLL = 0.05
 WATCH_REDRAW = 0.25
+WATCH_ALIVE_EVERY = 1.0
 
 
 def _watch(cdir: ClusterDir, *, plain_every: float = 5.0) -> Any:
@@ -131,6 +133,8 @@ def _watch(cdir: ClusterDir, *, plain_every: float = 5.0) -> Any:
     the outcome), so that the end is seen within WATCH_POLL without parsing a large cluster's state each time."""
     live = Live(console=console, refresh_per_second=4, transient=False) if console.is_terminal else None
     last_line = drawn = 0.0
+    alive_checked = float("-inf")
+    stale = False
     seen: tuple[int, int, int] | None = None
     record: Any = None
     if live is not None:
@@ -142,8 +146,10 @@ def _watch(cdir: ClusterDir, *, plain_every: float = 5.0) -> Any:
             if changed:
                 seen = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
                 record = load_state(cdir.state_file)
-            stale = observe.is_stale(record)
             now = time.monotonic()
+            if now - alive_checked >= WATCH_ALIVE_EVERY:
+                alive_checked = now
+                stale = observe.is_stale(record)
             if live is not None and (changed or now - drawn >= WATCH_REDRAW):
                 drawn = now
                 live.update(status_view(cdir, record, stale=stale))

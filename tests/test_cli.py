@@ -322,3 +322,57 @@ def test_a_spec_read_back_from_a_cluster_s_state_needs_no_validation_imports() -
     script = "import sys, psctl.supervisor.state; print('psctl.spec.schema' in sys.modules, 'numpy' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "False False", (done.stdout, done.stderr)
+
+
+def _running_record(cdir: ClusterDir, supervisor_pid: int, create_time: float) -> ClusterRecord:
+    record = ClusterRecord(name=cdir.name, cluster_id=f"{cdir.name}-1", state=ClusterState.RUNNING,
+                           supervisor_pid=supervisor_pid, supervisor_create_time=create_time)
+    save_state(cdir.state_file, record)
+    return record
+
+
+def test_up_s_watch_ends_with_the_outcome_and_asks_whether_the_supervisor_runs_once_a_second(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state file is looked at every 50 ms, but the supervisor's liveness (for a Slurm cluster a query of
+    Slurm's) once a second at most."""
+    import dataclasses
+    import threading
+    import time
+
+    import psutil
+
+    from psctl import cli as cli_module
+    from psctl import observe
+
+    cdir = ClusterDir(tmp_path / "home" / "watched")
+    cdir.create()
+    me = psutil.Process()
+    record = _running_record(cdir, me.pid, me.create_time())
+    checks: list[float] = []
+    real = observe.is_stale
+    monkeypatch.setattr(observe, "is_stale", lambda r: checks.append(time.monotonic()) or real(r))
+    done = threading.Timer(0.3, lambda: save_state(cdir.state_file,
+                                                   dataclasses.replace(record, state=ClusterState.SUCCEEDED)))
+    done.start()
+    try:
+        ended = cli_module._watch(cdir)
+    finally:
+        done.cancel()
+    assert ended.state == ClusterState.SUCCEEDED
+    assert len(checks) == 1  # ~6 polls of the file before the outcome, one liveness check
+
+
+def test_up_s_watch_says_when_the_supervisor_died(tmp_path: Path) -> None:
+    import psutil
+
+    from psctl import cli as cli_module
+    from psctl.errors import PsctlError
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    created = psutil.Process(gone.pid).create_time()
+    gone.wait(timeout=30)
+    cdir = ClusterDir(tmp_path / "home" / "orphaned")
+    cdir.create()
+    _running_record(cdir, gone.pid, created)
+    with pytest.raises(PsctlError, match="the supervisor of 'orphaned' died; roles may still run"):
+        cli_module._watch(cdir)
