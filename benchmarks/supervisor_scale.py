@@ -108,6 +108,7 @@ def supervise(folder: str) -> None:
     from psctl.home import ClusterDir
     from psctl.launch.hostset import Placement
     from psctl.launch.local import LocalRunner
+    from psctl.signals import on_signals
     from psctl.spec import load_spec
     from psctl.supervisor.daemon import Supervisor
     from psctl.supervisor.state import load_state
@@ -130,7 +131,7 @@ def supervise(folder: str) -> None:
     places = {h.name: Placement(h.name, HostRunner(h.name), sys.executable, cdir, str(REPO_ROOT), {}, 1,
                                 remote=False, address=h.address) for h in spec.hosts}
     supervisor = Supervisor(cdir, spec, record, places)
-    signal.signal(signal.SIGTERM, lambda *_: supervisor.request_stop())
+    on_signals((signal.SIGTERM,), lambda _signum: supervisor.request_stop())  # (sets events: not in a handler)
     supervisor.run()
 
 
