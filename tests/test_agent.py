@@ -9,6 +9,7 @@ import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +19,9 @@ import psutil
 import pytest
 from cluster_helpers import autogroup_nice, wait_until
 
+from psctl.agent import core
 from psctl.agent.core import Agent, RoleProcess, sweep_orphans
+from psctl.agent.exits import ExitWaiter
 from psctl.launch.cpus import CPUS_VARIABLE, YIELD_NICE, allowed_cpus
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
@@ -129,6 +132,65 @@ def test_an_agent_starts_watches_and_stops_roles_on_the_supervisor_s_word(
     endpoint.hub.send("h1", hello.agent_pid, pb.AgentCommand(stop=pb.StopRole(name="worker-0", grace_seconds=5)))
     stopped = endpoint.role_report("h1", "worker-0", until=lambda r: r.exited, timeout=10)
     assert (stopped.pid, stopped.exit_code) == (second.pid, -signal.SIGTERM)
+
+
+def test_an_exit_is_reported_the_moment_it_happens_not_at_the_next_look(
+        tmp_path: Path, started: list[object], monkeypatch: pytest.MonkeyPatch) -> None:
+    # a look every minute and a report every minute: only the child's pidfd can bring its exit out sooner
+    monkeypatch.setattr(core, "WATCH_INTERVAL", 60.0)
+    endpoint = Endpoint()
+    started.append(endpoint)
+    agent = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=60.0)
+    started.append(agent)
+    agent.start()
+    hello = endpoint.report("h1", hello=True)
+    endpoint.hub.send("h1", hello.agent_pid, start_command("worker-0", 7, tmp_path))
+    running = endpoint.role_report("h1", "worker-0", until=lambda r: r.pid > 0, timeout=10)
+    os.kill(running.pid, signal.SIGKILL)
+    dead = endpoint.role_report("h1", "worker-0", until=lambda r: r.exited, timeout=10)
+    assert dead.exit_code == -signal.SIGKILL
+
+
+def _waiting(waiter: ExitWaiter, timeout: float) -> threading.Thread:
+    thread = threading.Thread(target=waiter.wait, args=(timeout,), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_an_exit_waiter_wakes_for_a_watched_child_s_exit_and_for_a_wake() -> None:
+    waiter = ExitWaiter()
+    child = subprocess.Popen(SLEEPER, stdout=subprocess.DEVNULL)
+    try:
+        assert waiter.watch(child.pid) and not waiter.blind()
+        waiter.wait(0)  # the watch's own wake
+        sleeping = _waiting(waiter, 60.0)
+        sleeping.join(0.3)
+        assert sleeping.is_alive()  # nothing happened: it sleeps on
+        child.kill()
+        wait_until(lambda: not sleeping.is_alive(), timeout=10, what="the exit to end the wait")
+        child.wait(timeout=10)
+        waiter.forget(child.pid)
+        woken = _waiting(waiter, 60.0)  # the collected child's pidfd no longer counts: only a wake ends it
+        woken.join(0.3)
+        assert woken.is_alive()
+        waiter.wake()
+        wait_until(lambda: not woken.is_alive(), timeout=10, what="the wake to end the wait")
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+        waiter.close()
+
+
+def test_an_exit_waiter_says_when_a_process_must_be_looked_at_and_is_inert_once_closed() -> None:
+    waiter = ExitWaiter()
+    waiter.look_only(10_000_000)  # a stand-in, as the benchmarks' fake roles are
+    assert waiter.blind()
+    waiter.forget(10_000_000)
+    assert not waiter.blind()
+    assert not waiter.watch(2**22 + 12345) and waiter.blind()  # no such process (no pid exceeds 2**22): looked at
+    waiter.close()
+    waiter.wake()  # its pipe is closed: nothing is written anywhere
+    assert not waiter.watch(os.getpid())
 
 
 def test_reports_sent_for_a_change_are_marked_and_wake_the_supervisor_periodic_ones_do_not(

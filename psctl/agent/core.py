@@ -1,7 +1,8 @@
 """The per-host agent: runs the roles of one host on the supervisor's word and reports on them.
 
 It starts each role as its own child (a session and process group of its own, output appended to its log),
-watches it with ``waitpid`` (``Popen.poll``: a system call, no remote command), signals its group, answers its
+watches it with ``waitpid`` (``Popen.poll``: a system call, no remote command; woken by the child's pidfd the
+moment it exits), signals its group, answers its
 heartbeats (a replaced incarnation is told it is fenced; moved peers' addresses are passed on), and sends the
 supervisor ONE report per heartbeat interval for all of them over ONE long-lived gRPC stream (mutual TLS), at
 once when a role exits. It never restarts a role by itself: restarts are the supervisor's decision.
@@ -29,6 +30,7 @@ from typing import Protocol
 
 import grpc
 
+from psctl.agent.exits import ExitWaiter
 from psctl.launch.cpus import (
     CPUS_FILE_VARIABLE,
     CPUS_VARIABLE,
@@ -47,7 +49,8 @@ from psctl.runtime.rpc import make_channel, make_server
 
 log = logging.getLogger("psctl.agent")
 
-#: How often children are looked at (``waitpid`` with WNOHANG): an exit is reported within this.
+#: How often a child whose exit no pidfd shows (see psctl.agent.exits) is looked at (``waitpid`` with WNOHANG):
+#: its exit is reported within this. A child watched through its pidfd is reported the moment it exits.
 WATCH_INTERVAL = 0.1
 #: Longest wait between two tries to reach the supervisor.
 MAX_RECONNECT_BACKOFF = 1.0
@@ -245,6 +248,8 @@ class Agent:
         self.view = pb.ClusterView()
         self._outbox: queue.SimpleQueue[pb.AgentReport | None] | None = None
         self._report_now = threading.Event()
+        #: What the watch thread sleeps on between looks: a role's exit, or a poke (see ``_poke``), ends it.
+        self._exits = ExitWaiter()
         #: A role started, began to stop or sent its first heartbeat: the next report says so (``changed``), and
         #: the supervisor acts on it at once (a view or CPU move is reported promptly too, but not marked).
         self._role_changed = threading.Event()
@@ -292,8 +297,7 @@ class Agent:
             if role is None or role.incarnation != request.incarnation or not role.running:
                 return pb.HeartbeatResponse(fenced=True)
             if role.last_beat is None:  # its first: the supervisor learns at once that it runs
-                self._role_changed.set()
-                self._report_now.set()
+                self._poke(changed=True)
             role.last, role.last_beat = request, self.time()
             view = self.view
         response = pb.HeartbeatResponse()
@@ -323,9 +327,14 @@ class Agent:
                 self._rebind(command.cpus)
         elif kind == "shutdown":
             self.handle_shutdown(command.shutdown.grace_seconds)
-        if kind in ("start", "stop"):
+        self._poke(changed=kind in ("start", "stop"))
+
+    def _poke(self, *, changed: bool) -> None:
+        """Report soon; ``changed``: mark that report changed (a role started, began to stop, first beat)."""
+        if changed:
             self._role_changed.set()
         self._report_now.set()
+        self._exits.wake()
 
     def handle_shutdown(self, grace: float) -> None:
         """Stop every role and end, in a thread of its own (safe from a signal handler; once)."""
@@ -373,6 +382,10 @@ class Agent:
                 finally:
                     os.close(fd)
                 role.create_time = create_time(role.process.pid)
+                if isinstance(role.process, subprocess.Popen):
+                    self._exits.watch(role.process.pid)
+                else:  # a stand-in (benchmarks): its exit shows only when it is looked at
+                    self._exits.look_only(role.process.pid)
                 log.info("%s: attempt %d started, pid %d", command.name, command.attempt, role.process.pid)
             except (OSError, ValueError) as exc:
                 where = command.argv[0] if command.argv else "(empty argv)"
@@ -453,28 +466,42 @@ class Agent:
         if code is None:
             return False
         role.exit_code, role.kill_at = code, None
+        self._exits.forget(role.process.pid)
         role.tail = log_tail(role.log_path)
         log.info("%s: attempt %d exited with %d", role.name, role.attempt, code)
         return True
 
     def _watch(self) -> None:
+        try:
+            self._watch_roles()
+        finally:
+            self._exits.close()
+
+    def _watch_roles(self) -> None:
         next_report = self.time()
         while not self._done.is_set():
             now = self.time()
             changed = False
+            wake_at = next_report
             with self.lock:
                 for role in self.roles.values():
                     changed |= self._reap(role)
                     if role.running and role.kill_at is not None and now >= role.kill_at:
                         role.signal(signal.SIGKILL)
                         role.kill_at = now + 1.0  # again, should the group have left a process behind
+                    if role.running and role.kill_at is not None:
+                        wake_at = min(wake_at, role.kill_at)
             changed |= self._role_changed.is_set()
             if changed or self._report_now.is_set() or now >= next_report:
                 self._role_changed.clear()
                 self._report_now.clear()
                 self._send(self.report(changed=changed))
                 next_report = now + self.interval
-            self._report_now.wait(WATCH_INTERVAL)
+                wake_at = min(wake_at, next_report)
+            # until the next report or SIGKILL is due, unless a role exits or a command, a first heartbeat or a
+            # stop pokes it first; children no pidfd shows are looked at every WATCH_INTERVAL
+            timeout = min(max(0.0, wake_at - now), self.interval)
+            self._exits.wait(min(timeout, WATCH_INTERVAL) if self._exits.blind() else timeout)
 
     def report(self, *, hello: bool = False, changed: bool = False) -> pb.AgentReport:
         """Every role's state now; ``changed``: sent because a role started, exited, was told to stop or sent its
