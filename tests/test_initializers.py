@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from psctl.runtime.initializers import INITIALIZERS, glorot_limit, initialize, variable_seed
+from psctl.runtime.partitioners import FixedShards
 from psctl.runtime.program import VariableDef
-from psctl.runtime.strategy import FixedShards, plan_layout
+from psctl.runtime.strategy import plan_layout
 
 RANDOM = ("normal", "uniform", "glorot_uniform")
 

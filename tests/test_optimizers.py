@@ -389,6 +389,12 @@ def test_bad_hyperparameters(name: str, lr: float, params: dict[str, float], mat
         make_optimizer(name, lr, params)
 
 
+def test_the_learning_rate_is_not_a_parameter_a_request_can_also_name() -> None:
+    # a PS builds optimizers from what came over the wire: a clash is a ValueError (refused), not a TypeError
+    with pytest.raises(ValueError, match="unknown parameter 'learning_rate' for optimizer 'sgd'"):
+        make_optimizer("sgd", 0.1, {"learning_rate": 0.2})
+
+
 def test_zero_beta_and_momentum_allowed() -> None:
     make_optimizer("adam", 0.1, {"beta1": 0.0, "beta2": 0.0})
     make_optimizer("momentum", 0.1, {"momentum": 0.0})

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from cluster_helpers import REPO_ROOT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -1005,3 +1008,17 @@ def test_the_chief_and_the_evaluator_get_pools_when_the_checkpoints_are_shared(t
     assert (spec.roles["chief"].hosts, spec.roles["evaluator"].hosts) == (("a", "b"), ("b", "a"))
     assert [(i.name, i.host) for i in make_plan(spec).instances if i.role in ("chief", "evaluator")] == [
         ("chief-0", "a"), ("evaluator-0", "b")]
+
+
+def test_validating_any_example_spec_leaves_numpy_unimported() -> None:
+    # psctl up, psctl validate and the supervisor's start validate the spec: numpy cost each of them ~50 ms
+    specs = sorted(str(p) for p in (REPO_ROOT / "cluster_examples").glob("*.yaml"))
+    assert len(specs) >= 5
+    script = ("import sys\nfrom psctl.spec import load_spec\n"
+              "for path in sys.argv[1:]:\n    load_spec(path)\n"
+              "print(sorted(m for m in ('numpy', 'grpc', 'psctl.runtime.optimizers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script, *specs], capture_output=True, text=True, timeout=60,
+                          cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+

@@ -5,14 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from psctl.runtime.partitioners import FixedShards, MaxSize, MinSize, partitioner_from_config
 from psctl.runtime.program import VariableDef
 from psctl.runtime.strategy import (
-    FixedShards,
-    MaxSize,
-    MinSize,
     ShardInfo,
     VariableLayout,
-    partitioner_from_config,
     plan_layout,
     route_ids,
     shard_slices_for_global,

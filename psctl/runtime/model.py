@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 
 from psctl.proto import psctl_pb2 as pb
+from psctl.runtime.partitioners import partitioner_from_config
 from psctl.runtime.program import EmbeddingRows, Grads, LowRankGrad, Params, Program, SparseGrad
 from psctl.runtime.strategy import (
     ShardInfo,
     VariableLayout,
-    partitioner_from_config,
     plan_layout,
     route_ids,
     shard_slices_for_global,

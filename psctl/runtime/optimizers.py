@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import ClassVar
 
 import numpy as np
 
+from psctl.runtime.optimizer_params import OPTIMIZERS, optimizer_config
 from psctl.runtime.rows import gather_rows, scatter_rows, unique_ids
 
 __all__ = [
@@ -51,13 +52,15 @@ class Optimizer(ABC):
     name: ClassVar[str]
     slot_names: ClassVar[tuple[str, ...]] = ()
     scalar_slot_names: ClassVar[tuple[str, ...]] = ()
-    #: Hyperparameters accepted by make_optimizer's ``params`` (besides learning_rate), with defaults.
-    param_defaults: ClassVar[Mapping[str, float]] = {}
+    learning_rate: float
 
-    def __init__(self, learning_rate: float) -> None:
-        self.learning_rate = _check_range(
-            "learning_rate", learning_rate, "a finite number > 0", lambda x: x > 0
-        )
+    def __init__(self, learning_rate: float, params: Mapping[str, float] | None = None) -> None:
+        """``params``: the optimizer's hyperparameters besides the learning rate (psctl.runtime.optimizer_params
+        names them, their defaults and ranges); each becomes an attribute of the same name. A ValueError says
+        which one is wrong."""
+        self._config = optimizer_config(self.name, learning_rate, params)
+        for key, value in self._config.items():
+            setattr(self, key, value)
 
     # -- public API ---------------------------------------------------------------------------------
 
@@ -127,10 +130,7 @@ class Optimizer(ABC):
 
     def config(self) -> dict[str, float]:
         """The hyperparameters in effect (defaults included), for logs."""
-        return {
-            "learning_rate": self.learning_rate,
-            **{k: float(getattr(self, k)) for k in self.param_defaults},
-        }
+        return dict(self._config)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
@@ -192,13 +192,8 @@ class Momentum(Optimizer):
 
     name = "momentum"
     slot_names = ("accum",)
-    param_defaults: ClassVar[Mapping[str, float]] = {"momentum": 0.9, "nesterov": 0.0}
-
-    def __init__(self, learning_rate: float, momentum: float = 0.9, nesterov: float | bool = False) -> None:
-        super().__init__(learning_rate)
-        self.momentum = _check_range("momentum", momentum, "a finite number >= 0", lambda x: x >= 0)
-        flag = _check_range("nesterov", nesterov, "0 or 1", lambda x: x in (0.0, 1.0))
-        self.nesterov = flag == 1.0
+    momentum: float
+    nesterov: float  # 1.0: Nesterov's form
 
     def _apply_in_place(self, var: np.ndarray, grad: np.ndarray, slots: Slots) -> None:
         c = var.dtype.type
@@ -220,14 +215,8 @@ class Adagrad(Optimizer):
 
     name = "adagrad"
     slot_names = ("accum",)
-    param_defaults: ClassVar[Mapping[str, float]] = {"initial_accumulator": 0.1, "epsilon": 1e-7}
-
-    def __init__(self, learning_rate: float, initial_accumulator: float = 0.1, epsilon: float = 1e-7) -> None:
-        super().__init__(learning_rate)
-        self.initial_accumulator = _check_range(
-            "initial_accumulator", initial_accumulator, "a finite number >= 0", lambda x: x >= 0
-        )
-        self.epsilon = _check_range("epsilon", epsilon, "a finite number > 0", lambda x: x > 0)
+    initial_accumulator: float
+    epsilon: float
 
     def _slot_initial_value(self, key: str) -> float:
         return self.initial_accumulator
@@ -250,15 +239,9 @@ class Adam(Optimizer):
     name = "adam"
     slot_names = ("m", "v", "t")
     scalar_slot_names = ("t",)
-    param_defaults: ClassVar[Mapping[str, float]] = {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-7}
-
-    def __init__(
-        self, learning_rate: float, beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-7
-    ) -> None:
-        super().__init__(learning_rate)
-        self.beta1 = _check_range("beta1", beta1, "in [0, 1)", lambda x: 0 <= x < 1)
-        self.beta2 = _check_range("beta2", beta2, "in [0, 1)", lambda x: 0 <= x < 1)
-        self.epsilon = _check_range("epsilon", epsilon, "a finite number > 0", lambda x: x > 0)
+    beta1: float
+    beta2: float
+    epsilon: float
 
     def _apply_in_place(self, var: np.ndarray, grad: np.ndarray, slots: Slots) -> None:
         c = var.dtype.type
@@ -283,7 +266,6 @@ class Adam(Optimizer):
 
 
 _CLASSES: dict[str, type[Optimizer]] = {cls.name: cls for cls in (SGD, Momentum, Adagrad, Adam)}
-OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adagrad", "adam")
 
 
 def make_optimizer(name: str, learning_rate: float, params: Mapping[str, float] | None = None) -> Optimizer:
@@ -291,23 +273,7 @@ def make_optimizer(name: str, learning_rate: float, params: Mapping[str, float] 
     cls = _CLASSES.get(name)
     if cls is None:
         raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
-    params = dict(params or {})
-    for key in params:
-        if key not in cls.param_defaults:
-            valid = ", ".join(cls.param_defaults) or "(none)"
-            raise ValueError(f"unknown parameter {key!r} for optimizer {name!r}; valid: {valid}")
-    return cls(learning_rate, **params)
-
-
-def _check_range(what: str, value: object, allowed: str, ok: Callable[[float], bool]) -> float:
-    """``value`` as a float if it is a finite real number satisfying ``ok``; else a ValueError."""
-    try:
-        x = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be {allowed}, got {value!r}") from None
-    if isinstance(value, (str, bytes)) or not math.isfinite(x) or not ok(x):
-        raise ValueError(f"{what} must be {allowed}, got {value!r}")
-    return x
+    return cls(learning_rate, params)
 
 
 def _check_float_var(var: object) -> None:

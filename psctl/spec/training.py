@@ -16,8 +16,8 @@ from typing import Any
 
 from psctl.home import psctl_home
 from psctl.runtime.call_size import AUTO
-from psctl.runtime.optimizers import make_optimizer
-from psctl.runtime.strategy import PLACEMENTS, partitioner_from_config
+from psctl.runtime.optimizer_params import OPTIMIZER_PARAMS, optimizer_config
+from psctl.runtime.partitioners import PLACEMENTS, partitioner_from_config
 from psctl.spec.checks import INT64_MAX, Checker, show, suggestion
 from psctl.spec.framework import FRAMEWORKS, normalise_tensorflow
 from psctl.spec.loader import KeyPath
@@ -29,13 +29,6 @@ TRAINING_KEYS = (
     "distinct_replicas", "pipelined", "steps_per_execution", "framework", "command", "data_shards", "placement",
 )  # fmt: skip
 MODES = ("async", "sync", "bounded")
-#: Each optimizer's parameters besides learning_rate (the runtime's make_optimizer accepts exactly these).
-OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
-    "sgd": (),
-    "momentum": ("momentum", "nesterov"),
-    "adagrad": ("initial_accumulator", "epsilon"),
-    "adam": ("beta1", "beta2", "epsilon"),
-}
 #: Each partitioner kind's keys, required ones first.
 PARTITIONER_KEYS: dict[str, tuple[str, ...]] = {
     "fixed": ("num_shards",),
@@ -232,7 +225,7 @@ def _optimizer(c: Checker, value: object) -> dict[str, Any]:
             c.fail((*path, key), f"not a parameter of optimizer {name!r}", f"{name} takes {takes}", key=True)
         params[key] = _optimizer_param(c, (*path, key), key, raw)
     try:
-        config = make_optimizer(name, lr, params).config()
+        config = optimizer_config(name, lr, params)
     except ValueError as e:  # the runtime is stricter than the checks above: its word is final
         c.fail(path, str(e), "fix the optimizer's parameters")
     return {"name": name, **config}
