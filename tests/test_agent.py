@@ -151,6 +151,33 @@ def test_an_exit_is_reported_the_moment_it_happens_not_at_the_next_look(
     assert dead.exit_code == -signal.SIGKILL
 
 
+def test_a_shutdown_stops_every_role_reports_their_exits_and_ends_the_agent(
+        tmp_path: Path, started: list[object], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(core, "WATCH_INTERVAL", 60.0)  # the exits and the SIGKILL's deadline must wake the agent
+    endpoint = Endpoint()
+    started.append(endpoint)
+    agent = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=60.0)
+    started.append(agent)
+    agent.start()
+    hello = endpoint.report("h1", hello=True)
+    stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('up', flush=True); time.sleep(120)"]
+    for name, argv in (("worker-0", SLEEPER), ("worker-1", stubborn)):
+        endpoint.hub.send("h1", hello.agent_pid, start_command(name, 1, tmp_path, argv))
+        log = tmp_path / "logs" / f"{name}.1.log"
+        wait_until(lambda log=log: log.is_file() and "up" in log.read_text(), timeout=10, what=f"{name} to start")
+    endpoint.hub.send("h1", hello.agent_pid, pb.AgentCommand(shutdown=pb.Shutdown(grace_seconds=0.5)))
+    assert agent.wait(10), "the agent did not end after its roles did"
+
+    def last_report() -> pb.AgentReport | None:
+        report = endpoint.report("h1")
+        return report if all(r.exited for r in report.roles) else None
+
+    final = wait_until(last_report, timeout=10, interval=0.0, what="the report of both exits")
+    assert final.changed
+    assert {r.name: r.exit_code for r in final.roles} == {"worker-0": -signal.SIGTERM, "worker-1": -signal.SIGKILL}
+
+
 def _waiting(waiter: ExitWaiter, timeout: float) -> threading.Thread:
     thread = threading.Thread(target=waiter.wait, args=(timeout,), daemon=True)
     thread.start()

@@ -253,6 +253,8 @@ class Agent:
         #: A role started, began to stop or sent its first heartbeat: the next report says so (``changed``), and
         #: the supervisor acts on it at once (a view or CPU move is reported promptly too, but not marked).
         self._role_changed = threading.Event()
+        #: Notified (under ``lock``) when the watch thread collects a role's exit.
+        self._reaped = threading.Condition(self.lock)
         self._stopping = threading.Event()
         self._done = threading.Event()
         self._server: grpc.Server | None = None
@@ -282,6 +284,7 @@ class Agent:
     def stop(self) -> None:
         """Leave the roles running and stop serving (a test's or a benchmark's end; ``Shutdown`` stops roles)."""
         self._done.set()
+        self._exits.wake()  # the watch thread ends now, not at its next look
         outbox = self._outbox
         if outbox is not None:
             outbox.put(None)
@@ -443,14 +446,14 @@ class Agent:
         with self.lock:
             for role in self.roles.values():
                 self._begin_stop(role, grace)
-        deadline = self.time() + grace + 5.0
-        while self.time() < deadline and any(r.running for r in list(self.roles.values())):
-            time.sleep(WATCH_INTERVAL)
+            self._exits.wake()  # the watch thread's next SIGKILL is due sooner
+            self._reaped.wait_for(lambda: not any(r.running for r in self.roles.values()), timeout=grace + 5.0)
         self._send(self.report(changed=True))
         outbox = self._outbox
         if outbox is not None:
             outbox.put(None)  # ends the stream: the supervisor has the last report before the agent goes
         self._done.set()
+        self._exits.wake()
 
     # -- watching -------------------------------------------------------------------------------------
     def _reap(self, role: RoleProcess, *, timeout: float = 0.0) -> bool:
@@ -491,6 +494,8 @@ class Agent:
                         role.kill_at = now + 1.0  # again, should the group have left a process behind
                     if role.running and role.kill_at is not None:
                         wake_at = min(wake_at, role.kill_at)
+                if changed:
+                    self._reaped.notify_all()
             changed |= self._role_changed.is_set()
             if changed or self._report_now.is_set() or now >= next_report:
                 self._role_changed.clear()
