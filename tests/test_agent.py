@@ -339,6 +339,13 @@ def test_an_agent_moves_its_running_roles_to_the_cpus_their_new_slots_name(
     if os.geteuid() == 0:
         assert psutil.Process(pids["worker-1"]).nice() == 0
 
+    # the file of a role's moves (for the role to read) goes with the role once it exited
+    moves = tmp_path / "logs" / "worker-1.1.cpus"
+    assert moves.is_file()
+    os.kill(pids["worker-1"], signal.SIGKILL)
+    endpoint.role_report("h1", "worker-1", until=lambda r: r.exited)
+    assert not moves.exists()
+
 
 def test_a_role_moved_before_it_bound_itself_binds_itself_where_it_was_moved(
         tmp_path: Path, started: list[object]) -> None:

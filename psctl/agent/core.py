@@ -470,6 +470,9 @@ class Agent:
             return False
         role.exit_code, role.kill_at = code, None
         self._exits.forget(role.process.pid)
+        if role.cpus_file:  # its moves were for it to read; a restart gets a file of its own
+            with contextlib.suppress(OSError):
+                os.remove(role.cpus_file)
         role.tail = log_tail(role.log_path)
         log.info("%s: attempt %d exited with %d", role.name, role.attempt, code)
         return True
