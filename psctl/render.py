@@ -13,7 +13,7 @@ from rich.text import Text
 import psctl
 from psctl.home import ClusterDir
 from psctl.launch.remote import HostReport
-from psctl.runtime.metrics import last_record
+from psctl.runtime.metrics import CPU_METRIC, last_record
 from psctl.spec import Plan
 from psctl.supervisor.state import ClusterRecord, RoleRecord, RoleState
 
@@ -136,7 +136,7 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
         header.append(f"  {prog['steps_per_sec']:.1f} steps/s  {prog.get('examples_per_sec', 0):.0f} examples/s")
     for role in record.roles:
         if role.role == "evaluator" and role.metrics:
-            shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(role.metrics.items()))
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(role.metrics.items()) if k != CPU_METRIC)
             header.append(f"\nevaluator: global step {role.global_step}: {shown}")
     if record.result:
         metrics = record.result.get("metrics", {})

@@ -16,6 +16,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from psctl.runtime.metrics import CPU_METRIC
 from psctl.supervisor.state import ClusterRecord, RoleRecord
 
 STRAGGLER = 0.5  # a worker below this fraction of the workers' median steps/s
@@ -32,7 +33,7 @@ def _row(role: RoleRecord) -> dict[str, Any]:
     row: dict[str, Any] = {
         "role": role.name, "kind": role.role, "host": role.host, "state": role.state.value,
         "steps_per_s": role.steps_per_sec or 0.0, "global_step": role.global_step, "local_step": role.local_step,
-        "cpu": m.get("cpu"), "rss_mb": role.rss_bytes / 1e6 if role.rss_bytes else None,
+        "cpu": m.get(CPU_METRIC), "rss_mb": role.rss_bytes / 1e6 if role.rss_bytes else None,
     }
     if role.role == "worker":
         row["steps_per_s"] = m.get("steps_per_s", row["steps_per_s"])

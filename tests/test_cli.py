@@ -281,13 +281,15 @@ def test_status_shows_the_evaluators_latest_result(psctl_env) -> None:
     cdir = recorded_cluster("ev", {"chief-0": 1, "ps-0": 1, "worker-0": 1, "evaluator-0": 1})
     record = load_state(cdir.state_file)
     evaluator = record.role("evaluator-0")
-    evaluator.global_step, evaluator.metrics = 300, {"accuracy": 0.9721, "loss": 0.0912}
+    # (its heartbeat adds the CPU it used, for psctl top: not an evaluation metric)
+    evaluator.global_step, evaluator.metrics = 300, {"accuracy": 0.9721, "loss": 0.0912, "cpu": 0.1186}
     save_state(cdir.state_file, record)
     result = invoke("status", "ev")
     assert result.exit_code == 0, result.stderr
-    assert "evaluator: global step 300: accuracy 0.9721, loss 0.0912" in " ".join(result.stdout.split())
+    assert "evaluator: global step 300: accuracy 0.9721, loss 0.0912\n" in " ".join(result.stdout.split(" "))
     as_json = json.loads(invoke("status", "ev", "--json").stdout)
-    assert {r["name"]: r["metrics"] for r in as_json["roles"]}["evaluator-0"] == {"accuracy": 0.9721, "loss": 0.0912}
+    assert {r["name"]: r["metrics"] for r in as_json["roles"]}["evaluator-0"] == {
+        "accuracy": 0.9721, "loss": 0.0912, "cpu": 0.1186}
 
 
 def test_the_commands_and_the_supervisor_import_no_ssh_library_for_a_cluster_on_this_machine() -> None:

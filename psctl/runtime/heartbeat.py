@@ -19,6 +19,7 @@ from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.cluster import ClusterInfo
 from psctl.runtime.fencing import CHIEF_FENCE, ChiefFence
+from psctl.runtime.metrics import CPU_METRIC
 from psctl.runtime.rpc import make_channel
 
 log = logging.getLogger("psctl.heartbeat")
@@ -162,7 +163,7 @@ class Heartbeater:
                 steps_per_second=p.steps_per_second,
                 rss_bytes=_rss(),
                 status=p.status,
-                metrics={**p.metrics, "cpu": cpu},
+                metrics={**p.metrics, CPU_METRIC: cpu},
             )
             try:
                 reply = stub.Heartbeat(request, timeout=max(1.0, self.interval))

@@ -10,6 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+#: A role's recent CPU use (cores), which its heartbeat adds to the role's own metrics (``psctl top`` shows it;
+#: the evaluator's line in ``psctl status`` shows the evaluation's metrics without it).
+CPU_METRIC = "cpu"
+
 
 class MetricsFile:
     """Appends one JSON object per line, flushed each time (a crash loses at most the line being written)."""
