@@ -370,7 +370,9 @@ class Agent:
                 return  # a command sent again after a reconnect
             if old is not None and old.running:  # replaced here: the old process must not answer on its port
                 old.signal(signal.SIGKILL)
-                self._reap(old, timeout=5.0)
+                if not self._reap(old, timeout=5.0):  # not gone yet: no longer watched (its pidfd would stay ready)
+                    assert old.process is not None
+                    self._exits.forget(old.process.pid)
             role = RoleProcess(command.name, command.incarnation, command.attempt, host_path(command.log_path),
                                watched_only=command.watched_only)
             self.roles[command.name] = role
