@@ -83,12 +83,12 @@ def started() -> Iterator[list[object]]:
             thing.hub.stop()
 
 
-def attached(started: list[object]) -> tuple[Endpoint, Agent, pb.AgentReport]:
+def attached(started: list[object], interval: float = 0.2) -> tuple[Endpoint, Agent, pb.AgentReport]:
     """A supervisor's endpoint and an agent of host h1 dialled into it (both stopped by ``started``), and the
     agent's hello."""
     endpoint = Endpoint()
     started.append(endpoint)
-    agent = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=0.2)
+    agent = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=interval)
     started.append(agent)
     agent.start()
     return endpoint, agent, endpoint.report("h1", hello=True)
@@ -138,12 +138,7 @@ def test_an_exit_is_reported_the_moment_it_happens_not_at_the_next_look(
         tmp_path: Path, started: list[object], monkeypatch: pytest.MonkeyPatch) -> None:
     # a look every minute and a report every minute: only the child's pidfd can bring its exit out sooner
     monkeypatch.setattr(core, "WATCH_INTERVAL", 60.0)
-    endpoint = Endpoint()
-    started.append(endpoint)
-    agent = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=60.0)
-    started.append(agent)
-    agent.start()
-    hello = endpoint.report("h1", hello=True)
+    endpoint, _, hello = attached(started, interval=60.0)
     endpoint.hub.send("h1", hello.agent_pid, start_command("worker-0", 7, tmp_path))
     running = endpoint.role_report("h1", "worker-0", until=lambda r: r.pid > 0, timeout=10)
     os.kill(running.pid, signal.SIGKILL)
@@ -154,12 +149,7 @@ def test_an_exit_is_reported_the_moment_it_happens_not_at_the_next_look(
 def test_a_shutdown_stops_every_role_reports_their_exits_and_ends_the_agent(
         tmp_path: Path, started: list[object], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(core, "WATCH_INTERVAL", 60.0)  # the exits and the SIGKILL's deadline must wake the agent
-    endpoint = Endpoint()
-    started.append(endpoint)
-    agent = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=60.0)
-    started.append(agent)
-    agent.start()
-    hello = endpoint.report("h1", hello=True)
+    endpoint, agent, hello = attached(started, interval=60.0)
     stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                 "print('up', flush=True); time.sleep(120)"]
     for name, argv in (("worker-0", SLEEPER), ("worker-1", stubborn)):
