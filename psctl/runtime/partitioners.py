@@ -7,6 +7,7 @@ start) builds these from the spec's ``training`` section, and importing numpy fo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -111,22 +112,34 @@ class MaxSize:
         return _result(shape, n)
 
 
-_CONFIG_KINDS: dict[str, tuple[type, tuple[str, ...]]] = {
-    "fixed": (FixedShards, ("num_shards",)),
-    "min_size": (MinSize, ("min_shard_bytes", "max_shards", "bytes_per_string")),
-    "max_size": (MaxSize, ("max_shard_bytes", "max_shards", "bytes_per_string")),
+#: Each partitioner kind (``training.partitioner.kind``) and its class, whose fields are the kind's keys.
+PARTITIONER_KINDS: dict[str, type[FixedShards] | type[MinSize] | type[MaxSize]] = {
+    "fixed": FixedShards,
+    "min_size": MinSize,
+    "max_size": MaxSize,
 }
+
+
+def partitioner_keys(kind: str) -> tuple[str, ...]:
+    """The keys of partitioner ``kind`` besides ``kind`` itself, the required one (if any) first."""
+    return tuple(f.name for f in dataclasses.fields(PARTITIONER_KINDS[kind]))
+
+
+def required_partitioner_key(kind: str) -> str | None:
+    """The key partitioner ``kind`` cannot do without (it has no default), if any."""
+    fields = dataclasses.fields(PARTITIONER_KINDS[kind])
+    return next((f.name for f in fields if f.default is dataclasses.MISSING), None)
 
 
 def partitioner_from_config(cfg: Mapping[str, Any] | None) -> Partitioner | None:
     """Build a partitioner from its spec form, e.g. ``{"kind": "fixed", "num_shards": 2}``; None -> None."""
     if cfg is None:
         return None
-    kinds = ", ".join(sorted(_CONFIG_KINDS))
+    kinds = ", ".join(sorted(PARTITIONER_KINDS))
     kind = cfg.get("kind")
-    if kind not in _CONFIG_KINDS:
+    if kind not in PARTITIONER_KINDS:
         raise ValueError(f"unknown partitioner kind {kind!r}; valid kinds: {kinds}")
-    cls, keys = _CONFIG_KINDS[kind]
+    cls, keys = PARTITIONER_KINDS[kind], partitioner_keys(kind)
     kwargs = {k: v for k, v in cfg.items() if k != "kind"}
     unknown = sorted(set(kwargs) - set(keys))
     if unknown:

@@ -17,7 +17,13 @@ from typing import Any
 from psctl.home import psctl_home
 from psctl.runtime.call_size import AUTO
 from psctl.runtime.optimizer_params import OPTIMIZER_PARAMS, optimizer_config
-from psctl.runtime.partitioners import PLACEMENTS, partitioner_from_config
+from psctl.runtime.partitioners import (
+    PARTITIONER_KINDS,
+    PLACEMENTS,
+    partitioner_from_config,
+    partitioner_keys,
+    required_partitioner_key,
+)
 from psctl.spec.checks import INT64_MAX, Checker, show, suggestion
 from psctl.spec.framework import FRAMEWORKS, normalise_tensorflow
 from psctl.spec.loader import KeyPath
@@ -30,12 +36,7 @@ TRAINING_KEYS = (
 )  # fmt: skip
 MODES = ("async", "sync", "bounded")
 #: Each partitioner kind's keys, required ones first.
-PARTITIONER_KEYS: dict[str, tuple[str, ...]] = {
-    "fixed": ("num_shards",),
-    "min_size": ("min_shard_bytes", "max_shards", "bytes_per_string"),
-    "max_size": ("max_shard_bytes", "max_shards", "bytes_per_string"),
-}
-_REQUIRED_PARTITIONER_KEY = {"fixed": "num_shards", "max_size": "max_shard_bytes"}
+PARTITIONER_KEYS: dict[str, tuple[str, ...]] = {kind: partitioner_keys(kind) for kind in PARTITIONER_KINDS}
 CHECKPOINT_KEYS = ("dir", "every_steps", "every_seconds", "max_to_keep", "keep_every_hours")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 _MAX_JSON_DEPTH = 32
@@ -261,7 +262,7 @@ def _partitioner(c: Checker, value: object) -> dict[str, Any] | None:
                 f"{kind} takes {', '.join(PARTITIONER_KEYS[kind])}",
                 key=True,
             )
-    required = _REQUIRED_PARTITIONER_KEY.get(kind)
+    required = required_partitioner_key(kind)
     if required is not None:
         c.require(path, p, required, f"add {required}: (an integer >= 1)")
     config: dict[str, Any] = {"kind": kind}
