@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 import pytest
-from cluster_helpers import wait_until
+from cluster_helpers import REPO_ROOT, wait_until
 
 from psctl.launch.cpus import allowed_cpus, cpus_for_slot, host_slots
 
@@ -149,6 +149,25 @@ def test_up_attached_trains_to_the_end(psctl_env) -> None:
     last = done.stdout.rstrip("\n").splitlines()[-1]
     assert last.startswith(f"training finished: {steps} steps in "), done.stdout
     assert "accuracy" in last, done.stdout
+
+
+def test_the_readme_example_trains_and_status_shows_the_evaluation_of_its_last_checkpoint(psctl_env) -> None:
+    # the README's first command; the evaluator's last evaluation comes after its last periodic heartbeat, and
+    # psctl status once showed the one before it
+    spec = REPO_ROOT / "cluster_examples" / "local.yaml"
+    done = psctl_env.run("up", str(spec), timeout=180)
+    assert done.returncode == 0, (done.stdout, done.stderr, cluster_logs(psctl_env, "digits"))
+    assert done.stdout.rstrip("\n").splitlines()[-1].startswith("training finished: 1000 steps in ")
+    status = status_json(psctl_env, "digits")
+    psctl_env.cluster_ids.add(status["cluster_id"])
+    evaluations = (psctl_env.home / "digits" / "run" / "eval.jsonl").read_text().splitlines()
+    last = json.loads(evaluations[-1])
+    assert last["global_step"] == 1000  # the evaluator evaluated the final checkpoint...
+    evaluator = role_of(status, "evaluator-0")
+    assert evaluator["state"] == "succeeded" and evaluator["global_step"] == 1000  # ...and status says so
+    assert evaluator["metrics"]["accuracy"] == pytest.approx(last["accuracy"])
+    assert evaluator["metrics"]["loss"] == pytest.approx(last["loss"])
+    check(psctl_env.run("down"))
 
 
 def test_export_writes_the_newest_checkpoints_variables(psctl_env) -> None:

@@ -158,6 +158,20 @@ def test_the_step_a_role_reports_as_it_exits_is_its_last(c: FakeCluster) -> None
     assert c.role("chief-0").global_step == 300
 
 
+def test_the_heartbeat_a_role_sends_as_it_exits_is_its_last_word(c: FakeCluster) -> None:
+    """A role on its way out sends one last heartbeat (an evaluator's last evaluation comes after its last
+    periodic one); the report that says it exited carries it, and its metrics and steps are the role's."""
+    running(c)
+    chief = c.process("chief-0")
+    chief.metrics, chief.local_step = {"accuracy": 0.90}, 40
+    c.step(1)
+    assert (c.role("chief-0").metrics, c.role("chief-0").local_step) == ({"accuracy": 0.90}, 40)
+    chief.metrics, chief.local_step, chief.beat, chief.exit_code = {"accuracy": 0.98}, 50, c.now + 0.5, 0
+    c.step(0.5)
+    assert c.role("chief-0").state == RoleState.SUCCEEDED
+    assert (c.role("chief-0").metrics, c.role("chief-0").local_step) == ({"accuracy": 0.98}, 50)
+
+
 def test_psctl_down_stops_every_role_with_its_grace(c: FakeCluster) -> None:
     running(c)
     actions = c.step(observations=[policy.StopRequested(12.0)])

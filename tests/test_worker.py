@@ -309,6 +309,42 @@ def test_a_heartbeat_reply_tells_the_role_which_chief_is_current() -> None:
         server.stop(grace=None).wait()
 
 
+class RecordingSupervisor(pb_grpc.SupervisorServicer):
+    """A supervisor that keeps every heartbeat and answers each (fenced, if told to)."""
+
+    def __init__(self, fenced: bool = False) -> None:
+        self.beats: list[pb.HeartbeatRequest] = []
+        self.fenced = fenced
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        self.beats.append(request)
+        return pb.HeartbeatResponse(fenced=self.fenced)
+
+
+@pytest.mark.parametrize("fenced", [False, True])
+def test_a_role_stopping_sends_a_last_heartbeat_with_its_final_progress(fenced: bool) -> None:
+    # an evaluator's last evaluation comes after its last periodic beat: psctl status showed the one before
+    supervisor = RecordingSupervisor(fenced)
+    server, port = make_server("127.0.0.1:0")
+    pb_grpc.add_SupervisorServicer_to_server(supervisor, server)
+    info = ClusterInfo({"worker": ["127.0.0.1:1"]}, "evaluator", 0, supervisor=f"127.0.0.1:{port}")
+    progress = Progress()
+    exits: list[str] = []
+    heartbeater = Heartbeater(info, interval=3600.0, progress=progress, on_fenced=lambda: exits.append("fenced"))
+    try:
+        server.start()
+        heartbeater.start()
+        wait_until(lambda: supervisor.beats, timeout=10, what="the first heartbeat")
+        progress.global_step, progress.metrics = 1000, {"accuracy": 0.98}
+        heartbeater.stop(final_within=10.0)
+        assert [b.global_step for b in supervisor.beats] == [0, 1000]
+        assert supervisor.beats[-1].metrics["accuracy"] == pytest.approx(0.98)
+        assert exits == (["fenced"] if fenced else [])  # a role on its way out is not made to exit by a fence
+    finally:
+        heartbeater.stop()
+        server.stop(grace=None).wait()
+
+
 def test_a_step_of_a_replaced_chief_does_not_land_once_the_ps_knows_the_new_one(make_cluster: MakeCluster) -> None:
     """The new chief's Init reaches every PS before it reads where each worker's input stands: from then on
     the old chief's steps are refused at the PS, even by a worker that has not heard of the new chief yet."""

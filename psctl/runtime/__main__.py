@@ -24,6 +24,8 @@ from psctl.signals import on_signals
 #: Seconds a worker stopped by SIGTERM gives the steps it is running (the supervisor sets it from
 #: supervision.preemption_grace; the SIGKILL that follows a preemption's warning ends it otherwise).
 DEFAULT_PREEMPTION_GRACE = 30.0
+#: The longest a role on its way out waits for its last heartbeat (its final step and metrics) to be sent.
+FINAL_BEAT_WAIT = 1.0
 
 
 def _serve(info: ClusterInfo, stop: threading.Event) -> int:
@@ -175,7 +177,7 @@ def main() -> int:
         return EXIT_CONFIG
     finally:
         if heartbeat is not None:
-            heartbeat.stop()
+            heartbeat.stop(final_within=FINAL_BEAT_WAIT)  # its final step and metrics, for psctl status
 
 
 def record_exit(code: int) -> None:

@@ -134,21 +134,30 @@ class Heartbeater:
         self.addresses = addresses
         self.chief_fence = chief_fence
         self._stop = threading.Event()
+        self._final = False
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
         if not self._thread.is_alive():
             self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, *, final_within: float = 0.0) -> None:
+        """Stop beating; with ``final_within`` > 0, first send one last beat with the progress as it is now (a role's
+        final step and metrics: an evaluator's last evaluation), waiting at most that long for it."""
+        self._final = final_within > 0
         self._stop.set()
+        if self._final and self._thread.is_alive():
+            self._thread.join(final_within)
 
     def _run(self) -> None:
         assert self.info.supervisor is not None
         channel = make_channel(self.info.supervisor, self.info.tls)
         stub = pb_grpc.SupervisorStub(channel)
         cpu_before, at_before = _cpu_seconds(), time.monotonic()
-        while not self._stop.is_set():
+        while True:
+            stopping = self._stop.is_set()
+            if stopping and not self._final:
+                break
             p = self.progress
             cpu_now, at_now = _cpu_seconds(), time.monotonic()
             cpu = (cpu_now - cpu_before) / max(1e-6, at_now - at_before)  # cores this process used lately
@@ -167,7 +176,7 @@ class Heartbeater:
             )
             try:
                 reply = stub.Heartbeat(request, timeout=max(1.0, self.interval))
-                if reply.fenced:
+                if reply.fenced and not stopping:  # (a role on its way out exits with its own code)
                     log.error("%s incarnation %d was replaced: exiting", self.info.task, self.info.incarnation)
                     self.on_fenced()
                 if reply.addresses:
@@ -175,5 +184,7 @@ class Heartbeater:
                 self.chief_fence.learn(reply.chief_incarnation)
             except grpc.RpcError:
                 pass
+            if stopping:
+                break
             self._stop.wait(self.interval)
         channel.close()

@@ -511,22 +511,29 @@ class _Decision:
             role.started_at = live.started + self.s.wall_offset
             self.transition(role, role.state, f"attempt {role.attempt}, pid {rr.pid}")
         if rr.exited:
-            # the step it reported last still counts (a watched program's, read from its final lines at exit)
+            # what it reported last still counts: its final heartbeat (an evaluator's last evaluation), or a watched
+            # program's step, read from its final lines at exit
+            self.take_heartbeat(role, live, rr, at)
             role.global_step = max(role.global_step, rr.last.global_step)
             role.exit_code = rr.exit_code
             self.on_exit(role, rr.exit_code, rr.log_tail)
             return
-        if rr.heartbeat_age >= 0:
-            beat = at - rr.heartbeat_age
-            if live.last_heartbeat is None or beat > live.last_heartbeat:
-                live.last_heartbeat = beat
-                hb = rr.last
-                role.last_heartbeat = beat + self.s.wall_offset
-                role.global_step, role.local_step = hb.global_step, hb.local_step
-                role.loss = hb.loss if hb.loss == hb.loss else None
-                role.steps_per_sec = hb.steps_per_second
-                role.rss_bytes = hb.rss_bytes
-                role.metrics = dict(hb.metrics)
+        self.take_heartbeat(role, live, rr, at)
+
+    def take_heartbeat(self, role: RoleRecord, live: RoleLive, rr: pb.RoleReport, at: float) -> None:
+        """The role's progress from the heartbeat its agent reports, if newer than the last one taken."""
+        if rr.heartbeat_age < 0:
+            return
+        beat = at - rr.heartbeat_age
+        if live.last_heartbeat is None or beat > live.last_heartbeat:
+            live.last_heartbeat = beat
+            hb = rr.last
+            role.last_heartbeat = beat + self.s.wall_offset
+            role.global_step, role.local_step = hb.global_step, hb.local_step
+            role.loss = hb.loss if hb.loss == hb.loss else None
+            role.steps_per_sec = hb.steps_per_second
+            role.rss_bytes = hb.rss_bytes
+            role.metrics = dict(hb.metrics)
 
     # -- the look at every host and role ----------------------------------------------------------------
     def tick(self) -> None:
