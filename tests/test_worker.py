@@ -13,6 +13,7 @@ from inprocess_cluster import MakeCluster, cluster_factory
 
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
+from psctl.runtime import worker as worker_module
 from psctl.runtime.cluster import ClusterInfo
 from psctl.runtime.coordinator import ClusterCoordinator
 from psctl.runtime.evaluation import evaluate_batch
@@ -307,6 +308,32 @@ def test_a_heartbeat_reply_tells_the_role_which_chief_is_current() -> None:
     finally:
         heartbeater.stop()
         server.stop(grace=None).wait()
+
+
+def test_a_worker_drained_after_its_chief_stopped_feeding_it_goes_at_once(
+        make_cluster: MakeCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stopped, a worker waits until the chief has not asked for a step for a while (a step sent as it shuts down
+    would be lost in flight); a chief that stops before the end (psctl down) says that none will come. A replaced
+    chief's word is not taken."""
+    monkeypatch.setattr(worker_module, "FED_RECENTLY", 60.0)  # without the chief's word: a minute
+    made = make_cluster(MLP, num_ps=1, batch_size=BATCH)
+    old = ClusterCoordinator([made.worker_address], probe_interval=0.05, chief_incarnation=1)
+    new = ClusterCoordinator([made.worker_address], probe_interval=0.05, chief_incarnation=2)
+    try:
+        new.schedule("train")
+        new.join(timeout=30)  # it fed the worker just now
+        left: list[int] = []
+        draining = threading.Thread(target=lambda: left.append(made.worker.drain(120.0)), daemon=True)
+        draining.start()
+        old.shutdown(tell_stopped=True)  # a replaced chief: the worker still waits for the current one
+        draining.join(0.5)
+        assert draining.is_alive()
+        new.shutdown(tell_stopped=True)
+        wait_until(lambda: not draining.is_alive(), timeout=10, what="the drain to end on the chief's word")
+        assert left == [0]
+    finally:
+        old.shutdown()
+        new.shutdown()
 
 
 class RecordingSupervisor(pb_grpc.SupervisorServicer):

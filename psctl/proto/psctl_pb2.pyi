@@ -373,12 +373,14 @@ class StepResponse(_message.Message):
     def __init__(self, loss: _Optional[float] = ..., examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., compute_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., global_step: _Optional[int] = ..., applied: _Optional[bool] = ..., ps_global_steps: _Optional[_Iterable[int]] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
-    __slots__ = ("chief_incarnation", "training_over")
+    __slots__ = ("chief_incarnation", "training_over", "feeding_stopped")
     CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     TRAINING_OVER_FIELD_NUMBER: _ClassVar[int]
+    FEEDING_STOPPED_FIELD_NUMBER: _ClassVar[int]
     chief_incarnation: int
     training_over: bool
-    def __init__(self, chief_incarnation: _Optional[int] = ..., training_over: _Optional[bool] = ...) -> None: ...
+    feeding_stopped: bool
+    def __init__(self, chief_incarnation: _Optional[int] = ..., training_over: _Optional[bool] = ..., feeding_stopped: _Optional[bool] = ...) -> None: ...
 
 class PingResponse(_message.Message):
     __slots__ = ("incarnation", "task")

@@ -163,7 +163,7 @@ class Chief:
             if self.stop.is_set():  # every ps: they may all be leaving now (psctl down, a job's preemption)
                 self._release(list(range(len(self.ps.addresses))))
             unsubscribe()
-            coordinator.shutdown()
+            coordinator.shutdown(tell_stopped=self.stop.is_set())
             self._reporting_done.set()
             reporter.join(timeout=5)
             if self.checkpointer is not None:

@@ -315,21 +315,27 @@ class ClusterCoordinator:
     def tell_training_over(self, timeout: float = 2.0) -> None:
         """Tell every worker that training is over (no step comes any more): one stopped from now on goes at
         once. Best effort: a worker that does not hear it only waits a moment longer when stopped."""
+        self._tell_workers(pb.PingRequest(chief_incarnation=self.chief_incarnation, training_over=True), timeout)
+
+    def _tell_workers(self, request: pb.PingRequest, timeout: float) -> None:
         with self._cond:
             stubs = [self._stubs[w.index] for w in self.workers if not w.removed]
-        request = pb.PingRequest(chief_incarnation=self.chief_incarnation, training_over=True)
         for call in [stub.Ping.future(request, timeout=timeout) for stub in stubs]:
             try:
                 call.result()
             except grpc.RpcError:
                 continue
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, tell_stopped: bool = False) -> None:
+        """Stop scheduling; ``tell_stopped``: the chief stops before the end, and once no step is being sent any
+        more, each worker hears that none will come (one stopped with it then goes at once)."""
         self._stopping.set()
         with self._cond:
             self._cond.notify_all()
         for thread in self._threads:
             thread.join(timeout=5)
+        if tell_stopped:
+            self._tell_workers(pb.PingRequest(chief_incarnation=self.chief_incarnation, feeding_stopped=True), 1.0)
         for channel in self._channels:
             channel.close()
 

@@ -136,8 +136,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return self._datasets[key]
 
     def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
-        if request.training_over and request.chief_incarnation >= self.chief_fence.newest:  # not a replaced chief's
-            self.training_over = True
+        if request.chief_incarnation >= self.chief_fence.newest:  # not a replaced chief's word
+            if request.training_over:
+                self.training_over = True
+            if request.feeding_stopped:  # drain need not wait for the chief to stop sending steps: it has
+                with self._steps:
+                    self._last_request = float("-inf")
+                    self._steps.notify_all()
         if self._draining:
             self._leaving(context)
         self.chief_fence.learn(request.chief_incarnation)  # a probe only teaches: anyone may ask if it is up
