@@ -46,6 +46,8 @@ class ExitWaiter:
         self._finalizer = weakref.finalize(self, self._fds.close_all)
         #: Processes that could not be watched: their exits are seen only by looking (see ``blind``).
         self._unwatched: set[int] = set()
+        self._poller = select.poll()
+        self._polled: list[int] = []  # the descriptors registered in it
 
     def watch(self, pid: int) -> bool:
         """Wake the waiter when ``pid`` exits; False where that cannot be done (it must then be looked at)."""
@@ -99,13 +101,16 @@ class ExitWaiter:
             fds = [self._fds.read, *self._fds.pidfds.values()]
         for fd in closing:
             os.close(fd)
-        poller = select.poll()
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        poller.poll(max(0, math.ceil(timeout * 1000)))
-        with contextlib.suppress(BlockingIOError):  # drained
-            while os.read(fds[0], 4096):
-                pass
+        if fds != self._polled:  # (most waits watch what the last one did: keep its poll object)
+            self._poller = select.poll()
+            for fd in fds:
+                self._poller.register(fd, select.POLLIN)
+            self._polled = fds
+        ready = self._poller.poll(max(0, math.ceil(timeout * 1000)))
+        if any(fd == fds[0] for fd, _ in ready):  # woken: take the wakes out of the pipe
+            with contextlib.suppress(BlockingIOError):
+                while os.read(fds[0], 4096):
+                    pass
 
     def close(self) -> None:
         """Close every descriptor (the waiter is done with)."""
