@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 from psctl.errors import EXIT_USAGE, SpecError
 from psctl.launch.hosts import ConfigError, resolve
+from psctl.runtime.optimizer_params import OPTIMIZER_PARAMS
+from psctl.runtime.optimizers import make_optimizer
 from psctl.spec import (
     ClusterSpec,
     HostSpec,
@@ -1021,4 +1023,29 @@ def test_validating_any_example_spec_leaves_numpy_unimported() -> None:
                           cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("optimizer", "key"), [(o, k) for o, ps in OPTIMIZER_PARAMS.items() for k in ps])
+def test_a_spec_refuses_an_optimizer_parameter_itself_wherever_the_runtime_would(optimizer: str, key: str) -> None:
+    # the spec's checks come from the runtime's table: a value the runtime refuses, the spec refuses itself,
+    # naming the key and how to fix it (not only through its last resort, the runtime's word on the optimizer)
+    param = OPTIMIZER_PARAMS[optimizer][key]
+    edges = [b for b in (param.above, param.at_least, param.below) if b is not None]
+    values: list[object] = [True, False] if param.flag else [v for b in edges for v in (b - 1e-3, b, b + 1e-3)]
+    for value in values:
+        text = ("name: c\nroles: {chief: {}, ps: {}, worker: {}}\n"
+                "training: {program: psctl.models.mlp, data: {name: digits}, steps: 10, "
+                f"optimizer: {{name: {optimizer}, {key}: {str(value).lower()}}}}}\n")
+        try:
+            load_spec_text(text, filename="cluster.yaml")
+            spec_ok = True
+        except SpecError as exc:
+            spec_ok = False
+            assert f"training.optimizer.{key}: expected " in str(exc), str(exc)
+        try:
+            make_optimizer(optimizer, 0.01, {key: float(value)})  # (a flag travels as 0 or 1)
+            runtime_ok = True
+        except ValueError:
+            runtime_ok = False
+        assert spec_ok == runtime_ok, (optimizer, key, value)
 

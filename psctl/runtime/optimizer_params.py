@@ -14,44 +14,68 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Param:
-    """One hyperparameter: its default, and which values it takes (``allowed`` says it in words)."""
+    """One hyperparameter: its default and the values it takes, as bounds (a spec's checks use them too), in
+    words (the runtime's error) and by example (a spec's fix)."""
 
     default: float
     allowed: str
-    ok: Callable[[float], bool]
+    example: str
+    above: float | None = None
+    at_least: float | None = None
+    below: float | None = None
+    #: 0 or 1 on the wire, true or false in a spec.
+    flag: bool = False
+
+    def ok(self, x: float) -> bool:
+        if self.flag:
+            return x in (0.0, 1.0)
+        return ((self.above is None or x > self.above) and (self.at_least is None or x >= self.at_least)
+                and (self.below is None or x < self.below))
 
 
-_NON_NEGATIVE = Param(0.0, "a finite number >= 0", lambda x: x >= 0)
-_POSITIVE = Param(0.0, "a finite number > 0", lambda x: x > 0)
-_DECAY = Param(0.0, "in [0, 1)", lambda x: 0 <= x < 1)
+LEARNING_RATE = Param(0.01, "a finite number > 0", "0.01", above=0)
 
 
-def _with(param: Param, default: float) -> Param:
-    return Param(default, param.allowed, param.ok)
+def _non_negative(default: float) -> Param:
+    return Param(default, "a finite number >= 0", f"{default:g}", at_least=0)
+
+
+def _positive(default: float) -> Param:
+    return Param(default, "a finite number > 0", f"{default:g}", above=0)
+
+
+def _decay(default: float) -> Param:
+    return Param(default, "in [0, 1)", f"{default:g}", at_least=0, below=1)
 
 
 #: Each optimizer's hyperparameters besides learning_rate, as TensorFlow/Keras name and default them.
 OPTIMIZER_PARAMS: dict[str, dict[str, Param]] = {
     "sgd": {},
-    "momentum": {"momentum": _with(_NON_NEGATIVE, 0.9), "nesterov": Param(0.0, "0 or 1", lambda x: x in (0.0, 1.0))},
-    "adagrad": {"initial_accumulator": _with(_NON_NEGATIVE, 0.1), "epsilon": _with(_POSITIVE, 1e-7)},
-    "adam": {"beta1": _with(_DECAY, 0.9), "beta2": _with(_DECAY, 0.999), "epsilon": _with(_POSITIVE, 1e-7)},
+    "momentum": {"momentum": _non_negative(0.9), "nesterov": Param(0.0, "0 or 1", "true", flag=True)},
+    "adagrad": {"initial_accumulator": _non_negative(0.1), "epsilon": _positive(1e-7)},
+    "adam": {"beta1": _decay(0.9), "beta2": _decay(0.999), "epsilon": _positive(1e-7)},
 }
 OPTIMIZERS: tuple[str, ...] = tuple(OPTIMIZER_PARAMS)
+
+
+def params_of(name: str) -> dict[str, Param]:
+    """Optimizer ``name``'s hyperparameters besides learning_rate; a ValueError for an unknown name."""
+    known = OPTIMIZER_PARAMS.get(name)
+    if known is None:
+        raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
+    return known
 
 
 def optimizer_config(name: str, learning_rate: object, params: Mapping[str, object] | None = None) -> dict[str, float]:
     """Optimizer ``name``'s hyperparameters in effect: ``learning_rate`` and every parameter (defaults filled in),
     each checked; a ValueError says what is wrong."""
-    known = OPTIMIZER_PARAMS.get(name)
-    if known is None:
-        raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
+    known = params_of(name)
     params = dict(params or {})
     for key in params:
         if key not in known:
             valid = ", ".join(known) or "(none)"
             raise ValueError(f"unknown parameter {key!r} for optimizer {name!r}; valid: {valid}")
-    config = {"learning_rate": check_range("learning_rate", learning_rate, _POSITIVE.allowed, _POSITIVE.ok)}
+    config = {"learning_rate": check_range("learning_rate", learning_rate, LEARNING_RATE.allowed, LEARNING_RATE.ok)}
     for key, param in known.items():
         config[key] = check_range(key, params.get(key, param.default), param.allowed, param.ok)
     return config

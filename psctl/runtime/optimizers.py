@@ -25,7 +25,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from psctl.runtime.optimizer_params import OPTIMIZERS, optimizer_config
+from psctl.runtime.optimizer_params import OPTIMIZERS, optimizer_config, params_of
 from psctl.runtime.rows import gather_rows, scatter_rows, unique_ids
 
 __all__ = [
@@ -270,10 +270,8 @@ _CLASSES: dict[str, type[Optimizer]] = {cls.name: cls for cls in (SGD, Momentum,
 
 def make_optimizer(name: str, learning_rate: float, params: Mapping[str, float] | None = None) -> Optimizer:
     """Build an optimizer from its wire form (name, learning rate, string→float params)."""
-    cls = _CLASSES.get(name)
-    if cls is None:
-        raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
-    return cls(learning_rate, params)
+    params_of(name)  # an unknown name: a ValueError naming the valid ones
+    return _CLASSES[name](learning_rate, params)
 
 
 def _check_float_var(var: object) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from psctl.home import psctl_home
 from psctl.runtime.call_size import AUTO
-from psctl.runtime.optimizer_params import OPTIMIZER_PARAMS, optimizer_config
+from psctl.runtime.optimizer_params import LEARNING_RATE, OPTIMIZER_PARAMS, Param, optimizer_config
 from psctl.runtime.partitioners import (
     PARTITIONER_KINDS,
     PLACEMENTS,
@@ -214,9 +214,8 @@ def _optimizer(c: Checker, value: object) -> dict[str, Any]:
     all_params = sorted({p for params in OPTIMIZER_PARAMS.values() for p in params})
     o = c.mapping(path, value, ("name", "learning_rate", *all_params), example="{name: adam, learning_rate: 0.01}")
     name = c.choice((*path, "name"), o.get("name", "adam"), tuple(OPTIMIZER_PARAMS), noun="optimizer")
-    lr = c.number(
-        (*path, "learning_rate"), o.get("learning_rate", 0.01), above=0, fix="write a positive number such as 0.01"
-    )
+    lr = c.number((*path, "learning_rate"), o.get("learning_rate", LEARNING_RATE.default),
+                  above=LEARNING_RATE.above, fix=f"write a positive number such as {LEARNING_RATE.example}")
     params: dict[str, float] = {}
     for key, raw in o.items():
         if key in ("name", "learning_rate"):
@@ -224,7 +223,7 @@ def _optimizer(c: Checker, value: object) -> dict[str, Any]:
         if key not in OPTIMIZER_PARAMS[name]:
             takes = ", ".join(OPTIMIZER_PARAMS[name]) or "no parameters besides learning_rate"
             c.fail((*path, key), f"not a parameter of optimizer {name!r}", f"{name} takes {takes}", key=True)
-        params[key] = _optimizer_param(c, (*path, key), key, raw)
+        params[key] = _optimizer_param(c, (*path, key), key, OPTIMIZER_PARAMS[name][key], raw)
     try:
         config = optimizer_config(name, lr, params)
     except ValueError as e:  # the runtime is stricter than the checks above: its word is final
@@ -232,14 +231,11 @@ def _optimizer(c: Checker, value: object) -> dict[str, Any]:
     return {"name": name, **config}
 
 
-def _optimizer_param(c: Checker, path: KeyPath, key: str, raw: object) -> float:
-    if key == "nesterov":
-        return 1.0 if c.boolean(path, raw, fix="write nesterov: true or nesterov: false") else 0.0
-    if key in ("beta1", "beta2"):
-        return c.number(path, raw, at_least=0, below=1, fix="write a number such as 0.9")
-    if key == "epsilon":
-        return c.number(path, raw, above=0, fix="write a small positive number such as 1e-7")
-    return c.number(path, raw, at_least=0, fix="write a number such as 0.9")
+def _optimizer_param(c: Checker, path: KeyPath, key: str, param: Param, raw: object) -> float:
+    if param.flag:
+        return 1.0 if c.boolean(path, raw, fix=f"write {key}: true or {key}: false") else 0.0
+    return c.number(path, raw, above=param.above, at_least=param.at_least, below=param.below,
+                    fix=f"write a number such as {param.example}")
 
 
 def _partitioner(c: Checker, value: object) -> dict[str, Any] | None:
