@@ -172,6 +172,26 @@ def test_the_heartbeat_a_role_sends_as_it_exits_is_its_last_word(c: FakeCluster)
     assert (c.role("chief-0").metrics, c.role("chief-0").local_step) == ({"accuracy": 0.98}, 50)
 
 
+def test_the_last_heartbeat_of_a_role_stopped_at_the_end_of_training_counts(c: FakeCluster) -> None:
+    """The workers are stopped once the chief is done; each beats once more on its way out with the steps it ran
+    since its last periodic beat. Those count (status once showed the workers' steps short of the total), but
+    a report of a replaced attempt does not."""
+    running(c)
+    worker = c.process("worker-0")
+    worker.local_step = 4
+    c.step(1)
+    worker.local_step, c.process("chief-0").exit_code = 6, 0
+    c.step()  # the chief's exit: the others are stopped (here they exit at once, before beating again)
+    assert c.role("worker-0").state == RoleState.STOPPED and c.role("worker-0").local_step == 4
+    worker.beat = c.now + 0.2  # the last beat, reported with its exit
+    c.step(0.5)
+    assert (c.role("worker-0").state, c.role("worker-0").local_step) == (RoleState.STOPPED, 6)
+    stale = c.process("worker-1")
+    stale.incarnation, stale.local_step, stale.beat = stale.incarnation + 1, 99, c.now + 0.2
+    c.step(0.5)
+    assert c.role("worker-1").local_step != 99
+
+
 def test_psctl_down_stops_every_role_with_its_grace(c: FakeCluster) -> None:
     running(c)
     actions = c.step(observations=[policy.StopRequested(12.0)])

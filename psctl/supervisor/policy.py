@@ -496,6 +496,10 @@ class _Decision:
             # Replaced, moved, lost or given up on: that process must go (a stop sent while its host was cut
             # off may never have arrived). A role stopped on purpose keeps its stop's grace (the agent keeps
             # the first deadline: a stop sent again does not shorten it).
+            if current and role is not None and role.state.terminal:
+                # what it did until it went still counts: a worker stopped at the end of training beats once
+                # more on its way out, with the steps it ran since its last periodic beat
+                self.take_heartbeat(role, self.s.roles[role.name], rr, at)
             if not rr.exited:
                 grace = KILL
                 if current and role is not None and role.state == R.STOPPED:
