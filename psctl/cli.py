@@ -23,6 +23,7 @@ from psctl import __version__, observe
 from psctl.errors import PsctlError, TrainingFailed, UsageError
 from psctl.home import ClusterDir, list_clusters
 from psctl.render import host_table, plan_table, progress_line, status_dict, status_view
+from psctl.runtime.metrics import metrics_text
 from psctl.supervisor.state import ClusterState, load_state
 from psctl.top import snapshot, top_view
 
@@ -169,6 +170,26 @@ def _watch(cdir: ClusterDir, *, plain_every: float = 5.0) -> Any:
             live.stop()
 
 
+def _steps_text(record: Any, result: dict[str, Any]) -> str:
+    """``1000 steps in 1.2s``; where the chief resumed (a checkpoint of an earlier run of the same name, or the
+    ps's global step after a restart of the chief), the steps it ran and from where."""
+    total = result.get("global_step", 0)
+    this_run = result.get("steps_this_run", total)
+    took = f"{result.get('seconds', 0):.1f}s"
+    if this_run >= total:
+        return f"{total} steps in {took}"
+    start = total - this_run
+    chief = next((r for r in record.roles if r.role == "chief"), None)
+    if chief is not None and chief.attempt > 1:
+        return f"{total} steps; {this_run} in {took} since the chief resumed at global step {start}"
+    folder = Path(result["checkpoint"]).parent if result.get("checkpoint") else "its checkpoint folder"
+    if this_run == 0:
+        return (f"nothing to train: an earlier run's checkpoint in {folder} is at global step {start}, at or past "
+                f"training.steps {record.steps} (raise training.steps to train on; remove that folder, or name "
+                f"the cluster differently, to start afresh)")
+    return f"{total} steps; {this_run} in {took} from an earlier run's checkpoint at global step {start} in {folder}"
+
+
 def _finish_line(cdir: ClusterDir, record: Any) -> None:
     if record.state == ClusterState.SUCCEEDED and record.result is None:  # a program of its own (TensorFlow)
         chief = next((r for r in record.roles if r.role == "chief"), None)
@@ -180,11 +201,11 @@ def _finish_line(cdir: ClusterDir, record: Any) -> None:
     if record.state == ClusterState.SUCCEEDED:
         result = record.result or {}
         metrics = result.get("metrics", {})
-        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "examples")
+        shown = metrics_text(metrics)
         where = result.get("checkpoint") or "no checkpoint configured"
         console.print(
-            f"[bold green]training finished[/bold green]: {result.get('global_step', '?')} steps in "
-            f"{result.get('seconds', 0):.1f}s; {shown}; checkpoint: {escape(str(where))}",
+            f"[bold green]training finished[/bold green]: {escape(_steps_text(record, result))}; {shown}; "
+            f"checkpoint: {escape(str(where))}",
             highlight=False,
             soft_wrap=True,  # one line, also in a pipe: scripts read it
         )

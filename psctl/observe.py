@@ -47,9 +47,10 @@ def is_stale(record: ClusterRecord) -> bool:
 
 
 def resolve_cluster(name: str | None) -> ClusterDir:
-    """The named cluster, or the only one (the only one not finished, if several exist)."""
+    """The named cluster, or the only one (the only one not finished, if several exist). A spec's path names the
+    cluster it describes (``psctl status cluster.yaml``, as it was started)."""
     if name:
-        cdir = ClusterDir.named(name)
+        cdir = ClusterDir.named(_cluster_name(name))
         if not cdir.state_file.is_file():
             known = ", ".join(c.name for c in list_clusters()) or "none"
             raise ClusterNotFound(f"no cluster named {name!r} (known: {known}); start one with `psctl up SPEC`")
@@ -64,6 +65,21 @@ def resolve_cluster(name: str | None) -> ClusterDir:
         return active[0]
     names = ", ".join(c.name for c in (active or clusters))
     raise UsageError(f"several clusters exist ({names}); name the one you mean")
+
+
+def _cluster_name(name: str) -> str:
+    """``name`` itself, or the name a spec file at that path gives its cluster (its ``name:``, else its stem)."""
+    path = Path(name)
+    if path.suffix not in (".yaml", ".yml") or not path.is_file():
+        return name
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        data = None  # `psctl up` would say what is wrong with it; the name is then the default one
+    given = data.get("name") if isinstance(data, dict) else None
+    return given if isinstance(given, str) and given else path.stem
 
 
 def role_names(record: ClusterRecord) -> list[str]:

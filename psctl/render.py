@@ -13,7 +13,7 @@ from rich.text import Text
 import psctl
 from psctl.home import ClusterDir
 from psctl.launch.remote import HostReport
-from psctl.runtime.metrics import CPU_METRIC, last_record
+from psctl.runtime.metrics import CPU_METRIC, last_record, metric_text, metrics_text
 from psctl.spec import Plan
 from psctl.supervisor.state import ClusterRecord, RoleRecord, RoleState
 
@@ -83,7 +83,7 @@ def progress_line(cdir: ClusterDir, record: ClusterRecord) -> str:
     roles = ", ".join(f"{n} {state}" for state, n in counts.items())
     line = f"{record.name}: {record.state.value}; step {prog.get('global_step', 0)}/{record.steps}"
     if prog.get("loss") is not None:
-        line += f", loss {prog['loss']:.4f}, {prog.get('steps_per_sec', 0):.1f} steps/s"
+        line += f", loss {metric_text(prog['loss'])}, {prog.get('steps_per_sec', 0):.1f} steps/s"
     return f"{line}; roles: {roles}"
 
 
@@ -109,8 +109,16 @@ def _role_row(role: RoleRecord, now: float) -> list[Any]:
         f"{role.attempt}/{role.restarts}",
         _age(role.started_at, now) if alive else "-",
         _age(role.last_heartbeat, now) if alive else "-",
-        str(role.local_step if role.role == "worker" else role.global_step) if role.last_heartbeat else "-",
+        _step_cell(role),
     ]
+
+
+def _step_cell(role: RoleRecord) -> str:
+    """A worker's own steps, the global step the chief or evaluator is at; a ps runs no steps (``psctl top``
+    shows its requests per second)."""
+    if not role.last_heartbeat or role.role == "ps":
+        return "-"
+    return str(role.local_step if role.role == "worker" else role.global_step)
 
 
 def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: float | None = None) -> Group:
@@ -131,16 +139,16 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
         header.append(f"\nSlurm job {job_id(record) or '-'}{where}{again}")
     header.append(f"\nglobal step {step}/{record.steps}")
     if prog.get("loss") is not None:
-        header.append(f"  loss {prog['loss']:.4f}")
+        header.append(f"  loss {metric_text(prog['loss'])}")
     if prog.get("steps_per_sec"):
         header.append(f"  {prog['steps_per_sec']:.1f} steps/s  {prog.get('examples_per_sec', 0):.0f} examples/s")
     for role in record.roles:
         if role.role == "evaluator" and role.metrics:
-            shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(role.metrics.items()) if k != CPU_METRIC)
+            shown = metrics_text(dict(sorted(role.metrics.items())), skip=(CPU_METRIC,))
             header.append(f"\nevaluator: global step {role.global_step}: {shown}")
     if record.result:
         metrics = record.result.get("metrics", {})
-        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "examples")
+        shown = metrics_text(metrics)
         header.append(f"\nresult: {shown}")
         if record.result.get("checkpoint"):
             header.append(f"  checkpoint {record.result['checkpoint']}")

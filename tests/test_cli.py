@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -290,6 +291,52 @@ def test_status_shows_the_evaluators_latest_result(psctl_env) -> None:
     as_json = json.loads(invoke("status", "ev", "--json").stdout)
     assert {r["name"]: r["metrics"] for r in as_json["roles"]}["evaluator-0"] == {
         "accuracy": 0.9721, "loss": 0.0912, "cpu": 0.1186}
+
+
+def test_status_shows_each_workers_steps_no_step_for_a_ps_and_a_tiny_loss_as_it_is(psctl_env) -> None:
+    cdir = recorded_cluster("rows", {"chief-0": 1, "ps-0": 1, "worker-0": 1}, state=ClusterState.RUNNING, steps=9000)
+    record = load_state(cdir.state_file)
+    for role in record.roles:
+        role.last_heartbeat, role.global_step, role.local_step = time.time(), 8000, 4321
+    save_state(cdir.state_file, record)
+    with open(cdir.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"event": "progress", "global_step": 8000, "loss": 3.2154e-05, "steps_per_sec": 900.0})
+                + "\n")
+    result = invoke("status", "rows")
+    assert result.exit_code == 0, result.stderr
+    step_column = {line.split()[0]: line.split()[-1] for line in result.stdout.splitlines()
+                   if line.split() and line.split()[0] in ("chief-0", "ps-0", "worker-0")}
+    # a ps runs no steps (it showed 0); a worker its own; the chief the global step
+    assert step_column == {"chief-0": "8000", "ps-0": "-", "worker-0": "4321"}, result.stdout
+    assert "loss 3.215e-05" in result.stdout  # it showed 0.0000
+
+
+def test_a_specs_path_names_its_cluster(psctl_env, tmp_path: Path) -> None:
+    recorded_cluster("named", {"chief-0": 1, "worker-0": 1})
+    recorded_cluster("stem", {"chief-0": 1, "worker-0": 1})
+    (tmp_path / "cluster.yaml").write_text("name: named\nroles: {chief: {}}\n", encoding="utf-8")
+    (tmp_path / "stem.yml").write_text("roles: {chief: {}}\n", encoding="utf-8")  # no name: its stem
+    for spec, name in ((tmp_path / "cluster.yaml", "named"), (tmp_path / "stem.yml", "stem")):
+        result = invoke("status", str(spec), "--json")
+        assert result.exit_code == 0, result.stderr
+        assert json.loads(result.stdout)["name"] == name
+        assert invoke("events", str(spec)).exit_code == 0
+    gone = invoke("status", str(tmp_path / "other.yaml"))  # no such file: taken as a name, which is unknown
+    assert_one_line_error(gone, EXIT_NOT_FOUND, "no cluster named")
+
+
+def test_the_finish_line_says_where_training_resumed() -> None:
+    from psctl.cli import _steps_text
+
+    record = ClusterRecord(name="r", cluster_id="r-0", steps=1500, roles=[
+        RoleRecord(name="chief-0", role="chief", index=0, host="localhost", address="127.0.0.1", port=7000)])
+    result = {"global_step": 1500, "steps_this_run": 1500, "seconds": 2.04, "checkpoint": "/c/ckpt-000000001500"}
+    assert _steps_text(record, result) == "1500 steps in 2.0s"
+    result["steps_this_run"] = 500  # `psctl up` of a name whose checkpoints are there: restored, then trained on
+    assert _steps_text(record, result) == (
+        "1500 steps; 500 in 2.0s from an earlier run's checkpoint at global step 1000 in /c")
+    record.roles[0].attempt = 2  # a restarted chief resumes where the ps are
+    assert _steps_text(record, result) == "1500 steps; 500 in 2.0s since the chief resumed at global step 1000"
 
 
 def test_the_commands_and_the_supervisor_import_no_ssh_library_for_a_cluster_on_this_machine() -> None:

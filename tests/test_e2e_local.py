@@ -167,6 +167,14 @@ def test_the_readme_example_trains_and_status_shows_the_evaluation_of_its_last_c
     assert evaluator["state"] == "succeeded" and evaluator["global_step"] == 1000  # ...and status says so
     assert evaluator["metrics"]["accuracy"] == pytest.approx(last["accuracy"])
     assert evaluator["metrics"]["loss"] == pytest.approx(last["loss"])
+    # every worker's last beat, sent as it was stopped, counts: their steps add up to the training's
+    assert sum(r["local_step"] for r in status["roles"] if r["role"] == "worker") == 1000, status["roles"]
+    # the same spec again: its checkpoint is restored, at the last step already, and the line says so
+    again = psctl_env.run("up", str(spec), timeout=180)
+    assert again.returncode == 0, (again.stdout, again.stderr, cluster_logs(psctl_env, "digits"))
+    line = again.stdout.rstrip("\n").splitlines()[-1]
+    assert line.startswith("training finished: nothing to train: an earlier run's checkpoint in "), line
+    assert "is at global step 1000, at or past training.steps 1000" in line, line
     check(psctl_env.run("down"))
 
 

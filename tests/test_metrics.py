@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from psctl.runtime.metrics import MetricsFile, last_record, read_metrics
+from psctl.runtime.metrics import MetricsFile, last_record, metric_text, metrics_text, read_metrics
 
 
 def test_last_record_finds_the_newest_of_an_event_from_the_tail(tmp_path: Path) -> None:
@@ -29,3 +29,10 @@ def test_last_record_skips_a_torn_last_line_and_a_missing_file(tmp_path: Path) -
     path.write_text('{"event": "progress", "global_step": 7}\n{"event": "progress", "glob')
     assert last_record(path, "progress") == {"event": "progress", "global_step": 7}
     assert last_record(tmp_path / "none.jsonl", "progress") is None
+
+
+def test_a_metric_reads_with_4_decimals_or_4_significant_digits_where_those_would_show_nothing() -> None:
+    assert [metric_text(v) for v in (0.98333, 0.0690, 12.5, 0.0, 3.2154e-05, -4e-4, 0.001)] == [
+        "0.9833", "0.0690", "12.5000", "0.0000", "3.215e-05", "-4.000e-04", "0.0010"]
+    assert metrics_text({"loss": 0.1208, "examples": 360.0, "accuracy": 0.9833}) == "loss 0.1208, accuracy 0.9833"
+    assert metrics_text({"cpu": 0.2, "loss": 1e-6}, skip=("cpu",)) == "loss 1.000e-06"

@@ -32,7 +32,7 @@ from psctl.runtime.config import TrainingConfig
 from psctl.runtime.coordinator import Closure, ClusterCoordinator, PsFailure, StepError
 from psctl.runtime.evaluation import evaluate_split
 from psctl.runtime.heartbeat import ADDRESSES, PROGRESS, tasks_of
-from psctl.runtime.metrics import MetricsFile, TrainingMeter
+from psctl.runtime.metrics import MetricsFile, TrainingMeter, metric_text, metrics_text
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import ProgramRef, load_program
 from psctl.runtime.ps_client import PsClient, PsUnavailable
@@ -204,7 +204,7 @@ class Chief:
         log.info(
             "training done: global step %d, %s",
             global_step,
-            ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "examples"),
+            metrics_text(metrics),
         )
         return result
 
@@ -425,8 +425,8 @@ class Chief:
         self._scalars(record)
         if not final:
             log.info(
-                "step %d loss %.4f %.1f steps/s %.0f examples/s",
-                report["global_step"], report["loss"], report["steps_per_sec"], report["examples_per_sec"],
+                "step %d loss %s %.1f steps/s %.0f examples/s",
+                report["global_step"], metric_text(report["loss"]), report["steps_per_sec"], report["examples_per_sec"],
             )
 
     def _scalars(self, record: dict[str, Any]) -> None:

@@ -26,7 +26,7 @@ from psctl.runtime.checkpoint import (
 from psctl.runtime.cluster import ClusterInfo
 from psctl.runtime.config import TrainingConfig
 from psctl.runtime.heartbeat import PROGRESS
-from psctl.runtime.metrics import MetricsFile
+from psctl.runtime.metrics import MetricsFile, metrics_text
 from psctl.runtime.program import EmbeddingRows, Program, ProgramRef, load_program
 from psctl.runtime.tensorboard import ScalarWriter
 
@@ -116,7 +116,7 @@ class Evaluator:
         self.metrics.write({"time": time.time(), "global_step": snapshot.global_step, "checkpoint": str(path),
                             **metrics})
         self.tensorboard.add(snapshot.global_step, {k: v for k, v in metrics.items() if k != "examples"})
-        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "examples")
+        shown = metrics_text(metrics)
         log.info("evaluated %s (global step %d) in %.2fs: %s", path.name, snapshot.global_step,
                  time.monotonic() - started, shown)
 

@@ -6,13 +6,26 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
 #: A role's recent CPU use (cores), which its heartbeat adds to the role's own metrics (``psctl top`` shows it;
 #: the evaluator's line in ``psctl status`` shows the evaluation's metrics without it).
 CPU_METRIC = "cpu"
+
+
+def metric_text(value: float) -> str:
+    """A metric as people read it: 4 decimals, or 4 significant digits where that would show 0.0000 (a training
+    loss of 3e-05 is not nothing)."""
+    if value != 0 and abs(value) < 1e-3:
+        return f"{value:.3e}"
+    return f"{value:.4f}"
+
+
+def metrics_text(metrics: Mapping[str, float], *, skip: Collection[str] = ("examples",)) -> str:
+    """``loss 0.1208, accuracy 0.9833``: each metric but those in ``skip``, in the mapping's order."""
+    return ", ".join(f"{k} {metric_text(v)}" for k, v in metrics.items() if k not in skip)
 
 
 class MetricsFile:
