@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from psctl.errors import EXIT_USAGE, SpecError
 from psctl.launch.hosts import ConfigError, resolve
+from psctl.runtime.builtin_programs import BUILTIN_PROGRAMS
 from psctl.runtime.optimizer_params import OPTIMIZER_PARAMS
 from psctl.runtime.optimizers import make_optimizer
 from psctl.spec import (
@@ -699,6 +700,25 @@ MISTAKES = [
         """,
         "cluster.yaml:3: setup[1]: expected a string, got a mapping; write a shell command as a string",
     ),
+    (
+        "a built-in program misspelt (the chief failed at start)",
+        """        roles: {chief: {}, ps: {}, worker: {}}
+        training: {program: psctl.models.mlpp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:2: training.program: psctl has no program 'psctl.models.mlpp'; did you mean "
+        "'psctl.models.mlp'?",
+    ),
+    (
+        "an arg a built-in program does not take (the chief failed at start)",
+        """        roles: {chief: {}, ps: {}, worker: {}}
+        training:
+          program: psctl.models.mlp
+          args: {num_classes: 10, hidden_unit: 32}
+          data: {name: digits}
+        """,
+        "cluster.yaml:4: training.args.hidden_unit: psctl.models.mlp takes no arg 'hidden_unit'; did you mean "
+        "'hidden_units'?",
+    ),
 ]
 
 
@@ -1049,3 +1069,27 @@ def test_a_spec_refuses_an_optimizer_parameter_itself_wherever_the_runtime_would
             runtime_ok = False
         assert spec_ok == runtime_ok, (optimizer, key, value)
 
+
+
+def test_a_program_of_the_users_own_takes_any_args(tmp_path: Path) -> None:
+    """Only psctl's own programs are known before they run; a module or file of the user's checks its args."""
+    (tmp_path / "prog.py").write_text("def build(args, data, seed):\n    raise NotImplementedError\n")
+    for program in ("my_models.tower", "prog.py"):
+        spec = load_spec(write(tmp_path, f"""\
+            roles: {{chief: {{}}, ps: {{}}, worker: {{}}}}
+            training: {{program: {program}, args: {{anything: 1}}, data: {{name: digits}}, steps: 10}}
+            """))
+        assert spec.training["args"] == {"anything": 1}
+
+
+@pytest.mark.parametrize("program", sorted(BUILTIN_PROGRAMS))
+def test_every_arg_the_spec_lets_through_a_built_in_program_takes(program: str) -> None:
+    """The table the spec checks with is the one the programs build with: each arg it lists, they accept."""
+    import importlib
+
+    module = importlib.import_module(program)
+    embedding = {"name": "synthetic_embedding", "num_examples": 50, "vocab_size": 30}
+    data = embedding if program.endswith("wide_embedding") else {"name": "digits"}
+    for arg in BUILTIN_PROGRAMS[program]:
+        value = {"num_features": 64, "num_classes": 10, "vocab_size": 30}.get(arg, 8)
+        assert module.build({arg: value}, data, 0).variables()

@@ -12,20 +12,21 @@ from typing import Any
 
 import numpy as np
 
+from psctl.runtime.builtin_programs import BUILTIN_PROGRAMS
 from psctl.runtime.program import EmbeddingRows, Params
-
-MODELS = ("psctl.models.softmax", "psctl.models.mlp", "psctl.models.wide_embedding")
 
 
 def resolve_args(program: str, args: Mapping[str, Any], defaults: Mapping[str, int | None]) -> dict[str, int]:
-    """Positive-integer args with defaults filled in; unknown keys are refused so typos do not pass silently.
+    """Positive-integer args with defaults filled in; keys the program does not take (a built-in's entry in
+    ``BUILTIN_PROGRAMS``, else the keys of ``defaults``) are refused so typos do not pass silently.
 
     A default of ``None`` means "could not be inferred from the data config": the user must give it.
     """
-    unknown = sorted(set(args) - set(defaults))
+    valid = BUILTIN_PROGRAMS.get(program, tuple(defaults))
+    unknown = sorted(str(key) for key in args if key not in valid)
     if unknown:
         raise ValueError(
-            f"unknown arg(s) {', '.join(map(repr, unknown))} for {program}; valid args: {', '.join(sorted(defaults))}"
+            f"unknown arg(s) {', '.join(map(repr, unknown))} for {program}; valid args: {', '.join(sorted(valid))}"
         )
     resolved = {}
     for key, default in defaults.items():

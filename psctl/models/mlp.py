@@ -22,13 +22,9 @@ NAME = "psctl.models.mlp"
 
 def build(args: dict[str, Any], data: dict[str, Any], seed: int) -> Program:
     shape = data_shape(data, seed)
-    args = dict(args)
-    hidden = _hidden_units(args.pop("hidden_units", 100))
-    defaults = {"num_features": shape.num_features, "num_classes": shape.num_classes}
-    try:
-        opts = resolve_args(NAME, args, defaults)
-    except ValueError as exc:
-        raise ValueError(str(exc).replace("valid args: ", "valid args: hidden_units, ")) from None
+    opts = resolve_args(NAME, {k: v for k, v in args.items() if k != "hidden_units"},
+                        {"num_features": shape.num_features, "num_classes": shape.num_classes})
+    hidden = _hidden_units(args.get("hidden_units", 100))
     return Mlp(opts["num_features"], hidden, opts["num_classes"], dict(data), seed)
 
 

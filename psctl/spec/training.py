@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from psctl.home import psctl_home
+from psctl.runtime.builtin_programs import BUILTIN_PREFIX, BUILTIN_PROGRAMS
 from psctl.runtime.call_size import AUTO
 from psctl.runtime.optimizer_params import LEARNING_RATE, OPTIMIZER_PARAMS, Param, optimizer_config
 from psctl.runtime.partitioners import (
@@ -64,6 +65,10 @@ def normalise_training(
     if args is not None and not isinstance(args, dict):
         c.fail((*T, "args"), f"expected a mapping, got {show(args)}", "write e.g. args: {hidden_units: 100}")
     out["args"] = _json(c, (*T, "args"), args, 0) if args is not None else {}
+    valid_args = BUILTIN_PROGRAMS.get(program, ())  # (a program of the user's checks its own)
+    for key in out["args"] if valid_args else ():
+        if key not in valid_args:
+            c.fail((*T, "args", key), f"{program} takes no arg {show(key)}", suggestion(key, valid_args), key=True)
     out["data"] = _data(c, t.get("data"), base_dir, allowed_paths)
     out["batch_size"] = _int(c, t, "batch_size", 100, minimum=1, example="100")
     out["optimizer"] = _optimizer(c, t.get("optimizer"))
@@ -163,6 +168,8 @@ def _program(c: Checker, value: object, base_dir: Path, allowed: tuple[Path, ...
     if not (text.endswith(".py") or "/" in text):
         if not _MODULE.fullmatch(text):
             c.fail(path, f"{show(text)} is neither a module name nor a .py path", fix)
+        if text.startswith(BUILTIN_PREFIX) and text not in BUILTIN_PROGRAMS:
+            c.fail(path, f"psctl has no program {show(text)}", suggestion(text, tuple(BUILTIN_PROGRAMS)))
         return text
     try:
         resolved = (base_dir / Path(text).expanduser()).resolve()
