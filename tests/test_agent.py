@@ -20,8 +20,9 @@ import pytest
 from cluster_helpers import autogroup_nice, wait_until
 
 from psctl.agent import core
-from psctl.agent.core import Agent, RoleProcess, sweep_orphans
+from psctl.agent.core import Agent, RoleProcess
 from psctl.agent.exits import ExitWaiter
+from psctl.agent.orphans import find_orphans, kill_orphans
 from psctl.launch.cpus import CPUS_VARIABLE, YIELD_NICE, allowed_cpus
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
@@ -94,10 +95,11 @@ def attached(started: list[object], interval: float = 0.2) -> tuple[Endpoint, Ag
     return endpoint, agent, endpoint.report("h1", hello=True)
 
 
-def start_command(name: str, incarnation: int, tmp_path: Path, argv: list[str] = SLEEPER) -> pb.AgentCommand:
+def start_command(name: str, incarnation: int, tmp_path: Path, argv: list[str] = SLEEPER,
+                  env: dict[str, str] | None = None) -> pb.AgentCommand:
     return pb.AgentCommand(start=pb.StartRole(
         name=name, incarnation=incarnation, attempt=1, argv=argv, cwd=str(tmp_path),
-        env={"PSCTL_ROLE": name}, log_path=str(tmp_path / "logs" / f"{name}.1.log"),
+        env={"PSCTL_ROLE": name, **(env or {})}, log_path=str(tmp_path / "logs" / f"{name}.1.log"),
         files={str(tmp_path / "tls" / f"{name}.key"): b"secret"}))
 
 
@@ -428,13 +430,77 @@ def test_a_new_agent_stops_the_roles_an_earlier_agent_of_its_host_left(tmp_path:
     try:
         wait_until(lambda: b"PSCTL_AGENT_HOST" in Path(f"/proc/{orphan.pid}/environ").read_bytes(), timeout=10,
                    what="the orphan's environment")
-        assert sweep_orphans("c9", "h1") == [orphan.pid]
+        assert kill_orphans(find_orphans("c9", "h1")) == [orphan.pid]
         assert orphan.wait(timeout=10) == -signal.SIGKILL
         assert other.poll() is None  # another host's role (agents of a test bed share a machine)
     finally:
         for proc in (orphan, other):
             proc.kill()
             proc.wait()
+
+
+#: A role that ends when told (the file its argument names appears), leaving its exit code as the runtime does.
+ENDS_WHEN_TOLD = [sys.executable, "-c", "import os, sys, time\nfrom psctl.runtime.__main__ import record_exit\n"
+                  "print('up', flush=True)\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.02)\nrecord_exit(0)\n"]
+#: What the supervisor puts in every role's environment that names its cluster and host.
+OF_C1_ON_H1 = {"PSCTL_CLUSTER_ID": "c1", "PSCTL_AGENT_HOST": "h1"}
+
+
+def test_a_new_agent_adopts_the_roles_its_host_s_last_agent_left_and_reports_how_they_end(
+        tmp_path: Path, started: list[object]) -> None:
+    """An agent that dies leaves its roles running (each leads a session of its own). The host's next agent
+    takes them over instead of killing them: it serves their heartbeats on the port they beat to, and its hello
+    names them as they are (same pids, incarnations, attempts: the supervisor restarts nothing, and no ps
+    falls back to its last checkpoint). They are not its children: it reports each one's end with the exit code
+    the role left in its exit file, or SIGKILL's where it left none."""
+    endpoint = Endpoint()
+    started.append(endpoint)
+    first = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=0.2)
+    started.append(first)
+    first.start()
+    hello = endpoint.report("h1", hello=True)
+    done = tmp_path / "done"
+    for name, argv in (("worker-0", [*ENDS_WHEN_TOLD, str(done)]), ("worker-1", SLEEPER)):
+        endpoint.hub.send("h1", hello.agent_pid, start_command(name, 4, tmp_path, argv, env=OF_C1_ON_H1))
+    pids = {name: endpoint.role_report("h1", name, until=lambda r: r.pid > 0).pid for name in ("worker-0", "worker-1")}
+    for name in pids:
+        log = tmp_path / "logs" / f"{name}.1.log"
+        wait_until(lambda log=log: log.is_file() and "up" in log.read_text(), timeout=10, what=f"{name} to start")
+    first.stop()  # as if it died: it serves no heartbeat and reports nothing more; its roles run on
+
+    second = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=0.2)
+    started.append(second)
+    second.start(find_orphans("c1", "h1"))
+    assert second.heartbeat_address == first.heartbeat_address
+    again = endpoint.report("h1", hello=True)
+    assert sorted((r.name, r.pid, r.incarnation, r.attempt, r.exited) for r in again.roles) == [
+        ("worker-0", pids["worker-0"], 4, 1, False), ("worker-1", pids["worker-1"], 4, 1, False)]
+    with make_channel(second.heartbeat_address) as channel:  # where the roles' heartbeats have gone all along
+        stub = pb_grpc.SupervisorStub(channel)
+        assert not stub.Heartbeat(pb.HeartbeatRequest(task="worker:0", incarnation=4, local_step=9), timeout=5).fenced
+        assert stub.Heartbeat(pb.HeartbeatRequest(task="worker:0", incarnation=3), timeout=5).fenced
+    assert endpoint.role_report("h1", "worker-0", until=lambda r: r.heartbeat_age >= 0).last.local_step == 9
+
+    done.touch()  # it ends by itself, exit code 0: training finished, not a failure to restart
+    ended = endpoint.role_report("h1", "worker-0", until=lambda r: r.exited, timeout=10)
+    assert ended.exit_code == 0 and ended.log_tail == "up"
+    os.kill(pids["worker-1"], signal.SIGKILL)
+    killed = endpoint.role_report("h1", "worker-1", until=lambda r: r.exited, timeout=10)
+    assert killed.exit_code == -signal.SIGKILL
+
+
+def test_a_new_agent_stops_the_roles_it_cannot_adopt(tmp_path: Path, started: list[object]) -> None:
+    """Roles whose heartbeats' port another agent still serves (that agent did not die), and roles with nothing
+    to adopt them by, are SIGKILLed: nothing would report on them, and they hold their ports."""
+    endpoint, first, hello = attached(started)
+    endpoint.hub.send("h1", hello.agent_pid, start_command("worker-0", 2, tmp_path, env=OF_C1_ON_H1))
+    pid = endpoint.role_report("h1", "worker-0", until=lambda r: r.pid > 0).pid
+    second = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=0.2)
+    started.append(second)
+    second.start(find_orphans("c1", "h1"))
+    assert second.heartbeat_address != first.heartbeat_address and not second.roles
+    gone = endpoint.role_report("h1", "worker-0", until=lambda r: r.exited, timeout=10)
+    assert (gone.pid, gone.exit_code) == (pid, -signal.SIGKILL)
 
 
 class SignalledProcess:

@@ -327,6 +327,35 @@ def test_a_restarted_supervisor_adopts_the_running_roles_and_training_ends_exact
     assert cluster.progress() == steps
 
 
+def test_sigkill_of_the_agent_its_successor_adopts_the_roles_and_training_ends_exactly(
+        cluster_factory: MakeCluster, psctl_env: PsctlEnv) -> None:
+    """The host's agent dies mid-training; the supervisor starts another, which takes over the roles the first
+    left running: nothing is restarted, no ps falls back to its last checkpoint (it used to cost every role a
+    restart and the ps the steps since their last checkpoint)."""
+    steps = 6000
+    cluster = cluster_factory("agentkill", steps)
+    cluster_id = cluster.up()
+    cluster.wait_progress(300)
+    roles = ("chief-0", "ps-0", "ps-1", "worker-0", "worker-1")
+    pids = {role: cluster.process(role).pid for role in roles}
+    agents = [p for p in psctl_env.processes(cluster_id) if "psctl.agent" in " ".join(p.cmdline())]
+    assert len(agents) == 1, psctl_env.describe(agents)
+    sigkill(agents[0])
+
+    def successor() -> psutil.Process | None:
+        found = [p for p in psctl_env.processes(cluster_id) if "psctl.agent" in " ".join(p.cmdline())]
+        return found[0] if found and found[0].pid != agents[0].pid else None
+
+    wait_until(successor, timeout=30, what="a new agent", detail=cluster.describe)
+    cluster.wait_finished()
+    assert_finished_with_exactly(cluster, steps)
+    for role in roles:  # the same processes, on their first attempt, ended by the new agent's word
+        record = cluster.role(role)
+        assert (record["pid"], record["attempt"], record["restarts"]) == (pids[role], 1, 0), cluster.describe()
+    assert not [e for e in cluster.events() if e["to"] in ("lost", "restarting")], cluster.describe()
+    assert not RESTORED.findall(cluster.log("chief-0"))  # no ps was restored from a checkpoint
+
+
 def test_sigterm_of_a_worker_with_grace_hands_its_work_back_and_nothing_is_recomputed(psctl_env: PsctlEnv) -> None:
     steps = 10_000  # training must outlast the drain and the restart's backoff (2,000 took ~3 s at 700 steps/s)
     text = spec_text("preempt", steps).replace(

@@ -192,6 +192,24 @@ def test_the_last_heartbeat_of_a_role_stopped_at_the_end_of_training_counts(c: F
     assert c.role("worker-1").local_step != 99
 
 
+def test_a_role_a_new_agent_adopted_is_given_its_heartbeat_timeout_from_that_agent_s_hello(c: FakeCluster) -> None:
+    """While a host has no agent its roles' heartbeats go nowhere; a new agent that adopted them says so in its
+    hello, and their silence counts from there (they were lost and restarted while the new agent dialled in)."""
+    running(c)
+    everyone = [r.name for r in c.record.roles]
+    c.cut.add("localhost")  # the agent died: no report, no heartbeat reaches anyone
+    c.step(observations=[policy.Detached("localhost", 1, "its agent's stream ended")])
+    c.step(4.0, silent=everyone)
+    c.cut.clear()
+    c.hello.add("localhost")  # its successor adopted every role; their first beats to it are yet to come
+    c.step(0.5, silent=everyone)
+    c.step(2.0, silent=everyone)  # 6.5 s since their last beat, past the 5 s timeout: 2 s since the hello
+    assert set(c.states().values()) == {RoleState.RUNNING}
+    c.step(3.1, silent=["worker-1"])  # one still silent 5.1 s after the hello: hung
+    assert c.role("worker-1").state != RoleState.RUNNING
+    assert all(c.role(n).state == RoleState.RUNNING for n in ("chief-0", "ps-0", "worker-0"))
+
+
 def test_psctl_down_stops_every_role_with_its_grace(c: FakeCluster) -> None:
     running(c)
     actions = c.step(observations=[policy.StopRequested(12.0)])

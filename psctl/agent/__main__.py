@@ -15,7 +15,8 @@ import os
 import signal
 import sys
 
-from psctl.agent.core import Agent, sweep_orphans
+from psctl.agent.core import Agent
+from psctl.agent.orphans import find_orphans
 from psctl.runtime.cluster import TlsFiles
 from psctl.signals import on_signals
 
@@ -38,9 +39,6 @@ def main() -> int:
     except (KeyError, ValueError, TypeError) as exc:
         print(f"psctl.agent: bad configuration in PSCTL_AGENT / PSCTL_CLUSTER_ID: {exc!r}", file=sys.stderr)
         return EXIT_CONFIG
-    orphans = sweep_orphans(cluster_id, agent.host)
-    if orphans:
-        logging.warning("stopped roles an earlier agent of this host left behind: pids %s", orphans)
 
     def on_term(signum: int) -> None:
         logging.info("received %s: stopping this host's roles", signal.Signals(signum).name)
@@ -48,7 +46,7 @@ def main() -> int:
 
     on_signals((signal.SIGTERM,), on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    agent.start()
+    agent.start(find_orphans(cluster_id, agent.host))  # adopted, or stopped
     logging.info("host %s: agent pid %d, heartbeats at %s, supervisor at %s", agent.host, os.getpid(),
                  agent.heartbeat_address, agent.supervisor)
     agent.wait()

@@ -8,7 +8,8 @@ supervisor ONE report per heartbeat interval for all of them over ONE long-lived
 once when a role exits. It never restarts a role by itself: restarts are the supervisor's decision.
 
 When the supervisor goes away the agent keeps its roles running and dials again until one answers; the new
-supervisor adopts them from the agent's hello (nothing restarted, nothing lost).
+supervisor adopts them from the agent's hello (nothing restarted, nothing lost). When the agent itself goes
+away, the next agent of the host adopts the roles it left (``psctl.agent.orphans``).
 
 Needs only what a role needs (the runtime's dependencies): it imports nothing of the launcher side.
 """
@@ -24,13 +25,23 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
 
 from psctl.agent.exits import ExitWaiter
+from psctl.agent.orphans import (
+    ADOPTION_VARIABLE,
+    EXIT_FILE_VARIABLE,
+    AdoptedProcess,
+    Orphan,
+    adoptable_port,
+    adoption_record,
+    create_time,
+    kill_orphans,
+)
 from psctl.launch.cpus import (
     CPUS_FILE_VARIABLE,
     CPUS_VARIABLE,
@@ -62,8 +73,6 @@ TAIL_LINES = 5
 #: An agent with no running role ends after this long without a supervisor (its cluster is gone, or it was
 #: replaced while cut off); one with roles keeps them and keeps dialling, for a new supervisor to adopt them.
 ORPHAN_TIMEOUT = 600.0
-#: Roles of the cluster started by an earlier agent of this host carry this variable (see sweep_orphans).
-HOST_VARIABLE = "PSCTL_AGENT_HOST"
 
 
 class Process(Protocol):
@@ -94,19 +103,6 @@ def host_path(path: str) -> str:
     """A path as the launcher writes it for a host: ``~/x`` and relative paths are under the user's home."""
     path = os.path.expanduser(path)
     return path if os.path.isabs(path) else os.path.join(os.path.expanduser("~"), path)
-
-
-def create_time(pid: int) -> float:
-    """The process's start time as psutil reports it (boot time + start ticks / CLK_TCK); 0.0 if unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-        ticks = int(stat[stat.rindex(")") + 2:].split()[19])
-        with open("/proc/stat", "rb") as f:
-            boot = next(float(line.split()[1]) for line in f if line.startswith(b"btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return 0.0
 
 
 #: A line a program prints about its progress: "step 120", "Step: 120", "global_step=120" (the last one wins).
@@ -163,6 +159,8 @@ class RoleProcess:
     #: Where this agent writes the CPUs it moves the role to, for the role to bind itself there
     #: (psctl.launch.cpus.bind_self); "" where it has no slot.
     cpus_file: str = ""
+    #: Where the role leaves its exit code as it ends (for an agent that adopts it); "" for a watched program.
+    exit_file: str = ""
 
     @property
     def running(self) -> bool:
@@ -265,18 +263,57 @@ class Agent:
         self._cpus = ClusterCpus(cluster_id)
 
     # -- life -----------------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, orphans: Sequence[Orphan] = ()) -> None:
+        """Serve the roles' heartbeats and dial the supervisor. ``orphans``: roles of this cluster and host that
+        an earlier agent left (it died; ``psctl.agent.orphans``): adopted where their heartbeats' port can be
+        served here, before the hello that names them; the others are SIGKILLed."""
+        adopt_on = adoptable_port(orphans, self.heartbeat_host) if self._serve else 0
         if self._serve:
             loopback = self.heartbeat_host in ("127.0.0.1", "localhost")
-            server, port = make_server(f"{self.heartbeat_host if loopback else '0.0.0.0'}:0", self.tls, max_workers=4)
+            bind = self.heartbeat_host if loopback else "0.0.0.0"
+            try:  # only if no one else serves it (gRPC shares ports by default: a live agent may hold it)
+                server, port = make_server(f"{bind}:{adopt_on}", self.tls, max_workers=4, exclusive=True)
+            except OSError as exc:
+                if not adopt_on:
+                    raise
+                log.warning("cannot serve heartbeats on the port of the roles left behind (%s)", exc)
+                server, port = make_server(f"{bind}:0", self.tls, max_workers=4)
+                adopt_on = 0
             pb_grpc.add_SupervisorServicer_to_server(HeartbeatEndpoint(self), server)
             server.start()
             self._server = server
             self.heartbeat_address = f"{self.heartbeat_host}:{port}"
+        adopted = self._adopt([o for o in orphans if o.record is not None]) if adopt_on else set()
+        stopped = kill_orphans([o for o in orphans if o.pid not in adopted])
+        if stopped:
+            log.warning("stopped roles an earlier agent of this host left behind: pids %s", stopped)
         for target, name in ((self._watch, "watch"), (self._link, "link")):
             thread = threading.Thread(target=target, name=f"psctl-agent-{name}-{self.host}", daemon=True)
             thread.start()
             self._threads.append(thread)
+
+    def _adopt(self, orphans: Sequence[Orphan]) -> set[int]:
+        """Take over running roles an earlier agent started; returns their pids."""
+        adopted = set()
+        with self.lock:
+            for orphan in orphans:
+                record = orphan.record or {}
+                try:
+                    role = RoleProcess(str(record["name"]), int(record["incarnation"]), int(record["attempt"]),
+                                       str(record["log"]), process=AdoptedProcess(orphan),
+                                       create_time=orphan.create_time, cpus_file=str(record.get("cpus_file", "")),
+                                       exit_file=str(record.get("exit_file", "")))
+                except (KeyError, TypeError, ValueError):
+                    continue
+                if role.name in self.roles:
+                    continue
+                role.cpu_managed = bool(role.cpus_file)
+                self.roles[role.name] = role
+                self._exits.look_only(orphan.pid)  # not a child: its exit shows when it is looked at
+                adopted.add(orphan.pid)
+                log.info("%s: attempt %d adopted, pid %d (started by an earlier agent of this host)", role.name,
+                         role.attempt, orphan.pid)
+        return adopted
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
@@ -382,6 +419,14 @@ class Agent:
                 os.makedirs(os.path.dirname(role.log_path), mode=0o700, exist_ok=True)
                 fd = os.open(role.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
                 self._assign_cpu(command, role)
+                if not command.watched_only:  # the runtime leaves its exit code: a later agent may adopt it
+                    role.exit_file = os.path.splitext(role.log_path)[0] + ".exit"  # beside its log
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(role.exit_file)  # an earlier attempt's of the same number (a cluster of that name)
+                    command.env[EXIT_FILE_VARIABLE] = role.exit_file
+                    command.env[ADOPTION_VARIABLE] = adoption_record(
+                        name=role.name, incarnation=role.incarnation, attempt=role.attempt, log_path=role.log_path,
+                        exit_file=role.exit_file, cpus_file=role.cpus_file, heartbeats=self.heartbeat_address)
                 try:
                     role.process = self.spawn(command, fd)
                 finally:
@@ -472,9 +517,10 @@ class Agent:
             return False
         role.exit_code, role.kill_at = code, None
         self._exits.forget(role.process.pid)
-        if role.cpus_file:  # its moves were for it to read; a restart gets a file of its own
-            with contextlib.suppress(OSError):
-                os.remove(role.cpus_file)
+        for done_with in (role.cpus_file, role.exit_file):  # a restart gets files of its own
+            if done_with:
+                with contextlib.suppress(OSError):
+                    os.remove(done_with)
         role.tail = log_tail(role.log_path)
         log.info("%s: attempt %d exited with %d", role.name, role.attempt, code)
         return True
@@ -573,24 +619,3 @@ def write_private(path: str, data: bytes) -> None:
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(partial, path)
-
-
-def sweep_orphans(cluster_id: str, host: str) -> list[int]:
-    """SIGKILL the process groups of roles of this cluster and host that an earlier agent started (it died, so
-    nothing reports on them and they would hold their ports); returns their pids."""
-    me = os.getpid()
-    needles = (f"PSCTL_CLUSTER_ID={cluster_id}".encode(), f"{HOST_VARIABLE}={host}".encode())
-    killed = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            continue
-        if all(n in env for n in needles) and any(v.startswith(b"PSCTL_ROLE=") for v in env):
-            with contextlib.suppress(OSError):
-                os.killpg(int(entry), signal.SIGKILL)
-                killed.append(int(entry))
-    return killed

@@ -77,18 +77,22 @@ UNARY_THREADS = 16
 
 
 def make_server(
-    bind: str, tls: TlsFiles | None = None, *, max_workers: int = UNARY_THREADS
+    bind: str, tls: TlsFiles | None = None, *, max_workers: int = UNARY_THREADS, exclusive: bool = False
 ) -> tuple[grpc.Server, int]:
-    """A server listening on ``bind``; returns it (not started) and the port it got."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         options=[*grpc_options(), *SERVER_OPTIONS])
-    if tls is None:
-        port = server.add_insecure_port(bind)
-    else:
-        creds = grpc.ssl_server_credentials(
-            [(_read(tls.key), _read(tls.cert))], root_certificates=_read(tls.ca), require_client_auth=True
-        )
-        port = server.add_secure_port(bind, creds)
+    """A server listening on ``bind``; returns it (not started) and the port it got. ``exclusive``: fail where
+    another socket listens there (gRPC sets SO_REUSEPORT by default: two servers would share the port)."""
+    options = [*grpc_options(), *SERVER_OPTIONS, *([("grpc.so_reuseport", 0)] if exclusive else [])]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options)
+    try:
+        if tls is None:
+            port = server.add_insecure_port(bind)
+        else:
+            creds = grpc.ssl_server_credentials(
+                [(_read(tls.key), _read(tls.cert))], root_certificates=_read(tls.ca), require_client_auth=True
+            )
+            port = server.add_secure_port(bind, creds)
+    except RuntimeError:  # (grpcio raises where older versions returned 0)
+        port = 0
     if port == 0:
         raise OSError(f"cannot listen on {bind}: address in use or not available")
     return server, port

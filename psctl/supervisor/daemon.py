@@ -26,7 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from psctl.agent.core import HOST_VARIABLE
+from psctl.agent.orphans import HOST_VARIABLE
 from psctl.errors import LaunchError, PsctlError
 from psctl.home import ClusterDir
 from psctl.launch import slurm

@@ -206,6 +206,9 @@ class RoleLive:
     #: whose worker is preempted now and then is not failed for good by its eleventh preemption.
     failures_in_a_row: int = 0
     running_since: float | None = None
+    #: When a new agent of its host said it runs (its hello, after adopting it): until then its heartbeats had
+    #: no agent to go to, so its silence is counted from here.
+    vouched_at: float | None = None
 
 
 @dataclass
@@ -478,6 +481,8 @@ class _Decision:
         for rr in report.roles:
             reported.add(rr.name)
             self.on_role_report(obs.host, obs.at, rr)
+            if report.hello and not rr.exited:
+                self.vouch(obs.host, obs.at, rr)
         if report.hello:  # a role this host should run that its agent does not know: the agent was replaced
             for role in self.record.roles:
                 if (role.host == obs.host and role.name not in reported
@@ -523,6 +528,15 @@ class _Decision:
             self.on_exit(role, rr.exit_code, rr.log_tail)
             return
         self.take_heartbeat(role, live, rr, at)
+
+    def vouch(self, host: str, at: float, rr: pb.RoleReport) -> None:
+        """A new agent's hello says the role runs (it adopted it): its heartbeats had nowhere to go until now."""
+        try:
+            role = self.record.role(rr.name)
+        except KeyError:
+            return
+        if role.host == host and role.incarnation == rr.incarnation and not role.state.terminal:
+            self.s.roles[role.name].vouched_at = at
 
     def take_heartbeat(self, role: RoleRecord, live: RoleLive, rr: pb.RoleReport, at: float) -> None:
         """The role's progress from the heartbeat its agent reports, if newer than the last one taken."""
@@ -600,7 +614,7 @@ class _Decision:
             policy.max_backoff_seconds, 1.0
         ):
             live.failures_in_a_row = 0
-        silent = self.now - live.last_heartbeat
+        silent = self.now - max(live.last_heartbeat, live.vouched_at or 0.0)
         if silent > self.sup.heartbeat_timeout:
             self.on_lost(role, f"no heartbeat for {silent:.1f}s (hung or cut off)")
         else:

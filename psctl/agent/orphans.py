@@ -1,0 +1,159 @@
+"""Roles an earlier agent of this host left running (it died), and taking them over.
+
+An agent starts each role in a session of its own, so a role outlives its agent. A new agent of the host finds
+them by their environment (cluster id and host name, as ``psctl down`` does) and adopts each that its agent
+described there (``ADOPTION_VARIABLE``: name, incarnation, attempt, log, exit file, CPU file, and the address its
+heartbeats go to): it serves heartbeats on that same port, so the roles' beats reach it unchanged, and its
+hello names them, so the supervisor sees its roles still running instead of losing and restarting them (a ps
+restarted loses the steps since its last checkpoint). An adopted role is not the new agent's child: its exit
+shows by ``/proc`` when the agent looks (every ``WATCH_INTERVAL``), and its exit code is what the runtime wrote
+to its exit file as it ended (``psctl.runtime.__main__.record_exit``), SIGKILL's where there is none.
+Roles it cannot adopt (no description, another port, or that port taken) are SIGKILLed: nothing reports on
+them, and they hold their ports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: Roles of the cluster started by an agent of this host carry this variable (its name in the cluster).
+HOST_VARIABLE = "PSCTL_AGENT_HOST"
+#: What a later agent needs to adopt a role, as JSON in the role's environment (see ``adoption_record``).
+ADOPTION_VARIABLE = "PSCTL_AGENT_ROLE"
+#: Where the runtime leaves its exit code as it ends (read by an agent that is not its parent).
+EXIT_FILE_VARIABLE = "PSCTL_EXIT_FILE"
+
+
+def create_time(pid: int) -> float:
+    """The process's start time as psutil reports it (boot time + start ticks / CLK_TCK); 0.0 if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])
+        with open("/proc/stat", "rb") as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith(b"btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return 0.0
+
+
+def _running(pid: int, created: float) -> bool:
+    """The process ``pid`` started at ``created`` still runs (not a zombie, not a later process of that pid)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    if stat[stat.rindex(b")") + 2:][:1] in (b"Z", b"X"):
+        return False
+    return abs(create_time(pid) - created) < 0.05
+
+
+def adoption_record(*, name: str, incarnation: int, attempt: int, log_path: str, exit_file: str, cpus_file: str,
+                    heartbeats: str) -> str:
+    """The ``ADOPTION_VARIABLE`` value for a role this agent starts."""
+    return json.dumps({"name": name, "incarnation": incarnation, "attempt": attempt, "log": log_path,
+                       "exit_file": exit_file, "cpus_file": cpus_file, "heartbeats": heartbeats})
+
+
+@dataclass(frozen=True)
+class Orphan:
+    """A running role of this cluster and host that no agent of this process started."""
+
+    pid: int
+    create_time: float
+    #: What its agent wrote to adopt it by (``adoption_record``); None: it cannot be adopted.
+    record: dict[str, Any] | None
+
+    @property
+    def heartbeats(self) -> str:
+        return str((self.record or {}).get("heartbeats", ""))
+
+
+def find_orphans(cluster_id: str, host: str) -> list[Orphan]:
+    """The processes whose environment names this cluster and this host as a role's (a role's process group
+    leader: its own children go with it)."""
+    me = os.getpid()
+    needles = (f"PSCTL_CLUSTER_ID={cluster_id}".encode(), f"{HOST_VARIABLE}={host}".encode())
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        pid = int(entry)
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            if os.getpgid(pid) != pid:  # a role's own child (its group is signalled with it)
+                continue
+        except OSError:
+            continue
+        if not (all(n in env for n in needles) and any(v.startswith(b"PSCTL_ROLE=") for v in env)):
+            continue
+        prefix = f"{ADOPTION_VARIABLE}=".encode()
+        raw = next((v[len(prefix):] for v in env if v.startswith(prefix)), None)
+        record = None
+        with contextlib.suppress(ValueError, UnicodeDecodeError):
+            record = json.loads(raw) if raw else None
+        found.append(Orphan(pid, create_time(pid), record if isinstance(record, dict) else None))
+    return found
+
+
+def adoptable_port(orphans: Sequence[Orphan], heartbeat_host: str) -> int:
+    """The port every adoptable orphan's heartbeats go to, where they agree and go to ``heartbeat_host``; 0
+    where there is none."""
+    addresses = {o.heartbeats for o in orphans if o.record is not None}
+    if len(addresses) != 1:
+        return 0
+    host, _, port = addresses.pop().rpartition(":")
+    return int(port) if host == heartbeat_host and port.isdigit() else 0
+
+
+def kill_orphans(orphans: Sequence[Orphan]) -> list[int]:
+    """SIGKILL the orphans' process groups (those still the processes found); returns their pids."""
+    killed = []
+    for orphan in orphans:
+        if _running(orphan.pid, orphan.create_time):
+            with contextlib.suppress(OSError):
+                os.killpg(orphan.pid, signal.SIGKILL)
+                killed.append(orphan.pid)
+    return killed
+
+
+class AdoptedProcess:
+    """An orphan taken over: what the agent needs of a role's process (``psctl.agent.core.Process``), for one
+    that is not its child."""
+
+    def __init__(self, orphan: Orphan) -> None:
+        self.pid = orphan.pid
+        self._created = orphan.create_time
+        self._exit_file = str((orphan.record or {}).get("exit_file", ""))
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """Its exit code once it ended: the one it wrote to its exit file, else SIGKILL's (-9)."""
+        if self.returncode is None and not _running(self.pid, self._created):
+            self.returncode = read_exit_file(self._exit_file, default=-signal.SIGKILL)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """Signal its process group (it leads one, as every role does)."""
+        if self.returncode is None and _running(self.pid, self._created):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, sig)
+
+
+def read_exit_file(path: str, *, default: int) -> int:
+    """The exit code a role wrote as it ended, else ``default``."""
+    if not path:
+        return default
+    try:
+        with open(path, encoding="ascii") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return default
