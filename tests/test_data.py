@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from psctl.models import data as data_mod
-from psctl.models.data import DATA_SOURCES, ArrayDataset, data_shape, load_dataset
+from psctl.models.data import ArrayDataset, data_shape, load_dataset
+from psctl.runtime.data_config import DATA_SOURCES
 
 N = 103  # not a multiple of any batch size or shard count used below
 

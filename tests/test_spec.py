@@ -719,6 +719,39 @@ MISTAKES = [
         "cluster.yaml:4: training.args.hidden_unit: psctl.models.mlp takes no arg 'hidden_unit'; did you mean "
         "'hidden_units'?",
     ),
+    (
+        "a built-in program's data set misspelt (the workers failed at start)",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training: {program: psctl.models.mlp, data: {name: digit}, steps: 10}
+        """,
+        "cluster.yaml:2: training.data.name: no data set 'digit'; did you mean 'digits'? (or give data.path: an "
+        ".npz or .csv file)",
+    ),
+    (
+        "an option its data set does not take",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training:
+          program: psctl.models.wide_embedding
+          data: {name: synthetic_embedding, vocab_sise: 1000}
+          steps: 10
+        """,
+        "cluster.yaml:4: training.data.vocab_sise: not an option of data set synthetic_embedding; did you mean "
+        "'vocab_size'?",
+    ),
+    (
+        "a data option out of its range",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training:
+          program: psctl.models.wide_embedding
+          data: {name: synthetic_embedding, zipf: 0.5}
+          steps: 10
+        """,
+        "cluster.yaml:4: training.data.zipf: must be 0 (uniform ids) or > 1 (Zipf exponent), got 0.5; write e.g. "
+        "zipf: 0.0",
+    ),
 ]
 
 
@@ -1072,14 +1105,16 @@ def test_a_spec_refuses_an_optimizer_parameter_itself_wherever_the_runtime_would
 
 
 def test_a_program_of_the_users_own_takes_any_args(tmp_path: Path) -> None:
-    """Only psctl's own programs are known before they run; a module or file of the user's checks its args."""
+    """Only psctl's own programs are known before they run; a module or file of the user's checks its args and
+    reads its data config itself."""
     (tmp_path / "prog.py").write_text("def build(args, data, seed):\n    raise NotImplementedError\n")
     for program in ("my_models.tower", "prog.py"):
         spec = load_spec(write(tmp_path, f"""\
             roles: {{chief: {{}}, ps: {{}}, worker: {{}}}}
-            training: {{program: {program}, args: {{anything: 1}}, data: {{name: digits}}, steps: 10}}
+            training: {{program: {program}, args: {{anything: 1}}, data: {{path: x.tfrecord, shards: 4}}, steps: 10}}
             """))
         assert spec.training["args"] == {"anything": 1}
+        assert spec.training["data"]["shards"] == 4
 
 
 @pytest.mark.parametrize("program", sorted(BUILTIN_PROGRAMS))

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-#: The names a data config may give as ``name``; the user's own files are given by ``path`` instead.
-DATA_SOURCES = ("digits", "synthetic_classification", "synthetic_embedding")
+from psctl.runtime.data_config import is_int, parse_data_config
+
 SPLITS = ("train", "test")
 #: Where in scikit-learn's package its copy of the digits lies.
 DIGITS_FILE = ("datasets", "data", "digits.csv.gz")
@@ -28,15 +28,6 @@ TEST_FRACTION = 0.2
 #: The train/test split ignores the run's seed, so the test set stays the same from run to run.
 _SPLIT_SEED = 0x5EED5
 _SEED_MASK = (1 << 64) - 1
-
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "digits": {},
-    "synthetic_classification": {"num_examples": 10000, "num_features": 784, "num_classes": 10, "noise": 0.1},
-    "synthetic_embedding": {"num_examples": 20000, "vocab_size": 100000, "ids_per_example": 10, "zipf": 0.0},
-    ".npz": {"x": "x", "y": "y"},
-    ".csv": {"label_column": -1, "skip_header": False, "delimiter": ","},
-}
-
 
 @dataclass(eq=False)
 class ArrayDataset:
@@ -103,9 +94,9 @@ def load_dataset(data: Mapping[str, Any], *, split: str, shard: int, num_shards:
     """The examples of ``split`` that belong to ``shard``: every ``num_shards``-th one of the split."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}")
-    if not _is_int(num_shards) or num_shards < 1:
+    if not is_int(num_shards) or num_shards < 1:
         raise ValueError(f"num_shards must be an integer >= 1, got {num_shards!r}")
-    if not _is_int(shard) or not 0 <= shard < num_shards:
+    if not is_int(shard) or not 0 <= shard < num_shards:
         raise ValueError(f"shard index {shard!r} is out of range: use 0..{num_shards - 1}")
     x, y = _source_arrays(data, seed)
     idx = _split_indices(len(x), split)[shard::num_shards]
@@ -119,7 +110,7 @@ def load_dataset(data: Mapping[str, Any], *, split: str, shard: int, num_shards:
 
 def data_shape(data: Mapping[str, Any], seed: int) -> DataShape:
     """Features, classes and vocabulary size implied by a data config (files are read to find out)."""
-    kind, opts = _parse(data)
+    kind, opts = parse_data_config(data)
     if kind == "digits":
         return DataShape(64, 10, None)
     if kind == "synthetic_classification":
@@ -134,7 +125,7 @@ def data_shape(data: Mapping[str, Any], seed: int) -> DataShape:
 
 def _source_arrays(data: Mapping[str, Any], seed: int) -> tuple[np.ndarray, np.ndarray]:
     """All examples of a source (before the split), cached so build() and dataset() read a file once."""
-    kind, opts = _parse(data)
+    kind, opts = parse_data_config(data)
     stamp: tuple[str, int, int] | None = None
     if kind.startswith("."):
         path = Path(opts["path"]).expanduser()
@@ -165,60 +156,6 @@ def _load(
     x.flags.writeable = False  # shared by every caller through the cache
     y.flags.writeable = False
     return x, y
-
-
-def _parse(data: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """Validate a data config: (source kind, options with defaults filled in)."""
-    if not isinstance(data, Mapping):
-        raise ValueError(f"data config must be a mapping, got {type(data).__name__}")
-    if "name" in data and "path" in data:
-        raise ValueError("data config gives both 'name' and 'path': give one")
-    if "name" in data:
-        kind = data["name"]
-        if kind not in DATA_SOURCES:
-            raise ValueError(f"unknown data source {kind!r}: use one of {', '.join(DATA_SOURCES)} or give 'path'")
-        given = {k: v for k, v in data.items() if k != "name"}
-    elif "path" in data:
-        if not isinstance(data["path"], (str, Path)):
-            raise ValueError(f"data.path must be a file name, got {data['path']!r}")
-        kind = Path(data["path"]).suffix.lower()
-        if kind not in (".npz", ".csv"):
-            raise ValueError(f"data file {str(data['path'])!r} must end in .npz or .csv")
-        given = {k: v for k, v in data.items() if k != "path"}
-    else:
-        raise ValueError(
-            f"data config needs 'name' (one of {', '.join(DATA_SOURCES)}) or 'path' (an .npz or .csv file)"
-        )
-    defaults = _DEFAULTS[kind]
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        valid = ", ".join(sorted(defaults)) or "none"
-        source = kind if "name" in data else f"{kind} files"
-        raise ValueError(f"unknown data key(s) {', '.join(map(repr, unknown))} for {source}; valid: {valid}")
-    opts = {**defaults, **given}
-    _check_options(kind, opts)
-    if "path" in data:
-        opts["path"] = str(data["path"])
-    return kind, opts
-
-
-def _check_options(kind: str, opts: dict[str, Any]) -> None:
-    minimums = {"num_examples": 1, "num_features": 1, "num_classes": 2, "vocab_size": 1, "ids_per_example": 1}
-    for key, minimum in minimums.items():
-        if key in opts and (not _is_int(opts[key]) or opts[key] < minimum):
-            raise ValueError(f"data.{key} must be an integer >= {minimum}, got {opts[key]!r}")
-    for key in ("noise", "zipf"):
-        if key in opts and (not _is_number(opts[key]) or opts[key] < 0):
-            raise ValueError(f"data.{key} must be a number >= 0, got {opts[key]!r}")
-    if kind == "synthetic_embedding" and 0 < opts["zipf"] <= 1:
-        raise ValueError(f"data.zipf must be 0 (uniform ids) or > 1 (Zipf exponent), got {opts['zipf']!r}")
-    for key in ("x", "y", "delimiter"):
-        if key in opts and not isinstance(opts[key], str):
-            raise ValueError(f"data.{key} must be a string, got {opts[key]!r}")
-    if "label_column" in opts and not _is_int(opts["label_column"]):
-        raise ValueError(f"data.label_column must be an integer, got {opts['label_column']!r}")
-    if "skip_header" in opts and not isinstance(opts["skip_header"], bool):
-        raise ValueError(f"data.skip_header must be true or false, got {opts['skip_header']!r}")
 
 
 def _split_indices(n: int, split: str) -> np.ndarray:
@@ -346,14 +283,6 @@ def _as_examples(x: np.ndarray, y: np.ndarray, where: str) -> tuple[np.ndarray, 
     elif y.dtype.kind == "f":
         y = y.astype(np.float32)
     return np.ascontiguousarray(x), np.ascontiguousarray(y)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 def _one_line(error: BaseException) -> str:

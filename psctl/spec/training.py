@@ -17,6 +17,7 @@ from typing import Any
 from psctl.home import psctl_home
 from psctl.runtime.builtin_programs import BUILTIN_PREFIX, BUILTIN_PROGRAMS
 from psctl.runtime.call_size import AUTO
+from psctl.runtime.data_config import DATA_DEFAULTS, DATA_SOURCES, parse_data_config
 from psctl.runtime.optimizer_params import LEARNING_RATE, OPTIMIZER_PARAMS, Param, optimizer_config
 from psctl.runtime.partitioners import (
     PARTITIONER_KINDS,
@@ -69,7 +70,7 @@ def normalise_training(
     for key in out["args"] if valid_args else ():
         if key not in valid_args:
             c.fail((*T, "args", key), f"{program} takes no arg {show(key)}", suggestion(key, valid_args), key=True)
-    out["data"] = _data(c, t.get("data"), base_dir, allowed_paths)
+    out["data"] = _data(c, t.get("data"), base_dir, allowed_paths, builtin=program in BUILTIN_PROGRAMS)
     out["batch_size"] = _int(c, t, "batch_size", 100, minimum=1, example="100")
     out["optimizer"] = _optimizer(c, t.get("optimizer"))
     mode = c.choice((*T, "mode"), t.get("mode", "async"), MODES, noun="mode")
@@ -186,8 +187,10 @@ def _program(c: Checker, value: object, base_dir: Path, allowed: tuple[Path, ...
     return str(resolved)
 
 
-def _data(c: Checker, value: object, base_dir: Path, allowed: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """``{name: ...}`` (a built-in data set) or ``{path: ...}``; other keys are the program's options."""
+def _data(c: Checker, value: object, base_dir: Path, allowed: tuple[Path, ...] = (), *,
+          builtin: bool = False) -> dict[str, Any]:
+    """``{name: ...}`` (a built-in data set) or ``{path: ...}``; other keys are the program's options, which a
+    ``builtin`` program's data sources check here (a program of the user's reads its data config itself)."""
     path = (*T, "data")
     fix = "write data: {name: digits} or data: {path: data/train.npz}"
     if not isinstance(value, dict):
@@ -209,7 +212,34 @@ def _data(c: Checker, value: object, base_dir: Path, allowed: tuple[Path, ...] =
         # Relative paths mean "next to the spec"; ~ is left for the host that reads the data to expand.
         data["path"] = text if text.startswith("~") or Path(text).is_absolute() else str(base_dir / text)
         check_confined(c, (*path, "path"), data["path"], base_dir, allowed, what="data path")
+    if builtin:
+        _check_builtin_data(c, data)
     return data
+
+
+def _check_builtin_data(c: Checker, data: dict[str, Any]) -> None:
+    """What the built-in programs' data sources would refuse at start (psctl.runtime.data_config), refused at
+    its key now."""
+    path = (*T, "data")
+    if "name" in data and data["name"] not in DATA_SOURCES:
+        c.fail((*path, "name"), f"no data set {show(data['name'])}",
+               f"{suggestion(data['name'], DATA_SOURCES)} (or give data.path: an .npz or .csv file)")
+    kind = data["name"] if "name" in data else Path(data["path"]).suffix.lower()
+    if kind not in DATA_DEFAULTS:
+        c.fail((*path, "path"), f"{show(data['path'])}: the built-in programs read .npz and .csv files",
+               "convert it, or train with a program of your own that reads it")
+    defaults = DATA_DEFAULTS[kind]
+    for key in data:
+        if key not in ("name", "path", *defaults):
+            c.fail((*path, key), f"not an option of {'data set ' + kind if 'name' in data else kind + ' files'}",
+                   suggestion(key, tuple(defaults)) if defaults else "it takes none: remove it", key=True)
+    try:
+        parse_data_config(data)
+    except ValueError as exc:  # a value out of range: "data.zipf must be ..."
+        key = str(exc).removeprefix("data.").split(" ", 1)[0]
+        if key not in defaults:
+            c.fail(path, str(exc), "see psctl/runtime/data_config.py")
+        c.fail((*path, key), str(exc).removeprefix(f"data.{key} "), f"write e.g. {key}: {defaults[key]!r}")
 
 
 def _optimizer(c: Checker, value: object) -> dict[str, Any]:
