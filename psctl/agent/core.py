@@ -91,7 +91,8 @@ Spawn = Callable[[pb.StartRole, int], Process]
 
 def spawn_process(command: pb.StartRole, log_fd: int) -> Process:
     """Start the role's argv as a child in its own session and process group (signalled as one)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PSCTL_AGENT")}
+    # (not the agent's own configuration, nor where its launcher reads its exit code: a role's are its own)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PSCTL_AGENT") and k != EXIT_FILE_VARIABLE}
     env.update(command.env)
     return subprocess.Popen(
         list(command.argv), env=env, cwd=host_path(command.cwd) if command.cwd else None,
