@@ -671,6 +671,38 @@ def test_a_new_supervisor_adopts_the_roles_on_the_hosts_and_training_ends_exactl
     assert later and min(r["global_step"] for r in later) < steps, later[:3]
 
 
+def test_an_agent_killed_on_a_host_is_replaced_and_its_successor_adopts_the_host_s_roles(remote: Remote) -> None:
+    """h2's agent is SIGKILLed mid-training: the supervisor starts another over SSH, which adopts the ps and the
+    worker the first left running there (their heartbeats' port, their exit files): nothing restarted, no ps
+    restored from a checkpoint, exact step count."""
+    steps = 12000
+    spec, _ = write_spec(remote.bed, remote.folder, remote.name, steps=steps)
+    remote.psctl("up", str(spec), "--detach")
+    before = wait_until(lambda: (s := remote.status())["roles"][0]["global_step"] >= 300 and s, timeout=120,
+                        what="training to pass step 300")
+    cluster_id = before["cluster_id"]
+    pids = {r["name"]: (r["host"], r["pid"]) for r in before["roles"]}
+    assert {name for name, (host, _) in pids.items() if host == "h2"} >= {"ps-0"}, pids
+    agents = [line.split()[0] for line in remote.processes("h2", cluster_id) if "psctl.agent" in line]
+    assert len(agents) == 1, remote.processes("h2", cluster_id)
+    remote.bed.exec("h2", f"kill -9 {agents[0]}", check=True)
+
+    def successor() -> bool:
+        found = [line.split()[0] for line in remote.processes("h2", cluster_id) if "psctl.agent" in line]
+        return bool(found) and found != agents
+
+    wait_until(successor, timeout=60, what="a new agent on h2", detail=remote.supervisor_log)
+    final = wait_until(lambda: (s := remote.status())["state"] in ("succeeded", "failed") and s, timeout=240,
+                       what="training to finish", detail=remote.supervisor_log)
+    assert final["state"] == "succeeded", final["reason"]
+    assert final["result"]["global_step"] == steps and final["result"]["ps_restores"] == 0, final["result"]
+    for role in final["roles"]:
+        if role["name"] == "evaluator-0":
+            continue  # it may have finished on its own
+        assert (role["host"], role["pid"]) == pids[role["name"]], role
+        assert (role["attempt"], role["restarts"]) == (1, 0), role
+
+
 def test_workers_and_ps_scaled_on_ssh_hosts_start_on_their_pools_and_training_ends_exactly(remote: Remote) -> None:
     """`psctl scale` over SSH: the new worker starts on the next host of its pool (h3, whose key the supervisor
     sends with its start), a third ps on h1; the chief reshards and takes the worker in; exact step count."""
