@@ -460,18 +460,26 @@ def test_a_new_agent_adopts_the_roles_its_host_s_last_agent_left_and_reports_how
     first.start()
     hello = endpoint.report("h1", hello=True)
     done = tmp_path / "done"
+    allowed = allowed_cpus()
     for name, argv in (("worker-0", [*ENDS_WHEN_TOLD, str(done)]), ("worker-1", SLEEPER)):
-        endpoint.hub.send("h1", hello.agent_pid, start_command(name, 4, tmp_path, argv, env=OF_C1_ON_H1))
+        command = start_command(name, 4, tmp_path, argv, env=OF_C1_ON_H1)
+        if name == "worker-1":  # given a CPU slot (more roles than CPUs here)
+            command.start.cpu_slot, command.start.cpu_slots = 0, len(allowed) + 1
+        endpoint.hub.send("h1", hello.agent_pid, command)
     pids = {name: endpoint.role_report("h1", name, until=lambda r: r.pid > 0).pid for name in ("worker-0", "worker-1")}
     for name in pids:
         log = tmp_path / "logs" / f"{name}.1.log"
         wait_until(lambda log=log: log.is_file() and "up" in log.read_text(), timeout=10, what=f"{name} to start")
+    os.sched_setaffinity(pids["worker-1"], allowed[-1:])  # it binds itself to its CPU (as psctl.runtime does)
     first.stop()  # as if it died: it serves no heartbeat and reports nothing more; its roles run on
 
     second = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=0.2)
     started.append(second)
     second.start(find_orphans("c1", "h1"))
     assert second.heartbeat_address == first.heartbeat_address
+    # it knows where the bound one is bound: a rebind to that CPU is no move
+    assert second.roles["worker-1"].cpu_managed and not second.roles["worker-0"].cpu_managed
+    assert second.roles["worker-1"].cpus == (allowed[-1:] if len(allowed) > 1 else None)
     again = endpoint.report("h1", hello=True)
     assert sorted((r.name, r.pid, r.incarnation, r.attempt, r.exited) for r in again.roles) == [
         ("worker-0", pids["worker-0"], 4, 1, False), ("worker-1", pids["worker-1"], 4, 1, False)]

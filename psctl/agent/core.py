@@ -309,6 +309,10 @@ class Agent:
                 if role.name in self.roles:
                     continue
                 role.cpu_managed = bool(role.cpus_file)
+                if role.cpu_managed:  # where it is bound now: a rebind to the same CPU is no move
+                    with contextlib.suppress(OSError):
+                        bound = sorted(os.sched_getaffinity(orphan.pid))
+                        role.cpus = bound if set(bound) != set(allowed_cpus()) else None
                 self.roles[role.name] = role
                 self._exits.look_only(orphan.pid)  # not a child: its exit shows when it is looked at
                 adopted.add(orphan.pid)
