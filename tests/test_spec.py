@@ -725,8 +725,7 @@ MISTAKES = [
         roles: {chief: {}, ps: {}, worker: {}}
         training: {program: psctl.models.mlp, data: {name: digit}, steps: 10}
         """,
-        "cluster.yaml:2: training.data.name: no data set 'digit'; did you mean 'digits'? (or give data.path: an "
-        ".npz or .csv file)",
+        "cluster.yaml:2: training.data.name: no data set 'digit'; did you mean 'digits'?",
     ),
     (
         "an option its data set does not take",
@@ -751,6 +750,15 @@ MISTAKES = [
         """,
         "cluster.yaml:4: training.data.zipf: must be 0 (uniform ids) or > 1 (Zipf exponent), got 0.5; write e.g. "
         "zipf: 0.0",
+    ),
+    (
+        "a data file the built-in programs cannot read",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training: {program: psctl.models.mlp, data: {path: data/train.parquet}, steps: 10}
+        """,
+        "cluster.yaml:2: training.data.path: '{dir}/data/train.parquet': the built-in programs read .npz and .csv "
+        "files; convert it, or train with a program of your own that reads it",
     ),
 ]
 

@@ -23,6 +23,21 @@ DATA_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+class DataConfigError(ValueError):
+    """A data config the data sources refuse. Besides the message: the ``key`` it is about (``name``, ``path``,
+    an option; None: the config as a whole), the ``problem`` said of that key, and what helps fix it: the
+    unknown ``word`` and the ``choices`` it should be one of, an ``example`` value, or a ``fix`` in words."""
+
+    def __init__(self, message: str, *, key: str | None = None, problem: str = "", word: str = "",
+                 choices: tuple[str, ...] = (), example: Any = None, fix: str = "") -> None:
+        super().__init__(message)
+        self.key, self.problem, self.word, self.choices = key, problem or message, word, choices
+        self.example, self.fix = example, fix
+
+
+_EXAMPLE = "write e.g. data: {name: digits} or data: {path: data/train.npz}"
+
+
 def is_int(value: Any) -> bool:
     """An integer (numpy's too), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -34,33 +49,42 @@ def is_number(value: Any) -> bool:
 
 
 def parse_data_config(data: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """Validate a data config: (source kind, options with defaults filled in). A ValueError says what is wrong."""
+    """Validate a data config: (source kind, options with defaults filled in). A DataConfigError says what is
+    wrong, and where."""
     if not isinstance(data, Mapping):
-        raise ValueError(f"data config must be a mapping, got {type(data).__name__}")
+        raise DataConfigError(f"data config must be a mapping, got {type(data).__name__}", fix=_EXAMPLE)
     if "name" in data and "path" in data:
-        raise ValueError("data config gives both 'name' and 'path': give one")
+        raise DataConfigError("data config gives both 'name' and 'path': give one", key="path",
+                              fix="remove one of them")
     if "name" in data:
         kind = data["name"]
         if kind not in DATA_SOURCES:
-            raise ValueError(f"unknown data source {kind!r}: use one of {', '.join(DATA_SOURCES)} or give 'path'")
+            raise DataConfigError(
+                f"unknown data source {kind!r}: use one of {', '.join(DATA_SOURCES)} or give 'path'", key="name",
+                problem=f"no data set {kind!r}", word=str(kind), choices=DATA_SOURCES)
         given = {k: v for k, v in data.items() if k != "name"}
     elif "path" in data:
         if not isinstance(data["path"], (str, Path)):
-            raise ValueError(f"data.path must be a file name, got {data['path']!r}")
+            raise DataConfigError(f"data.path must be a file name, got {data['path']!r}", key="path",
+                                  fix="write e.g. path: data/train.npz")
         kind = Path(data["path"]).suffix.lower()
         if kind not in (".npz", ".csv"):
-            raise ValueError(f"data file {str(data['path'])!r} must end in .npz or .csv")
+            raise DataConfigError(f"data file {str(data['path'])!r} must end in .npz or .csv", key="path",
+                                  problem=f"{str(data['path'])!r}: the built-in programs read .npz and .csv files",
+                                  fix="convert it, or train with a program of your own that reads it")
         given = {k: v for k, v in data.items() if k != "path"}
     else:
-        raise ValueError(
-            f"data config needs 'name' (one of {', '.join(DATA_SOURCES)}) or 'path' (an .npz or .csv file)"
-        )
+        raise DataConfigError(
+            f"data config needs 'name' (one of {', '.join(DATA_SOURCES)}) or 'path' (an .npz or .csv file)",
+            fix=_EXAMPLE)
     defaults = DATA_DEFAULTS[kind]
-    unknown = sorted(set(given) - set(defaults))
+    unknown = sorted(str(key) for key in given if key not in defaults)
     if unknown:
         valid = ", ".join(sorted(defaults)) or "none"
         source = kind if "name" in data else f"{kind} files"
-        raise ValueError(f"unknown data key(s) {', '.join(map(repr, unknown))} for {source}; valid: {valid}")
+        raise DataConfigError(f"unknown data key(s) {', '.join(map(repr, unknown))} for {source}; valid: {valid}",
+                              key=unknown[0], word=unknown[0], choices=tuple(defaults),
+                              problem=f"not an option of {'data set ' if 'name' in data else ''}{source}")
     opts = {**defaults, **given}
     _check_options(kind, opts)
     if "path" in data:
@@ -69,19 +93,23 @@ def parse_data_config(data: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 def _check_options(kind: str, opts: dict[str, Any]) -> None:
+    def refuse(key: str, must: str) -> None:
+        raise DataConfigError(f"data.{key} {must}, got {opts[key]!r}", key=key, problem=f"{must}, got {opts[key]!r}",
+                              example=DATA_DEFAULTS[kind][key])
+
     minimums = {"num_examples": 1, "num_features": 1, "num_classes": 2, "vocab_size": 1, "ids_per_example": 1}
     for key, minimum in minimums.items():
         if key in opts and (not is_int(opts[key]) or opts[key] < minimum):
-            raise ValueError(f"data.{key} must be an integer >= {minimum}, got {opts[key]!r}")
+            refuse(key, f"must be an integer >= {minimum}")
     for key in ("noise", "zipf"):
         if key in opts and (not is_number(opts[key]) or opts[key] < 0):
-            raise ValueError(f"data.{key} must be a number >= 0, got {opts[key]!r}")
+            refuse(key, "must be a number >= 0")
     if kind == "synthetic_embedding" and 0 < opts["zipf"] <= 1:
-        raise ValueError(f"data.zipf must be 0 (uniform ids) or > 1 (Zipf exponent), got {opts['zipf']!r}")
+        refuse("zipf", "must be 0 (uniform ids) or > 1 (Zipf exponent)")
     for key in ("x", "y", "delimiter"):
         if key in opts and not isinstance(opts[key], str):
-            raise ValueError(f"data.{key} must be a string, got {opts[key]!r}")
+            refuse(key, "must be a string")
     if "label_column" in opts and not is_int(opts["label_column"]):
-        raise ValueError(f"data.label_column must be an integer, got {opts['label_column']!r}")
+        refuse("label_column", "must be an integer")
     if "skip_header" in opts and not isinstance(opts["skip_header"], bool):
-        raise ValueError(f"data.skip_header must be true or false, got {opts['skip_header']!r}")
+        refuse("skip_header", "must be true or false")

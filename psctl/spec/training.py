@@ -17,7 +17,7 @@ from typing import Any
 from psctl.home import psctl_home
 from psctl.runtime.builtin_programs import BUILTIN_PREFIX, BUILTIN_PROGRAMS
 from psctl.runtime.call_size import AUTO
-from psctl.runtime.data_config import DATA_DEFAULTS, DATA_SOURCES, parse_data_config
+from psctl.runtime.data_config import DataConfigError, parse_data_config
 from psctl.runtime.optimizer_params import LEARNING_RATE, OPTIMIZER_PARAMS, Param, optimizer_config
 from psctl.runtime.partitioners import (
     PARTITIONER_KINDS,
@@ -220,26 +220,17 @@ def _data(c: Checker, value: object, base_dir: Path, allowed: tuple[Path, ...] =
 def _check_builtin_data(c: Checker, data: dict[str, Any]) -> None:
     """What the built-in programs' data sources would refuse at start (psctl.runtime.data_config), refused at
     its key now."""
-    path = (*T, "data")
-    if "name" in data and data["name"] not in DATA_SOURCES:
-        c.fail((*path, "name"), f"no data set {show(data['name'])}",
-               f"{suggestion(data['name'], DATA_SOURCES)} (or give data.path: an .npz or .csv file)")
-    kind = data["name"] if "name" in data else Path(data["path"]).suffix.lower()
-    if kind not in DATA_DEFAULTS:
-        c.fail((*path, "path"), f"{show(data['path'])}: the built-in programs read .npz and .csv files",
-               "convert it, or train with a program of your own that reads it")
-    defaults = DATA_DEFAULTS[kind]
-    for key in data:
-        if key not in ("name", "path", *defaults):
-            c.fail((*path, key), f"not an option of {'data set ' + kind if 'name' in data else kind + ' files'}",
-                   suggestion(key, tuple(defaults)) if defaults else "it takes none: remove it", key=True)
     try:
         parse_data_config(data)
-    except ValueError as exc:  # a value out of range: "data.zipf must be ..."
-        key = str(exc).removeprefix("data.").split(" ", 1)[0]
-        if key not in defaults:
-            c.fail(path, str(exc), "see psctl/runtime/data_config.py")
-        c.fail((*path, key), str(exc).removeprefix(f"data.{key} "), f"write e.g. {key}: {defaults[key]!r}")
+    except DataConfigError as exc:
+        if exc.word:  # a data set or an option that does not exist
+            fix = suggestion(exc.word, exc.choices) if exc.choices else "it takes none: remove it"
+        elif exc.example is not None:
+            fix = f"write e.g. {exc.key}: {exc.example!r}"
+        else:
+            fix = exc.fix
+        where = (*T, "data", exc.key) if exc.key else (*T, "data")
+        c.fail(where, exc.problem, fix, key=exc.word == exc.key)
 
 
 def _optimizer(c: Checker, value: object) -> dict[str, Any]:
