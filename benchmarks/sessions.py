@@ -10,7 +10,10 @@ untimed ones, all at once, in three forms:
 - unary: a unary call per request (what the framed rpcs cost);
 - stream: each request a message on one open bidirectional stream per client, read back before the next (gRPC
   Python's own best for the form: the ceiling of sessions);
-- session: the same through psctl.runtime.sessions.SessionPool (what a worker's pulls and pushes cost now).
+- session: the same through psctl.runtime.sessions.SessionPool (what a worker's pulls and pushes cost now);
+- aio: the same messages on one stream of gRPC's asyncio API, each written and read on the client's event
+  loop (no hand-off to gRPC's request-iterator and channel threads: what a worker whose steps ran on an event
+  loop would pay).
 
 Per form: calls/s of all clients together, and CPU ms per call of the server and of a client (median of
 ``--rounds`` rounds; every round runs the three forms in turn, so that the machine's drift hits them alike).
@@ -36,7 +39,7 @@ from psctl.runtime.rpc import UNARY_THREADS, make_channel, make_server
 from psctl.runtime.sessions import SessionPool
 
 SERVICE = "bench.Echo"
-FORMS = ("unary", "stream", "session")
+FORMS = ("unary", "stream", "session", "aio")
 WARMUP_CALLS = 50
 _END = object()
 
@@ -65,8 +68,35 @@ def serve(size: int, clients: int) -> int:
     return 0
 
 
+def aio_client(port: int, size: int, calls: int) -> int:
+    """The ``aio`` form's client: one stream of gRPC's asyncio API, driven by this process's event loop."""
+    import asyncio
+
+    from psctl.runtime.limits import grpc_options
+
+    async def exchange() -> dict[str, float]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=grpc_options()) as channel:
+            call = channel.stream_stream(f"/{SERVICE}/EchoSession")()
+            request = bytes(size)
+            for _ in range(WARMUP_CALLS):
+                await call.write(request)
+                await call.read()
+            wall, cpu = time.perf_counter(), time.process_time()
+            for _ in range(calls):
+                await call.write(request)
+                await call.read()
+            timed = {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
+            await call.done_writing()
+            return timed
+
+    print(json.dumps(asyncio.run(exchange())), flush=True)
+    return 0
+
+
 def client(port: int, form: str, size: int, calls: int) -> int:
     """One client: makes its calls, prints its wall and CPU seconds for the timed ones as JSON."""
+    if form == "aio":
+        return aio_client(port, size, calls)
     channel = make_channel(f"127.0.0.1:{port}")
     request = bytes(size)
     unary = channel.unary_unary(f"/{SERVICE}/Echo")
@@ -149,7 +179,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sizes", default="0,325000,4194304", help="bytes each way, comma-separated")
     parser.add_argument("--clients", type=int, default=2, help="client processes at once (default 2)")
     parser.add_argument("--calls", type=int, default=2000, help="timed calls per client (default 2000)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the three forms (default 3)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the forms (default 3)")
     parser.add_argument("--serve", type=int, metavar="SIZE", help=argparse.SUPPRESS)
     parser.add_argument("--client", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--form", choices=FORMS, help=argparse.SUPPRESS)
