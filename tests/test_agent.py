@@ -497,6 +497,29 @@ def test_a_new_agent_adopts_the_roles_its_host_s_last_agent_left_and_reports_how
     assert killed.exit_code == -signal.SIGKILL
 
 
+def test_a_new_agent_adopts_the_process_its_predecessor_started_not_one_that_inherited_its_environment(
+        tmp_path: Path, started: list[object]) -> None:
+    """A Slurm job step's task carries its srun's environment and leads a process group of its own: the new
+    agent adopts the srun (the command line its predecessor started) and leaves the task to it, neither
+    adopted nor killed (it killed the tasks, and with them every role, under Slurm)."""
+    spawner = [sys.executable, "-c", "import subprocess, sys, time\n"
+               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
+               "print('up', flush=True); time.sleep(120)"]
+    endpoint, first, hello = attached(started)
+    endpoint.hub.send("h1", hello.agent_pid, start_command("worker-0", 3, tmp_path, spawner, env=OF_C1_ON_H1))
+    pid = endpoint.role_report("h1", "worker-0", until=lambda r: r.pid > 0).pid
+    task = wait_until(lambda: psutil.Process(pid).children(), timeout=10, what="the role's own child")[0]
+    try:
+        first.stop()
+        second = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=0.2)
+        started.append(second)
+        second.start(find_orphans("c1", "h1"))
+        assert [(r.name, r.process.pid if r.process else 0) for r in second.roles.values()] == [("worker-0", pid)]
+        assert task.is_running() and task.status() != psutil.STATUS_ZOMBIE
+    finally:
+        task.kill()
+
+
 def test_a_new_agent_stops_the_roles_it_cannot_adopt(tmp_path: Path, started: list[object]) -> None:
     """Roles whose heartbeats' port another agent still serves (that agent did not die), and roles with nothing
     to adopt them by, are SIGKILLed: nothing would report on them, and they hold their ports."""

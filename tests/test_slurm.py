@@ -155,6 +155,34 @@ def test_a_cancelled_step_and_a_killed_worker_come_back_as_new_steps(penv: Psctl
     assert penv.role("sl-fault", "chief-0")["attempt"] == 1
 
 
+def test_an_agent_killed_in_the_job_is_replaced_and_its_successor_adopts_the_roles_steps(
+        penv: PsctlEnv, slurm: SlurmBed) -> None:
+    """The job's agent is SIGKILLed mid-training: the supervisor starts another in the job, which adopts the
+    roles' steps the first left (their sruns, not the steps' tasks, which carry the same environment): the same
+    processes run on, no role restarted, no ps restored, exact step count."""
+    steps = 5000
+    spec = write_spec(penv, "sl-agent", steps=steps)
+    job = up(penv, spec)
+    before = training(penv, "sl-agent", 500)
+    cluster_id = penv.state("sl-agent")["cluster_id"]
+    assert set(slurm.steps(job)) >= {"chief-0", "ps-0", "ps-1", "worker-0", "worker-1"}
+    agents = [p for p in penv.processes(cluster_id) if p.cmdline()[1:3] == ["-m", "psctl.agent"]]
+    assert len(agents) == 1, penv.describe(agents)
+    agents[0].kill()
+
+    def successor() -> bool:
+        found = [p for p in penv.processes(cluster_id) if p.cmdline()[1:3] == ["-m", "psctl.agent"]]
+        return bool(found) and found[0].pid != agents[0].pid
+
+    wait_until(successor, timeout=60, what="a new agent in the job", detail=lambda: describe(penv, "sl-agent"))
+    done = finished(penv, "sl-agent")
+    assert done["result"]["global_step"] == steps and done["result"]["ps_restores"] == 0, done["result"]
+    pids = {r["name"]: r["pid"] for r in before["roles"]}
+    for role in done["roles"]:
+        if role["name"] != "evaluator-0":  # (it may have finished on its own)
+            assert (role["pid"], role["attempt"], role["restarts"]) == (pids[role["name"]], 1, 0), role
+
+
 def test_a_requeued_job_resumes_from_its_last_checkpoint_at_the_exact_step(penv: PsctlEnv, slurm: SlurmBed) -> None:
     steps = 5000
     spec = write_spec(penv, "sl-requeue", steps=steps)

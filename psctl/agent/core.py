@@ -37,10 +37,12 @@ from psctl.agent.orphans import (
     EXIT_FILE_VARIABLE,
     AdoptedProcess,
     Orphan,
+    adoptable,
     adoptable_port,
     adoption_record,
     create_time,
     kill_orphans,
+    left_to_their_roles,
 )
 from psctl.launch.cpus import (
     CPUS_FILE_VARIABLE,
@@ -284,8 +286,8 @@ class Agent:
             server.start()
             self._server = server
             self.heartbeat_address = f"{self.heartbeat_host}:{port}"
-        adopted = self._adopt([o for o in orphans if o.record is not None]) if adopt_on else set()
-        stopped = kill_orphans([o for o in orphans if o.pid not in adopted])
+        adopted = self._adopt(adoptable(orphans)) if adopt_on else []
+        stopped = kill_orphans(left_to_their_roles(orphans, adopted))
         if stopped:
             log.warning("stopped roles an earlier agent of this host left behind: pids %s", stopped)
         for target, name in ((self._watch, "watch"), (self._link, "link")):
@@ -293,9 +295,9 @@ class Agent:
             thread.start()
             self._threads.append(thread)
 
-    def _adopt(self, orphans: Sequence[Orphan]) -> set[int]:
-        """Take over running roles an earlier agent started; returns their pids."""
-        adopted = set()
+    def _adopt(self, orphans: Sequence[Orphan]) -> list[Orphan]:
+        """Take over running roles an earlier agent started; returns those it took."""
+        adopted = []
         with self.lock:
             for orphan in orphans:
                 record = orphan.record or {}
@@ -315,7 +317,7 @@ class Agent:
                         role.cpus = bound if set(bound) != set(allowed_cpus()) else None
                 self.roles[role.name] = role
                 self._exits.look_only(orphan.pid)  # not a child: its exit shows when it is looked at
-                adopted.add(orphan.pid)
+                adopted.append(orphan)
                 log.info("%s: attempt %d adopted, pid %d (started by an earlier agent of this host)", role.name,
                          role.attempt, orphan.pid)
         return adopted
@@ -430,8 +432,9 @@ class Agent:
                         os.remove(role.exit_file)  # an earlier attempt's of the same number (a cluster of that name)
                     command.env[EXIT_FILE_VARIABLE] = role.exit_file
                     command.env[ADOPTION_VARIABLE] = adoption_record(
-                        name=role.name, incarnation=role.incarnation, attempt=role.attempt, log_path=role.log_path,
-                        exit_file=role.exit_file, cpus_file=role.cpus_file, heartbeats=self.heartbeat_address)
+                        name=role.name, incarnation=role.incarnation, attempt=role.attempt, argv=command.argv,
+                        log_path=role.log_path, exit_file=role.exit_file, cpus_file=role.cpus_file,
+                        heartbeats=self.heartbeat_address)
                 try:
                     role.process = self.spawn(command, fd)
                 finally:

@@ -8,8 +8,10 @@ hello names them, so the supervisor sees its roles still running instead of losi
 restarted loses the steps since its last checkpoint). An adopted role is not the new agent's child: its exit
 shows by ``/proc`` when the agent looks (every ``WATCH_INTERVAL``), and its exit code is what the runtime wrote
 to its exit file as it ended (``psctl.runtime.__main__.record_exit``), SIGKILL's where there is none.
-Roles it cannot adopt (no description, another port, or that port taken) are SIGKILLed: nothing reports on
-them, and they hold their ports.
+Only the process its agent started is adopted (its command line is the one described): a Slurm job step's task
+inherits its srun's environment and leads a group of its own, and goes with its srun. Roles it cannot adopt (no
+description, another port, or that port taken) are SIGKILLed: nothing reports on them, and they hold their
+ports.
 """
 
 from __future__ import annotations
@@ -55,11 +57,11 @@ def _running(pid: int, created: float) -> bool:
     return abs(create_time(pid) - created) < 0.05
 
 
-def adoption_record(*, name: str, incarnation: int, attempt: int, log_path: str, exit_file: str, cpus_file: str,
-                    heartbeats: str) -> str:
-    """The ``ADOPTION_VARIABLE`` value for a role this agent starts."""
-    return json.dumps({"name": name, "incarnation": incarnation, "attempt": attempt, "log": log_path,
-                       "exit_file": exit_file, "cpus_file": cpus_file, "heartbeats": heartbeats})
+def adoption_record(*, name: str, incarnation: int, attempt: int, argv: Sequence[str], log_path: str,
+                    exit_file: str, cpus_file: str, heartbeats: str) -> str:
+    """The ``ADOPTION_VARIABLE`` value for a role this agent starts with ``argv``."""
+    return json.dumps({"name": name, "incarnation": incarnation, "attempt": attempt, "argv": list(argv),
+                       "log": log_path, "exit_file": exit_file, "cpus_file": cpus_file, "heartbeats": heartbeats})
 
 
 @dataclass(frozen=True)
@@ -70,10 +72,17 @@ class Orphan:
     create_time: float
     #: What its agent wrote to adopt it by (``adoption_record``); None: it cannot be adopted.
     record: dict[str, Any] | None
+    #: The process its agent started (its command line is the record's argv), not one that inherited the
+    #: record from it: a Slurm job step's task, which leads a process group of its own under slurmstepd.
+    started_by_agent: bool = True
 
     @property
     def heartbeats(self) -> str:
         return str((self.record or {}).get("heartbeats", ""))
+
+    @property
+    def role(self) -> str:
+        return str((self.record or {}).get("name", ""))
 
 
 def find_orphans(cluster_id: str, host: str) -> list[Orphan]:
@@ -100,14 +109,39 @@ def find_orphans(cluster_id: str, host: str) -> list[Orphan]:
         record = None
         with contextlib.suppress(ValueError, UnicodeDecodeError):
             record = json.loads(raw) if raw else None
-        found.append(Orphan(pid, create_time(pid), record if isinstance(record, dict) else None))
+        if not isinstance(record, dict):
+            found.append(Orphan(pid, create_time(pid), None))
+            continue
+        found.append(Orphan(pid, create_time(pid), record, _command_line(pid) == record.get("argv")))
     return found
+
+
+def _command_line(pid: int) -> list[str] | None:
+    """The argv the process was started with (None if it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [arg.decode(errors="surrogateescape") for arg in f.read().split(b"\0")[:-1]]
+    except OSError:
+        return None
+
+
+def left_to_their_roles(orphans: Sequence[Orphan], adopted: Sequence[Orphan]) -> list[Orphan]:
+    """The orphans to stop, given those adopted: every other, but those that inherited an adopted role's record
+    from the process its agent started (a job step's task goes with its srun, which Slurm ends it with)."""
+    taken = {o.pid for o in adopted}
+    roles = {o.role for o in adopted}
+    return [o for o in orphans if o.pid not in taken and (o.started_by_agent or o.role not in roles)]
+
+
+def adoptable(orphans: Sequence[Orphan]) -> list[Orphan]:
+    """The orphans an agent may adopt: processes an agent started, that it described."""
+    return [o for o in orphans if o.record is not None and o.started_by_agent]
 
 
 def adoptable_port(orphans: Sequence[Orphan], heartbeat_host: str) -> int:
     """The port every adoptable orphan's heartbeats go to, where they agree and go to ``heartbeat_host``; 0
     where there is none."""
-    addresses = {o.heartbeats for o in orphans if o.record is not None}
+    addresses = {o.heartbeats for o in adoptable(orphans)}
     if len(addresses) != 1:
         return 0
     host, _, port = addresses.pop().rpartition(":")
