@@ -24,7 +24,7 @@ from psctl.errors import PsctlError, TrainingFailed, UsageError
 from psctl.home import ClusterDir, list_clusters
 from psctl.render import host_table, plan_table, progress_line, status_dict, status_view
 from psctl.runtime.metrics import metrics_text
-from psctl.supervisor.state import ClusterState, load_state
+from psctl.supervisor.state import ClusterRecord, ClusterState, load_state
 from psctl.top import snapshot, top_view
 
 console = Console()
@@ -170,7 +170,7 @@ def _watch(cdir: ClusterDir, *, plain_every: float = 5.0) -> Any:
             live.stop()
 
 
-def _steps_text(record: Any, result: dict[str, Any]) -> str:
+def _steps_text(record: ClusterRecord, result: dict[str, Any]) -> str:
     """``1000 steps in 1.2s``; where the chief resumed (a checkpoint of an earlier run of the same name, or the
     ps's global step after a restart of the chief), the steps it ran and from where."""
     total = result.get("global_step", 0)

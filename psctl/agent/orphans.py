@@ -17,6 +17,7 @@ ports.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -32,29 +33,34 @@ ADOPTION_VARIABLE = "PSCTL_AGENT_ROLE"
 EXIT_FILE_VARIABLE = "PSCTL_EXIT_FILE"
 
 
-def create_time(pid: int) -> float:
-    """The process's start time as psutil reports it (boot time + start ticks / CLK_TCK); 0.0 if unknown."""
+@functools.cache
+def _boot_time() -> float:
+    with open("/proc/stat", "rb") as f:
+        return next(float(line.split()[1]) for line in f if line.startswith(b"btime"))
+
+
+def _state_and_start(pid: int) -> tuple[str, float] | None:
+    """The process's state letter and start time (as psutil's ``create_time``: boot time + start ticks /
+    CLK_TCK), from one read of ``/proc/PID/stat``; None if it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read().decode(errors="replace")
-        ticks = int(stat[stat.rindex(")") + 2:].split()[19])
-        with open("/proc/stat", "rb") as f:
-            boot = next(float(line.split()[1]) for line in f if line.startswith(b"btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
+        fields = stat[stat.rindex(")") + 2:].split()
+        return fields[0], _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
-        return 0.0
+        return None
+
+
+def create_time(pid: int) -> float:
+    """The process's start time as psutil reports it; 0.0 if unknown."""
+    found = _state_and_start(pid)
+    return found[1] if found is not None else 0.0
 
 
 def _running(pid: int, created: float) -> bool:
     """The process ``pid`` started at ``created`` still runs (not a zombie, not a later process of that pid)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    if stat[stat.rindex(b")") + 2:][:1] in (b"Z", b"X"):
-        return False
-    return abs(create_time(pid) - created) < 0.05
+    found = _state_and_start(pid)
+    return found is not None and found[0] not in ("Z", "X") and abs(found[1] - created) < 0.05
 
 
 def adoption_record(*, name: str, incarnation: int, attempt: int, argv: Sequence[str], log_path: str,
