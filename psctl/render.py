@@ -159,8 +159,15 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
             header.append(f"\nhost {host}: {problem}", style="yellow")
     table = Table(box=None, pad_edge=False)
     where = "node" if record.backend == "slurm" else "host"
-    for col in ("role", where, "pid", "state", "attempt/restarts", "uptime", "heartbeat", "step"):
-        table.add_column(col)
-    for role in record.roles:
-        table.add_row(*_role_row(role, now))
+    rows = [_role_row(role, now) for role in record.roles]
+    # What a reader acts on (``psctl logs worker-12``, ``ssh host``, a role's state and step) is never cut
+    # short: a narrow console shortens the other columns; attempts and restarts head two lines (cells "1/0").
+    kept = {"role", where, "state", "step"}
+    for i, col in enumerate(("role", where, "pid", "state", "attempt/\nrestarts", "uptime", "heartbeat", "step")):
+        if col in kept:
+            table.add_column(col, no_wrap=True, min_width=max(len(col), *(len(str(cells[i])) for cells in rows)))
+        else:
+            table.add_column(col)
+    for cells in rows:
+        table.add_row(*cells)
     return Group(header, table)

@@ -1,0 +1,51 @@
+"""``psctl status``'s table at the widths terminals have: what a reader acts on is never cut short."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from psctl.home import ClusterDir
+from psctl.render import status_view
+from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState
+
+ROLES = [("chief", "chief", 0), ("ps-0", "ps", 0), ("worker-0", "worker", 0), ("worker-11", "worker", 11),
+         ("evaluator", "evaluator", 0)]
+
+
+def shown(tmp_path: Path, host: str, width: int) -> list[str]:
+    now = time.time()
+    roles = [RoleRecord(name=name, role=role, index=index, host=host, address="127.0.0.1", port=1,
+                        state=RoleState.RESTARTING if name == "worker-11" else RoleState.RUNNING, pid=4_194_301,
+                        attempt=2, restarts=1, started_at=now - 75, last_heartbeat=now - 0.4, global_step=12345,
+                        local_step=6100)
+             for name, role, index in ROLES]
+    record = ClusterRecord(name="mnist", cluster_id="c", state=ClusterState.RUNNING, steps=40000, roles=roles)
+    console = Console(width=width, record=True)
+    console.print(status_view(ClusterDir(tmp_path / "mnist"), record, stale=False, now=now))
+    return console.export_text().splitlines()
+
+
+def test_at_80_columns_a_local_cluster_shows_every_column_whole(tmp_path: Path) -> None:
+    lines = shown(tmp_path, "localhost", 80)
+    assert "…" not in "\n".join(lines)
+    header = next(i for i, line in enumerate(lines) if line.startswith("role"))
+    assert "attempt/" in lines[header - 1] and "restarts" in lines[header]
+    assert lines[header].split() == ["role", "host", "pid", "state", "restarts", "uptime", "heartbeat", "step"]
+    assert "worker-0 localhost 4194301 running 2/1 1m15s 0.4s 6100" in [" ".join(line.split()) for line in lines]
+
+
+@pytest.mark.parametrize(("width", "host"), [(80, "gpu-node-17.us-east1.example.internal"), (60, "node-17.example")])
+def test_a_narrow_console_shortens_other_columns_never_names_states_or_steps(
+        tmp_path: Path, width: int, host: str) -> None:
+    lines = shown(tmp_path, host, width)
+    rows = {line.split()[0]: line.split() for line in lines if line.split() and line.split()[0] in dict.fromkeys(
+        name for name, _, _ in ROLES)}
+    assert set(rows) == {name for name, _, _ in ROLES}
+    for name, cells in rows.items():
+        assert cells[1] == host
+        assert ("restarting" if name == "worker-11" else "running") in cells
+    assert rows["worker-0"][-1] == "6100" and rows["chief"][-1] == "12345" and rows["ps-0"][-1] == "-"
