@@ -249,14 +249,14 @@ def top(name: str | None, as_json: bool, interval: float) -> None:
         click.echo(json.dumps(snapshot(record), indent=2, default=str))
         return
     if not console.is_terminal or record.state.terminal:
-        console.print(top_view(record))
+        console.print(top_view(record, console.width))
         return
     try:
-        with Live(top_view(record), console=console, auto_refresh=False, screen=False) as live:
+        with Live(top_view(record, console.width), console=console, auto_refresh=False, screen=False) as live:
             while True:
                 time.sleep(interval)
                 record = load_state(cdir.state_file)
-                live.update(top_view(record), refresh=True)
+                live.update(top_view(record, console.width), refresh=True)
                 if record.state.terminal:
                     return
     except KeyboardInterrupt:

@@ -4,7 +4,9 @@ Workers: steps/s, step time p50/p99, the share of wall time in input+pull, compu
 moved per second, CPU and memory. PS: requests/s, bytes held, CPU and memory. Flags: a worker slower than
 half the workers' median rate is a straggler; a PS with more than 1.5x the median requests/s or CPU of the
 PS is hot. Everything comes from ``state.json`` (the supervisor writes every role's latest heartbeat metrics
-there each second): ``top`` works from any terminal, and ``--json`` gives the same rows to scripts.
+there each second): ``top`` works from any terminal, and ``--json`` gives the same rows to scripts. A terminal
+too narrow for every column (80 wide shows about half a worker's) loses the columns read least first, never a
+role's name, state or flags, and a last line names the columns it left out.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from rich.console import Group
+from rich import box
+from rich.console import Console, Group
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -22,10 +26,17 @@ from psctl.supervisor.state import ClusterRecord, RoleRecord
 STRAGGLER = 0.5  # a worker below this fraction of the workers' median steps/s
 HOT = 1.5  # a PS above this multiple of the PS' median requests/s or CPU
 
-WORKER_COLUMNS = ("role", "host", "state", "steps/s", "p50 ms", "p99 ms", "pull", "compute", "push", "wait",
-                  "MB/s", "cpu", "rss MB", "flag")
-PS_COLUMNS = ("role", "host", "state", "req/s", "held MB", "cpu", "rss MB", "flag")
-OTHER_COLUMNS = ("role", "host", "state", "global step", "steps/s", "cpu", "rss MB")
+#: Each table's columns, and how long each stays as the terminal narrows: the lowest number goes first, and
+#: what a reader acts on (``ALWAYS``: the role, its state, its flags) stays whatever the width.
+ALWAYS = 100
+WORKER_COLUMNS = {"role": ALWAYS, "host": 50, "state": ALWAYS, "steps/s": 90, "p50 ms": 80, "p99 ms": 35,
+                  "pull": 30, "compute": 65, "push": 30, "wait": 70, "MB/s": 25, "cpu": 60, "rss MB": 40,
+                  "flag": ALWAYS}
+PS_COLUMNS = {"role": ALWAYS, "host": 50, "state": ALWAYS, "req/s": 90, "held MB": 40, "cpu": 80, "rss MB": 45,
+              "flag": ALWAYS}
+OTHER_COLUMNS = {"role": ALWAYS, "host": 50, "state": ALWAYS, "global step": 90, "steps/s": 80, "cpu": 60,
+                 "rss MB": 40}
+_LEFT = ("role", "host", "state", "flag")
 
 
 def _row(role: RoleRecord) -> dict[str, Any]:
@@ -78,36 +89,58 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
 
-def top_view(record: ClusterRecord) -> Group:
+def _fitted(title: str, columns: dict[str, int], rows: list[dict[str, Any]], width: int | None,
+            console: Console) -> tuple[Table, list[str]]:
+    """The table of ``rows`` (header -> cell) with as many of ``columns`` as fit in ``width`` (all where None),
+    and the headers left out."""
+    shown = list(columns)
+    while True:
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                      collapse_padding=True)
+        for col in shown:
+            table.add_column(col, justify="left" if col in _LEFT else "right", no_wrap=True)
+        for row in rows:
+            table.add_row(*(row[col] for col in shown))
+        droppable = [col for col in shown if columns[col] < ALWAYS]
+        if width is None or not droppable or Measurement.get(console, console.options, table).maximum <= width:
+            # (measured on a console wider than any table: a measurement is clamped to its console's width)
+            return table, [col for col in columns if col not in shown]
+        shown.remove(min(reversed(droppable), key=columns.__getitem__))  # (of equals, the rightmost)
+
+
+def _cells(r: dict[str, Any]) -> dict[str, Any]:
+    """A snapshot row's cells, by column header."""
+    cells: dict[str, Any] = {
+        "role": r["role"], "host": r["host"], "state": r["state"], "steps/s": _num(r["steps_per_s"]),
+        "global step": str(r["global_step"]), "cpu": _pct(r["cpu"]), "rss MB": _num(r["rss_mb"], "{:.0f}"),
+        "flag": Text(" ".join(r["flags"]), style="bold yellow") if r["flags"] else "",
+    }
+    if r["kind"] == "worker":
+        cells.update({"p50 ms": _num(r["step_ms_p50"]), "p99 ms": _num(r["step_ms_p99"]), "pull": _pct(r["pull"]),
+                      "compute": _pct(r["compute"]), "push": _pct(r["push"]), "wait": _pct(r["wait"]),
+                      "MB/s": _num(r["mb_per_s"], "{:.2f}")})
+    elif r["kind"] == "ps":
+        cells.update({"req/s": _num(r["requests_per_s"]), "held MB": _num(r["held_mb"], "{:.2f}")})
+    return cells
+
+
+def top_view(record: ClusterRecord, width: int | None = None) -> Group:
+    """The view of ``record``'s roles, its tables no wider than ``width`` where given: the columns read least
+    are left out first, and a last line names them."""
     snap = snapshot(record)
     head = Text(f"cluster {snap['cluster']} {snap['state']}   global step {snap['global_step']}/{snap['steps']}",
                 style="bold")
-    tables: list[Any] = [head]
-    kinds = {"worker": ("workers", WORKER_COLUMNS), "ps": ("parameter servers", PS_COLUMNS)}
-    for kind, (title, columns) in kinds.items():
-        rows = [r for r in snap["roles"] if r["kind"] == kind]
-        if not rows:
-            continue
-        table = Table(title=title, title_justify="left", expand=False)
-        for col in columns:
-            table.add_column(col, justify="left" if col in ("role", "host", "state", "flag") else "right")
-        for r in rows:
-            flag = Text(" ".join(r["flags"]), style="bold yellow") if r["flags"] else ""
-            cells = [r["role"], r["host"], r["state"]]
-            if kind == "worker":
-                cells += [_num(r["steps_per_s"]), _num(r["step_ms_p50"]), _num(r["step_ms_p99"]), _pct(r["pull"]),
-                          _pct(r["compute"]), _pct(r["push"]), _pct(r["wait"]), _num(r["mb_per_s"], "{:.2f}")]
-            else:
-                cells += [_num(r["requests_per_s"]), _num(r["held_mb"], "{:.2f}")]
-            table.add_row(*cells, _pct(r["cpu"]), _num(r["rss_mb"], "{:.0f}"), flag)
-        tables.append(table)
-    others = [r for r in snap["roles"] if r["kind"] not in kinds]
-    if others:
-        table = Table(title="chief and evaluator", title_justify="left")
-        for col in OTHER_COLUMNS:
-            table.add_column(col, justify="left" if col in ("role", "host", "state") else "right")
-        for r in others:
-            table.add_row(r["role"], r["host"], r["state"], str(r["global_step"]), _num(r["steps_per_s"]),
-                          _pct(r["cpu"]), _num(r["rss_mb"], "{:.0f}"))
-        tables.append(table)
-    return Group(*tables)
+    parts: list[Any] = [head]
+    console = Console(width=10_000)
+    hidden: list[str] = []
+    tables = {"worker": ("workers", WORKER_COLUMNS), "ps": ("parameter servers", PS_COLUMNS),
+              "other": ("chief and evaluator", OTHER_COLUMNS)}
+    for kind, (title, columns) in tables.items():
+        rows = [_cells(r) for r in snap["roles"] if (r["kind"] if r["kind"] in tables else "other") == kind]
+        if rows:
+            table, left_out = _fitted(title, columns, rows, width, console)
+            parts.append(table)
+            hidden += [col for col in left_out if col not in hidden]
+    if hidden:
+        parts.append(Text(f"hidden at this width: {', '.join(hidden)}", style="dim"))
+    return Group(*parts)
