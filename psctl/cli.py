@@ -302,7 +302,8 @@ def list_command() -> None:
 @click.option("--all", "all_roles", is_flag=True,
               help="Every role's latest log, merged in time order, each line prefixed with its role.")
 def logs(role: str | None, name: str | None, tail: int, follow: bool, attempt: int | None, all_roles: bool) -> None:
-    """Print the log of ROLE (e.g. worker-1) of cluster NAME; `psctl logs --all [NAME]` prints every role's."""
+    """Print the log of ROLE (worker-1, worker:1, or `chief` where one role is of that kind) of cluster NAME;
+    `psctl logs --all [NAME]` prints every role's."""
     if all_roles:
         if name is not None or attempt is not None:
             raise UsageError("with --all, give only the cluster's name (and --tail, -f)",

@@ -87,12 +87,20 @@ def role_names(record: ClusterRecord) -> list[str]:
 
 
 def check_role(record: ClusterRecord, role: str) -> RoleRecord:
+    """The role ``role`` names: its name (``worker-2``), its task as the runtime's logs write it (``worker:2``),
+    or a kind that only one role has (``chief``); a UsageError that lists the roles otherwise."""
+    name = role.replace(":", "-", 1) if role.count(":") == 1 else role
     try:
-        return record.role(role)
+        return record.role(name)
     except KeyError:
-        raise UsageError(
-            f"no role {role!r} in cluster {record.name!r}; roles are: {', '.join(role_names(record))}"
-        ) from None
+        pass
+    of_kind = [r for r in record.roles if r.role == role and not r.retired]
+    if len(of_kind) == 1:
+        return of_kind[0]
+    if of_kind:
+        raise UsageError(f"{role!r} names {len(of_kind)} roles of cluster {record.name!r}: "
+                         f"{', '.join(r.name for r in of_kind)}; name one")
+    raise UsageError(f"no role {role!r} in cluster {record.name!r}; roles are: {', '.join(role_names(record))}")
 
 
 @dataclass
@@ -128,7 +136,7 @@ class RoleLog:
 def role_log(cdir: ClusterDir, record: ClusterRecord, role: str) -> RoleLog:
     rec = check_role(record, role)
     runners = host_runners(record.hosts)
-    return RoleLog(role, placements(cdir, record.hosts, runners, cwd=str(cdir.root)), rec)
+    return RoleLog(rec.name, placements(cdir, record.hosts, runners, cwd=str(cdir.root)), rec)
 
 
 def cluster_logs(cdir: ClusterDir, record: ClusterRecord) -> list[RoleLog]:
@@ -189,7 +197,7 @@ def check_attempt(record: ClusterRecord, role: str, attempt: int | None) -> int:
     if attempt is None:
         return last
     if not 1 <= attempt <= last:
-        raise UsageError(f"{role} has attempts 1..{last}; --attempt {attempt} does not exist")
+        raise UsageError(f"{rec.name} has attempts 1..{last}; --attempt {attempt} does not exist")
     return attempt
 
 

@@ -104,3 +104,33 @@ def test_every_role_s_log_merged_in_time_order_with_its_role_as_prefix(tmp_path:
     assert bad.exit_code == 2 and "with --all, give only the cluster's name" in bad.output
     missing = runner.invoke(cli, ["logs"], env={"PSCTL_HOME": str(home)})
     assert missing.exit_code == 2 and "or use --all for every role" in missing.output
+
+
+def test_a_role_is_named_by_its_name_its_task_or_a_kind_only_one_role_has(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from psctl.cli import cli
+    from psctl.supervisor.state import ClusterRecord, save_state
+
+    home = tmp_path / "home"
+    cdir = ClusterDir(home / "names")
+    cdir.create()
+    names = ("chief-0", "worker-0", "worker-1", "ps-0")
+    save_state(cdir.state_file, ClusterRecord(name="names", cluster_id="names-1", roles=[
+        RoleRecord(n, n.split("-")[0], int(n[-1]), "localhost", "127.0.0.1", 1, attempt=1) for n in names]))
+    for name in names:
+        Path(cdir.role_log(name, 1)).write_text(f"2026-11-27 10:00:00,000 INFO I am {name}\n")
+
+    def logs(*args: str) -> tuple[int, str]:
+        result = CliRunner().invoke(cli, ["logs", *args], env={"PSCTL_HOME": str(home)})
+        return result.exit_code, result.output.strip()
+
+    assert logs("chief", "names") == (0, "2026-11-27 10:00:00,000 INFO I am chief-0")
+    assert logs("worker:1", "names") == (0, "2026-11-27 10:00:00,000 INFO I am worker-1")
+    assert logs("ps", "names", "--attempt", "1") == (0, "2026-11-27 10:00:00,000 INFO I am ps-0")
+    code, said = logs("worker", "names")
+    assert code == 2 and "'worker' names 2 roles of cluster 'names': worker-0, worker-1; name one" in said
+    code, said = logs("evaluator", "names")
+    assert code == 2 and "no role 'evaluator' in cluster 'names'; roles are: chief-0, worker-0, worker-1, ps-0" in said
+    code, said = logs("chief", "names", "--attempt", "2")
+    assert code == 2 and "chief-0 has attempts 1..1" in said
