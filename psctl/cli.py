@@ -19,7 +19,7 @@ from rich.table import Table
 # The commands that start, change or stop a cluster import psctl.operations where they run (spec validation with
 # numpy, certificates, the agents' gRPC): the read-only ones (status, logs, top, ls) need psctl.observe only, and
 # start in ~0.13 s instead of ~0.3 (tests/test_cli.py holds them to it).
-from psctl import __version__, observe
+from psctl import __version__, completion, observe
 from psctl.errors import PsctlError, TrainingFailed, UsageError
 from psctl.home import ClusterDir, list_clusters
 from psctl.render import host_table, plan_table, progress_line, status_dict, status_view
@@ -218,7 +218,7 @@ def _finish_line(cdir: ClusterDir, record: Any) -> None:
 
 
 @cli.command()
-@click.argument("name", required=False)
+@click.argument("name", required=False, shell_complete=completion.cluster_names)
 @click.option("--json", "as_json", is_flag=True, help="Print the state as JSON, for scripts.")
 def status(name: str | None, as_json: bool) -> None:
     """Show a cluster's roles, their state and training progress."""
@@ -237,7 +237,7 @@ def status(name: str | None, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("name", required=False)
+@click.argument("name", required=False, shell_complete=completion.cluster_names)
 @click.option("--json", "as_json", is_flag=True, help="Print one snapshot as JSON and exit.")
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between refreshes.")
 def top(name: str | None, as_json: bool, interval: float) -> None:
@@ -264,7 +264,7 @@ def top(name: str | None, as_json: bool, interval: float) -> None:
 
 
 @cli.command()
-@click.argument("name", required=False)
+@click.argument("name", required=False, shell_complete=completion.cluster_names)
 @click.option("--output", "-o", "out", default="curves.png", show_default=True, type=click.Path(dir_okay=False),
               help="The PNG file to write.")
 def plot(name: str | None, out: str) -> None:
@@ -294,8 +294,8 @@ def list_command() -> None:
 
 
 @cli.command()
-@click.argument("role", required=False)
-@click.argument("name", required=False)
+@click.argument("role", required=False, shell_complete=completion.role_names)
+@click.argument("name", required=False, shell_complete=completion.cluster_names)
 @click.option("--tail", "-n", "tail", type=int, default=0, help="Only the last N lines (0: all).")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines, across restarts of the role.")
 @click.option("--attempt", type=int, default=None, help="An earlier attempt's log (1 is the first).")
@@ -347,7 +347,7 @@ def _all_logs(name: str | None, tail: int, follow: bool) -> None:
 
 
 @cli.command()
-@click.argument("name", required=False)
+@click.argument("name", required=False, shell_complete=completion.cluster_names)
 @click.option("--detach", "-d", is_flag=True, help="Return once the supervisor runs; do not watch the cluster.")
 def supervise(name: str | None, detach: bool) -> None:
     """Start a new supervisor for a cluster whose supervisor died; its running roles are adopted, not restarted."""
@@ -368,7 +368,7 @@ def supervise(name: str | None, detach: bool) -> None:
 
 
 @cli.command()
-@click.argument("name")
+@click.argument("name", shell_complete=completion.cluster_names)
 @click.argument("targets", nargs=-1, metavar="ROLE=N...")
 def scale(name: str, targets: tuple[str, ...]) -> None:
     """Change a running cluster's workers or ps: `psctl scale NAME worker=4 ps=3`.
@@ -391,7 +391,7 @@ def scale(name: str, targets: tuple[str, ...]) -> None:
 
 
 @cli.command()
-@click.argument("name", required=False)
+@click.argument("name", required=False, shell_complete=completion.cluster_names)
 @click.option("--grace", type=float, default=5.0, show_default=True, help="Seconds between SIGTERM and SIGKILL.")
 @click.option("--purge", is_flag=True, help="Also delete the cluster's logs and state.")
 def down(name: str | None, grace: float, purge: bool) -> None:
@@ -408,7 +408,7 @@ def down(name: str | None, grace: float, purge: bool) -> None:
 
 
 @cli.command()
-@click.argument("name", required=False)
+@click.argument("name", required=False, shell_complete=completion.cluster_names)
 @click.option("--tail", "-n", "tail", type=int, default=20, show_default=True)
 def events(name: str | None, tail: int) -> None:
     """Show the cluster's recent role state changes, with their reasons."""
@@ -424,7 +424,7 @@ def events(name: str | None, tail: int) -> None:
 
 
 @cli.command()
-@click.argument("name", required=False)
+@click.argument("name", required=False, shell_complete=completion.cluster_names)
 @click.option("--checkpoint", "checkpoint", default=None,
               help="A checkpoint folder or a folder of checkpoints, HOST:PATH on one of the cluster's hosts "
                    "(default: the cluster's, wherever its chief wrote them).")
