@@ -31,6 +31,8 @@ class FakeProcess:
     local_step: int = 0
     global_step: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    #: The last lines of its log, as its agent reports them with its exit.
+    log_tail: str = ""
 
 
 class FakeCluster:
@@ -74,7 +76,7 @@ class FakeCluster:
         self.hello.discard(host)
         roles = [
             pb.RoleReport(name=p.name, incarnation=p.incarnation, attempt=p.attempt, pid=p.pid,
-                          exited=p.exit_code is not None, exit_code=p.exit_code or 0,
+                          exited=p.exit_code is not None, exit_code=p.exit_code or 0, log_tail=p.log_tail,
                           heartbeat_age=self.now - p.beat if p.beat is not None else -1.0,
                           last=pb.HeartbeatRequest(local_step=p.local_step, global_step=p.global_step,
                                                    metrics=p.metrics))

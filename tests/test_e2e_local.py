@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import signal
 import subprocess
+import textwrap
 import threading
 from pathlib import Path
 from typing import Any
@@ -318,11 +320,42 @@ def test_failed_start_names_the_role_and_leaves_nothing(psctl_env) -> None:
     error = flat(done.stderr)
     assert error.startswith("error: cluster 'bad' failed: "), done.stderr
     assert any(f"{name} failed" in error for name in failed), (failed, done.stderr)
-    assert "RuntimeError" in error and "boom" in error  # the last lines of the failed role's log
+    assert "failed: exit code 2: " in error and "RuntimeError: boom" in error, error  # the cause its log ends with
     # psctl up itself leaves nothing behind: the supervisor stopped every role and exited.
     wait_until(lambda: not psctl_env.processes(status["cluster_id"]), timeout=15,
                what="every process of 'bad' to exit",
                detail=lambda: psctl_env.describe(psctl_env.processes(status["cluster_id"])))
+
+
+def test_a_program_error_in_a_step_fails_the_cluster_saying_which_worker_and_what(psctl_env) -> None:
+    """A program that raises while it trains (its own bug): the step is not retried elsewhere (it would fail
+    there too), and `psctl up` ends saying which worker raised what, once, without gRPC's status code."""
+    program = psctl_env.tmp_path / "buggy_program.py"
+    program.write_text(textwrap.dedent("""\
+        from psctl.models import mlp
+
+        def build(args, data, seed):
+            model = mlp.build(args, data, seed)
+            calls = [0]
+            train = model.loss_and_grads
+
+            def loss_and_grads(params, batch):
+                calls[0] += 1
+                if calls[0] > 5:
+                    raise ValueError("shapes (50,32) and (64,10) not aligned: my model's bug")
+                return train(params, batch)
+
+            model.loss_and_grads = loss_and_grads
+            return model
+        """), encoding="utf-8")
+    spec = psctl_env.write_spec("buggy", program=str(program), workers=2, steps=LONG)
+    done = psctl_env.run("up", str(spec), timeout=120)
+    assert done.returncode == 3, (done.returncode, done.stdout, done.stderr, cluster_logs(psctl_env, "buggy"))
+    error = flat(done.stderr)
+    said = re.search(r"chief-0 failed: exit code 3: training failed: worker:(\d): program error: ValueError: "
+                     r"shapes \(50,32\) and \(64,10\) not aligned: my model's bug; not restarted", error)
+    assert said is not None and "INTERNAL" not in error, error
+    assert not any(r["restarts"] for r in status_json(psctl_env, "buggy")["roles"])
 
 
 def test_program_that_fails_at_import_is_not_restarted(psctl_env) -> None:

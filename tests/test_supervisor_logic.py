@@ -96,6 +96,39 @@ def test_an_exit_is_reported_with_its_code_and_the_last_lines_of_its_log(c: Fake
     assert any(e.to == "lost" and e.reason == "killed by SIGKILL" for e in c.events("worker-0"))
 
 
+LOGGED = "2026-11-27 10:00:0{},000 {} {}"
+
+
+@pytest.mark.parametrize(("code", "tail", "said"), [
+    # the runtime's own refusal, logged at ERROR after other lines
+    (3, " | ".join([LOGGED.format(1, "INFO", "training mlp: 4 variables"), LOGGED.format(
+        2, "ERROR", "training failed: worker:0: program error: ValueError: shapes (100,64) and (32,10)"),
+        LOGGED.format(3, "INFO", "stopped")]),
+     "exit code 3: training failed: worker:0: program error: ValueError: shapes (100,64) and (32,10)"),
+    # an uncaught exception: its traceback's last line, not the frames above it
+    (1, 'Traceback (most recent call last): | File "prog.py", line 3, in build | raise KeyError(\'lr\') | '
+        "KeyError: 'lr'", "exit code 1: KeyError: 'lr'"),
+    (-9, "RuntimeError | (a bare exception line names no message)", "killed by SIGKILL: RuntimeError"),
+    # nothing that gives a cause: the last lines as they are
+    (1, "loading | step 7", "exit code 1; last log lines: loading | step 7"),
+    (-9, "", "killed by SIGKILL"),
+])
+def test_an_exit_says_the_cause_its_log_gives(code: int, tail: str, said: str) -> None:
+    assert policy.exit_text(code, tail) == said
+
+
+def test_a_failed_role_s_reason_leads_with_the_error_its_log_ends_with(c: FakeCluster) -> None:
+    running(c)
+    ps = c.process("ps-0")
+    ps.log_tail = " | ".join([LOGGED.format(1, "INFO", "serving"),
+                              LOGGED.format(2, "ERROR", "configuration error: checkpoint dir /x is not writable")])
+    ps.exit_code = 2
+    c.step()
+    assert c.role("ps-0").state == RoleState.FAILED
+    said = "ps-0 failed: exit code 2: configuration error: checkpoint dir /x is not writable; not restarted"
+    assert c.record.reason.startswith(said), c.record.reason
+
+
 def test_a_permanent_exit_code_is_not_restarted_and_a_failed_ps_fails_the_cluster(c: FakeCluster) -> None:
     running(c)
     c.process("ps-0").exit_code = 2  # bad configuration

@@ -608,4 +608,8 @@ class ClusterCoordinator:
                     self.on_worker_event(f"{details}; pausing training")
             self._finish(closure, requeue=True)
             return
-        self._finish(closure, error=StepError(f"worker:{worker.index}", f"{code.name}: {details}"))
+        task = f"worker:{worker.index}"
+        # a program error names its worker already ("worker:0: program error: ValueError: ..."): said once
+        program_error = code == grpc.StatusCode.INTERNAL and details.startswith(f"{task}: ")
+        cause = details.removeprefix(f"{task}: ") if program_error else f"{code.name}: {details}"
+        self._finish(closure, error=StepError(task, cause))

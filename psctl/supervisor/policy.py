@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -309,6 +310,22 @@ def describe_exit(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+#: A log line that says why a role ended: one logged at ERROR or CRITICAL (the runtime's and most programs'
+#: format), or the last line of a Python traceback (``ValueError: ...``).
+_CAUSE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (?:ERROR|CRITICAL) (?P<logged>.+)"
+                    r"|(?P<raised>[\w.]*(?:Error|Exception|Exit|Interrupt)(?:: .+)?)")
+
+
+def exit_text(code: int, tail: str) -> str:
+    """How a role ended (``describe_exit``) and why, as the end of its log (``tail``: its last lines joined by
+    `` | ``) says it: the last line that gives a cause, else those last lines."""
+    what = describe_exit(code)
+    causes = [m.group("logged") or m.group("raised") for m in map(_CAUSE.fullmatch, tail.split(" | ")) if m]
+    if causes:
+        return f"{what}: {causes[-1]}"
+    return what + (f"; last log lines: {tail}" if tail else "")
 
 
 def role_of_task(task: str) -> str:
@@ -732,7 +749,7 @@ class _Decision:
             self.transition(role, R.LOST, what)
             self.restart_uncounted(role, "preempted")
             return
-        self.lose(role, what + (f"; last log lines: {tail}" if tail else ""), code)
+        self.lose(role, exit_text(code, tail), code)
 
     def on_training_done(self) -> None:
         """Stop ps and workers at once; give a running evaluator time to evaluate the final checkpoint."""
