@@ -160,13 +160,13 @@ def test_two_steps_in_flight_per_worker_apply_each_step_and_batch_once(cluster, 
 
     running = [0]
 
-    def computing(request: pb.StepRequest) -> pb.StepResponse:
+    def computing(request: pb.StepRequest, one_thread: bool) -> pb.StepResponse:
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
         try:
             time.sleep(0.002)  # a step long enough for the other one to arrive meanwhile
-            return train_now(request)
+            return train_now(request, one_thread)
         finally:
             with lock:
                 running[0] -= 1
@@ -208,6 +208,102 @@ def test_several_steps_per_call_apply_each_step_and_batch_once(cluster) -> None:
     assert list(state.shard_positions) == [15]  # batches 0..15 of shard 0
     with pytest.raises(ValueError, match="asynchronous training steps only"):
         coordinator.schedule("train", steps=2, sync_step=0)
+
+
+def test_pipelined_calls_of_several_steps_compute_each_step_while_the_last_push_travels(cluster) -> None:
+    """Pipelined training with several steps per call: one thread runs a call's steps, each computed while the
+    previous step's push is unanswered (on the variables the push before brought back), calls one at a time;
+    every step applied once, every batch used once, and each reply's steps counted once."""
+    first, _model, ps, servicer = cluster
+    first.shutdown()
+    servicer._serial = None  # as the runtime builds a worker for training.pipelined
+    outstanding, seen, calls, most_calls = [0], [], [0], [0]
+    lock = threading.Lock()
+    start_push_pull, train_now = servicer.ps.start_push_pull, servicer._train_now
+    program = servicer.model.program
+    loss_and_grads = program.loss_and_grads
+
+    def starting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        answers = start_push_pull(*args, **kwargs)
+        with lock:
+            outstanding[0] += 1
+
+        def answered():  # type: ignore[no-untyped-def]
+            try:
+                return answers()
+            finally:
+                with lock:
+                    outstanding[0] -= 1
+
+        return answered
+
+    def computing(params, batch):  # type: ignore[no-untyped-def]
+        with lock:
+            seen.append(outstanding[0])
+        return loss_and_grads(params, batch)
+
+    def one_call(request: pb.StepRequest, one_thread: bool) -> pb.StepResponse:
+        assert one_thread
+        with lock:
+            calls[0] += 1
+            most_calls[0] = max(most_calls[0], calls[0])
+        try:
+            time.sleep(0.002)  # long enough for the chief's second call to arrive meanwhile
+            return train_now(request, one_thread)
+        finally:
+            with lock:
+                calls[0] -= 1
+
+    servicer.ps.start_push_pull = starting  # type: ignore[method-assign]
+    program.loss_and_grads = computing  # type: ignore[method-assign]
+    servicer._train_now = one_call  # type: ignore[method-assign]
+    coordinator = ClusterCoordinator([first.workers[0].address], probe_interval=0.05, steps_in_flight=2,
+                                     step_id_base=2000)
+    try:
+        assert coordinator.wait_for_workers(10) == 1
+        values = [coordinator.schedule("train", steps=5) for _ in range(6)]
+        coordinator.join(timeout=60)
+    finally:
+        coordinator.shutdown()
+        program.loss_and_grads = loss_and_grads  # type: ignore[method-assign]
+    responses = ClusterCoordinator.fetch(values)
+    assert [r.steps for r in responses] == [5] * 6 and all(r.applied for r in responses)
+    assert most_calls[0] == 1  # calls one at a time: the overlap is within a call
+    assert seen == [0, 1, 1, 1, 1] * 6  # every step but a call's first computed with the last push unanswered
+    assert outstanding[0] == 0
+    state = ps.state(0, include_step_ids=True)
+    assert state.global_step == 30 and state.duplicate_updates == 0
+    assert sorted(state.applied_step_ids) == list(range(2001, 2031))
+    assert list(state.shard_positions) == [29]  # batches 0..29 of shard 0
+
+
+def test_a_pipelined_call_whose_step_fails_lands_the_push_on_its_way_and_reports_the_failure(cluster) -> None:
+    """A program error in a pipelined call's third step: the second step's push, already sent, is applied and
+    answered before the call fails (nothing left in flight), and the failure reaches the chief as a program
+    error."""
+    coordinator, _model, ps, servicer = cluster
+    servicer._serial = None
+    program = servicer.model.program
+    loss_and_grads, computed = program.loss_and_grads, [0]
+
+    def failing_third(params, batch):  # type: ignore[no-untyped-def]
+        computed[0] += 1
+        if computed[0] == 3:
+            raise ValueError("bad batch")
+        return loss_and_grads(params, batch)
+
+    program.loss_and_grads = failing_third  # type: ignore[method-assign]
+    stub = pb_grpc.WorkerStub(coordinator._channels[0])
+    try:
+        with pytest.raises(grpc.RpcError) as failed:
+            stub.RunStep(pb.StepRequest(step_id=700, shard=0, position=0, function="train", steps=4,
+                                        params_epoch=9), timeout=30)
+    finally:
+        program.loss_and_grads = loss_and_grads  # type: ignore[method-assign]
+    assert failed.value.code() == grpc.StatusCode.INTERNAL
+    assert "program error: ValueError: bad batch" in failed.value.details()
+    state = ps.state(0, include_step_ids=True)
+    assert sorted(state.applied_step_ids) == [700, 701] and state.global_step == 2
 
 
 def test_a_retried_call_of_several_steps_applies_only_the_steps_not_yet_applied(cluster) -> None:

@@ -168,21 +168,32 @@ class PsClient:
     def _on_every_ps(self, calls: Mapping[int, Call]) -> dict[int, Any]:
         """Make every call, all in flight at once, and return their results. The first runs in this thread: a
         blocking gRPC call saves the hand-off from gRPC's completion thread that a future costs."""
-        first, *rest = sorted(calls)
-        pending: dict[int, Future[Any] | grpc.Future] = {}
-        for ps in rest:
+        return self._start_every_ps(calls, first_here=True)()
+
+    def _start_every_ps(self, calls: Mapping[int, Call], *, first_here: bool = False) -> Callable[[], dict[int, Any]]:
+        """Start every call; returns what waits for their results (``first_here``: the first is made then, in
+        the waiting thread)."""
+        order = sorted(calls)
+        first = order.pop(0) if first_here else None
+        pending: dict[int, Future[Any] | grpc.Future | Exchange] = {}
+        for ps in order:
             call = calls[ps]
             pending[ps] = self._pool.submit(call) if callable(call) else call[0].future(call[1], timeout=self.timeout)
-        call = calls[first]
-        runs = [(first, call if callable(call) else lambda: call[0](call[1], timeout=self.timeout)),
-                *((ps, future.result) for ps, future in pending.items())]  # fmt: skip
-        try:
-            return _all_or_raise(self._guard, runs, wait_all=bool(self.chief_incarnation))
-        except BaseException:
-            for future in pending.values():  # a session whose answer is never read must not carry another
-                if isinstance(future, Exchange):
-                    future.cancel()
-            raise
+
+        def results() -> dict[int, Any]:
+            runs: list[tuple[int, Callable[[], Any]]] = [(ps, future.result) for ps, future in pending.items()]
+            if first is not None:
+                call = calls[first]
+                runs.insert(0, (first, call if callable(call) else lambda: call[0](call[1], timeout=self.timeout)))
+            try:
+                return _all_or_raise(self._guard, runs, wait_all=bool(self.chief_incarnation))
+            except BaseException:
+                for future in pending.values():  # a session whose answer is never read must not carry another
+                    if isinstance(future, Exchange):
+                        future.cancel()
+                raise
+
+        return results
 
     def _guard(self, ps: int, run: Callable[[], Any]) -> Any:
         try:
@@ -261,6 +272,24 @@ class PsClient:
         done = self._push(header, plan, increment_on, pull)
         return {ps: r for ps, (r, _) in done.items()}, {ps: e for ps, (_, e) in done.items()}
 
+    def start_push_pull(
+        self,
+        header: PushHeader,
+        plan: Mapping[int, Sequence[Entry]],
+        pull: Mapping[int, Sequence[str]],
+        *,
+        increment_on: int | None = 0,
+    ) -> Callable[[], tuple[dict[int, pb.PushResponse], dict[int, list[Entry]]]]:
+        """``push_pull``, sent now: returns what waits for its answers (a pipelined worker computes its next step
+        meanwhile, in the same thread)."""
+        results = self._start_every_ps(self._push_calls(header, plan, increment_on, pull))
+
+        def done() -> tuple[dict[int, pb.PushResponse], dict[int, list[Entry]]]:
+            replies = {ps: _push_reply(frame) for ps, frame in results().items()}
+            return {ps: r for ps, (r, _) in replies.items()}, {ps: e for ps, (_, e) in replies.items()}
+
+        return done
+
     def _push(
         self,
         header: PushHeader,
@@ -268,6 +297,17 @@ class PsClient:
         increment_on: int | None,
         pull: Mapping[int, Sequence[str]],
     ) -> dict[int, tuple[pb.PushResponse, list[Entry]]]:
+        calls = self._push_calls(header, plan, increment_on, pull)
+        return {ps: _push_reply(frame) for ps, frame in self._on_every_ps(calls).items()}
+
+    def _push_calls(
+        self,
+        header: PushHeader,
+        plan: Mapping[int, Sequence[Entry]],
+        increment_on: int | None,
+        pull: Mapping[int, Sequence[str]],
+    ) -> dict[int, Call]:
+        """Each PS's push of one step: its request, and the rpc that carries it."""
         calls: dict[int, Call] = {}
         for ps in range(len(self._framed)):
             entries = plan.get(ps, [])
@@ -289,7 +329,7 @@ class PsClient:
             else:
                 frames = wire.frames(entries, request)
                 calls[ps] = partial(self._framed[ps].push_stream, frames, timeout=self.timeout)
-        return {ps: _push_reply(frame) for ps, frame in self._on_every_ps(calls).items()}
+        return calls
 
     def assign(self, per_ps: Mapping[int, Sequence[Entry]], global_step: int, positions: Sequence[int]) -> None:
         """Replace every PS's variables and slots (restore), all PS in parallel, streamed."""

@@ -11,9 +11,11 @@ no PS failure since). They miss only the pushes of other workers that land betwe
 staleness asynchronous training has anyway. In asynchronous training the chief keeps two steps on each worker:
 the worker runs them one after the other (the second waits its turn, so the chief's round trip for the next
 step overlaps this one, and nothing changes in what each step sees). With pipelined training
-(``training.pipelined``) the two compute at once: the second on the newest variables while the first's push is
-still on its way, so it misses the worker's own previous update too (one step more of staleness, for
-communication that overlaps computation).
+(``training.pipelined``) a step computes while the previous one's push is still on its way, on the newest
+variables the worker has, so it misses the worker's own previous update too (one step more of staleness, for
+communication that overlaps computation). A dense model's calls of several steps do it in one thread, step
+after step, the calls one at a time; otherwise (one step per call, embeddings) the chief's two calls run at
+once, a thread each.
 
 Status codes the coordinator relies on:
 - FAILED_PRECONDITION "ps unavailable: ..." — a PS is down; the step can be retried once it is back.
@@ -25,6 +27,7 @@ Status codes the coordinator relies on:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -52,6 +55,23 @@ class Prefetched:
     epoch: int
     pulled: dict[int, list[Entry]]
     steps: dict[int, int]  # each PS's global step right after the push
+
+
+@dataclass(frozen=True)
+class _Computed:
+    """A step computed and not yet pushed: what its push and its reply to the chief need."""
+
+    start: float
+    compute_start: float
+    push_start: float
+    loss: float
+    examples: int
+    header: PushHeader
+    gradients: dict[int, list[Entry]]
+    pushed_bytes: int
+    plan: dict[int, list[Entry]]
+    reuse: bool
+    pulled_bytes: int
 
 
 #: A worker that was asked for a step this recently is being fed by the chief (see WorkerServicer.drain).
@@ -83,6 +103,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.relayout = relayout
         self._on_first_step = on_first_step
         self._serial = threading.Lock() if serial else None
+        self._pipeline = threading.Lock()
         self.model = model
         self.ps = ps
         self.task = task
@@ -221,12 +242,28 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def _train(self, request: pb.StepRequest) -> pb.StepResponse:
         """One step, or ``request.steps`` consecutive ones (each with its own step id and batch, each pushed
         before the next starts); the reply sums them up."""
-        if self._serial is None:
-            return self._train_now(request)
-        with self._serial:
-            return self._train_now(request)
+        one_thread = self._pipelines_in_one_thread(request)
+        one_at_a_time = self._pipeline if one_thread else self._serial
+        if one_at_a_time is None:
+            return self._train_now(request, one_thread)
+        with one_at_a_time:
+            return self._train_now(request, one_thread)
 
-    def _train_now(self, request: pb.StepRequest) -> pb.StepResponse:
+    def _pipelines_in_one_thread(self, request: pb.StepRequest) -> bool:
+        """Whether a pipelined call's steps run in this thread, each computed while the previous one's push
+        travels (calls then run one at a time): where every push brings the next step's variables back (a
+        dense model, asynchronous), and a call has several steps. Otherwise two calls run at once, a thread
+        each: the same overlap, with the hand-offs between two threads' gRPC calls to pay (W1 on 2 cores: 4-8%
+        more CPU per step; benchmarks/README.md)."""
+        if self._serial is not None or request.steps <= 1:
+            return False
+        model = self.model
+        if any(layout.variable.embedding for layout in model.layouts.values()):
+            return False
+        plan = model.pull_plan()
+        return _reusable(request, plan, model.pull_bytes(plan))
+
+    def _train_now(self, request: pb.StepRequest, one_thread: bool) -> pb.StepResponse:
         first, self._on_first_step = self._on_first_step, None
         if first is not None:
             first()
@@ -235,7 +272,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self.ps.wait_ready(5.0)
             self._ps_was_down = False
         count = max(1, request.steps)
-        replies = [self._train_step(request, request.step_id + i, request.position + i) for i in range(count)]
+        if one_thread:
+            replies = self._train_pipelined(request, count)
+        else:
+            replies = [self._train_step(request, request.step_id + i, request.position + i) for i in range(count)]
         if count == 1:
             return replies[0]
         last = replies[-1]
@@ -251,6 +291,41 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         )
 
     def _train_step(self, request: pb.StepRequest, step_id: int, position: int) -> pb.StepResponse:
+        step = self._compute(request, step_id, position)
+        responses = self._push(request, step.header, step.gradients, step.plan if step.reuse else None)
+        return self._finish(step, responses, time.perf_counter() - step.push_start)
+
+    def _train_pipelined(self, request: pb.StepRequest, count: int) -> list[pb.StepResponse]:
+        """``count`` consecutive steps in this thread, each computed while the previous one's push is on its way
+        (on the newest variables a push brought back: one step more of staleness, as two steps at once have)."""
+        replies: list[pb.StepResponse] = []
+        # the step whose push is on its way: it, what waits for its answers, and the seconds its sending took
+        on_its_way: tuple[_Computed, Callable[[], dict[int, pb.PushResponse]], float] | None = None
+
+        def answered() -> pb.StepResponse:
+            assert on_its_way is not None
+            step, answers, sending = on_its_way
+            waited = time.perf_counter()
+            responses = answers()
+            return self._finish(step, responses, sending + time.perf_counter() - waited)
+
+        try:
+            for i in range(count):
+                step = self._compute(request, request.step_id + i, request.position + i)
+                if on_its_way is not None:
+                    replies.append(answered())
+                    on_its_way = None
+                on_its_way = step, self._start_push(request, step), time.perf_counter() - step.push_start
+            replies.append(answered())
+            on_its_way = None
+        finally:
+            if on_its_way is not None:  # a later step failed: the push already sent lands or fails, not unseen
+                with contextlib.suppress(Exception):
+                    on_its_way[1]()
+        return replies
+
+    def _compute(self, request: pb.StepRequest, step_id: int, position: int) -> _Computed:
+        """A step up to its push: its batch, its variables, its loss and gradients."""
         start = time.perf_counter()
         program = self.model.program
         batch = self.dataset("train", request.shard).batch(position, self.batch_size)
@@ -263,7 +338,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         compute_start = time.perf_counter()
         loss, grads = program.loss_and_grads(params, batch)
         push_start = time.perf_counter()
-        compute = push_start - compute_start
         header = PushHeader(
             step_id=step_id,
             task=self.task,
@@ -274,22 +348,27 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             position=position,
             chief_incarnation=request.chief_incarnation,
         )
-        responses = self._push(request, header, self.model.push_plan(grads), plan if reuse else None)
+        return _Computed(start, compute_start, push_start, float(loss), len(next(iter(batch.values()))), header,
+                         self.model.push_plan(grads), sum(_nbytes(g) for g in grads.values()), plan, reuse,
+                         0 if reuse else sum(expected.values()))
+
+    def _finish(self, step: _Computed, responses: dict[int, pb.PushResponse], pushing: float) -> pb.StepResponse:
+        """A step whose push was answered (``pushing``: the seconds spent sending it and waiting for its answer):
+        its timings and progress recorded, its reply to the chief."""
         first = responses[0]
-        done = time.perf_counter()
-        pushed = sum(_nbytes(g) for g in grads.values())
-        self.stats.record(pull=compute_start - start, compute=compute, push=done - push_start,
-                          nbytes=(0 if reuse else sum(expected.values())) + pushed)
+        compute = step.push_start - step.compute_start
+        self.stats.record(pull=step.compute_start - step.start, compute=compute, push=pushing,
+                          nbytes=step.pulled_bytes + step.pushed_bytes)
         p = self.progress  # what this worker's heartbeats report
         p.local_step += 1
         p.global_step = first.global_step
-        p.loss = float(loss)
+        p.loss = step.loss
         p.status = "training"
         return pb.StepResponse(
-            loss=float(loss),
-            examples=len(next(iter(batch.values()))),
+            loss=step.loss,
+            examples=step.examples,
             compute_seconds=compute,
-            step_seconds=time.perf_counter() - start,
+            step_seconds=step.push_start - step.start + pushing,  # (not the next step's compute meanwhile)
             global_step=first.global_step,
             applied=any(r.applied for r in responses.values()),
             ps_global_steps=[responses[ps].global_step for ps in sorted(responses)],
@@ -317,8 +396,24 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         """Push the gradients; with the step's pull ``plan``, also bring its shards back for the next step."""
         if plan is None:
             return self.ps.push(header, gradients)
-        names = {ps: [e.name for e in entries] for ps, entries in plan.items()}
-        responses, after = self.ps.push_pull(header, gradients, names)
+        responses, after = self.ps.push_pull(header, gradients, _names(plan))
+        self._keep(request, responses, after)
+        return responses
+
+    def _start_push(self, request: pb.StepRequest, step: _Computed) -> Callable[[], dict[int, pb.PushResponse]]:
+        """``_push`` of a step whose shards come back, sent now: returns what waits for its answers."""
+        answers = self.ps.start_push_pull(step.header, step.gradients, _names(step.plan))
+
+        def done() -> dict[int, pb.PushResponse]:
+            responses, after = answers()
+            self._keep(request, responses, after)
+            return responses
+
+        return done
+
+    def _keep(self, request: pb.StepRequest, responses: dict[int, pb.PushResponse],
+              after: dict[int, list[Entry]]) -> None:
+        """Keep the variables a push brought back for the next step, unless newer ones are kept already."""
         steps = {ps: r.global_step for ps, r in responses.items()}
         with self._lock:
             newest = self._prefetched
@@ -326,7 +421,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             if newest is None or newest.epoch != request.params_epoch or sum(steps.values()) >= sum(
                     newest.steps.values()):
                 self._prefetched = Prefetched(request.params_epoch, after, steps)
-        return responses
 
     def _evaluate(self, request: pb.StepRequest) -> pb.StepResponse:
         self._follow_layout(request.ps_addresses)
@@ -340,6 +434,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             step_seconds=time.perf_counter() - start,
             global_step=global_step,
         )
+
+
+def _names(plan: dict[int, list[Entry]]) -> dict[int, list[str]]:
+    return {ps: [e.name for e in entries] for ps, entries in plan.items()}
 
 
 def _nbytes(grad: object) -> int:
