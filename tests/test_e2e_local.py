@@ -320,7 +320,7 @@ def test_failed_start_names_the_role_and_leaves_nothing(psctl_env) -> None:
     error = flat(done.stderr)
     assert error.startswith("error: cluster 'bad' failed: "), done.stderr
     assert any(f"{name} failed" in error for name in failed), (failed, done.stderr)
-    assert "failed: exit code 2: " in error and "RuntimeError: boom" in error, error  # the cause its log ends with
+    assert "exit code 2: " in error and "RuntimeError: boom" in error, error  # the cause its log ends with
     # psctl up itself leaves nothing behind: the supervisor stopped every role and exited.
     wait_until(lambda: not psctl_env.processes(status["cluster_id"]), timeout=15,
                what="every process of 'bad' to exit",
