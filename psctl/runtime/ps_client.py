@@ -86,6 +86,13 @@ def _push_reply(frame: bytes) -> tuple[pb.PushResponse, list[Entry]]:
     return response, entries
 
 
+def _apart(
+    replies: Mapping[int, tuple[pb.PushResponse, list[Entry]]],
+) -> tuple[dict[int, pb.PushResponse], dict[int, list[Entry]]]:
+    """Each PS's push response, and the entries it brought back."""
+    return {ps: r for ps, (r, _) in replies.items()}, {ps: e for ps, (_, e) in replies.items()}
+
+
 def _all_or_raise(guard: Callable[[int, Callable[[], Any]], Any], runs: Sequence[tuple[int, Callable[[], Any]]],
                   *, wait_all: bool) -> dict[int, Any]:
     """Every ps's result (``guard(ps, run)``). A worker's client raises the first failure at once; a chief's
@@ -269,8 +276,7 @@ class PsClient:
         """Push, and get back the whole shards ``pull`` names on each PS as they are right after the update,
         in the same round trip (an asynchronous worker's next step's variables). Each PS's gradients must fit
         one unary message."""
-        done = self._push(header, plan, increment_on, pull)
-        return {ps: r for ps, (r, _) in done.items()}, {ps: e for ps, (_, e) in done.items()}
+        return _apart(self._push(header, plan, increment_on, pull))
 
     def start_push_pull(
         self,
@@ -283,12 +289,7 @@ class PsClient:
         """``push_pull``, sent now: returns what waits for its answers (a pipelined worker computes its next step
         meanwhile, in the same thread)."""
         results = self._start_every_ps(self._push_calls(header, plan, increment_on, pull))
-
-        def done() -> tuple[dict[int, pb.PushResponse], dict[int, list[Entry]]]:
-            replies = {ps: _push_reply(frame) for ps, frame in results().items()}
-            return {ps: r for ps, (r, _) in replies.items()}, {ps: e for ps, (_, e) in replies.items()}
-
-        return done
+        return lambda: _apart({ps: _push_reply(frame) for ps, frame in results().items()})
 
     def _push(
         self,
