@@ -61,4 +61,3 @@ def role_names(ctx: click.Context, param: click.Parameter, incomplete: str) -> l
         return []
     return [CompletionItem(r.name, help=r.state.value) for r in record.roles
             if r.name.startswith(incomplete) and not r.retired]
-

@@ -22,6 +22,7 @@ import psutil
 from psctl.errors import ClusterNotFound, UsageError
 from psctl.home import ClusterDir, list_clusters
 from psctl.launch.hostset import Placement, host_runners, placements
+from psctl.runtime.log_format import LOG_TIME
 from psctl.supervisor.state import ClusterRecord, RoleRecord, load_state
 
 
@@ -145,8 +146,7 @@ def cluster_logs(cdir: ClusterDir, record: ClusterRecord) -> list[RoleLog]:
     return [RoleLog(r.name, places, r) for r in record.roles]
 
 
-#: A role's log line starts with its time (``logging``'s default asctime), which sorts as text.
-_LOG_TIME = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
+_LOG_TIME = re.compile(LOG_TIME)
 
 
 def merged_tail(logs: Sequence[RoleLog], n: int) -> tuple[list[str], dict[str, int]]:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from psctl.launch.cpus import bind_self, cpu_list, settle_priority
 from psctl.runtime.cluster import ClusterConfigError, ClusterInfo, from_env
 from psctl.runtime.exits import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED
+from psctl.runtime.log_format import LOG_FORMAT
 from psctl.signals import on_signals
 
 #: Seconds a worker stopped by SIGTERM gives the steps it is running (the supervisor sets it from
@@ -132,7 +133,7 @@ def _chief(info: ClusterInfo, stop: threading.Event) -> int:
 def main() -> int:
     os.umask(0o077)  # logs, metrics, results and checkpoints are private to their owner
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout, force=True
+        level=logging.INFO, format=LOG_FORMAT, stream=sys.stdout, force=True
     )
     try:
         info = from_env()

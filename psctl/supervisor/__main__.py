@@ -12,6 +12,7 @@ import psutil
 
 from psctl.home import ClusterDir
 from psctl.launch.hostset import host_runners, placements
+from psctl.runtime.log_format import LOG_FORMAT
 from psctl.signals import on_signals
 from psctl.spec import load_spec
 from psctl.supervisor.daemon import Supervisor
@@ -24,7 +25,7 @@ SLURM_FINISH_WAIT = 5.0
 
 def main(argv: list[str]) -> int:
     os.umask(0o077)  # logs, metrics, results and checkpoints are private to their owner
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stdout)
     cdir = ClusterDir(Path(argv[1]))
     record = load_state(cdir.state_file)
     spec = load_spec(record.spec_path)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from psctl.proto import psctl_pb2 as pb
 from psctl.runtime.exits import EXIT_PREEMPTED
+from psctl.runtime.log_format import LOG_TIME
 from psctl.spec import ClusterSpec
 from psctl.supervisor.hosts import DIALED_ROLES, HostBench, Occupant, restart_host
 from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState
@@ -314,7 +315,7 @@ def describe_exit(code: int) -> str:
 
 #: A log line that says why a role ended: one logged at ERROR or CRITICAL (the runtime's and most programs'
 #: format), or the last line of a Python traceback (``ValueError: ...``).
-_CAUSE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (?:ERROR|CRITICAL) (?P<logged>.+)"
+_CAUSE = re.compile(LOG_TIME + r"(?:ERROR|CRITICAL) (?P<logged>.+)"
                     r"|(?P<raised>[\w.]*(?:Error|Exception|Exit|Interrupt)(?:: .+)?)")
 
 
