@@ -1116,6 +1116,8 @@ def test_a_program_of_the_users_own_takes_any_args(tmp_path: Path) -> None:
     """Only psctl's own programs are known before they run; a module or file of the user's checks its args and
     reads its data config itself."""
     (tmp_path / "prog.py").write_text("def build(args, data, seed):\n    raise NotImplementedError\n")
+    (tmp_path / "my_models").mkdir()
+    (tmp_path / "my_models" / "tower.py").write_text((tmp_path / "prog.py").read_text())
     for program in ("my_models.tower", "prog.py"):
         spec = load_spec(write(tmp_path, f"""\
             roles: {{chief: {{}}, ps: {{}}, worker: {{}}}}
@@ -1123,6 +1125,43 @@ def test_a_program_of_the_users_own_takes_any_args(tmp_path: Path) -> None:
             """))
         assert spec.training["args"] == {"anything": 1}
         assert spec.training["data"]["shards"] == 4
+
+
+def test_a_local_cluster_s_program_module_must_be_where_its_roles_will_import_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every role on this machine: a module no role could import is refused before anything starts, at the
+    key; found beside the spec (the roles' folder), under a role's PYTHONPATH, or installed, it is not. Nothing
+    of the user's is imported to find it out."""
+    monkeypatch.chdir(tmp_path.parent)  # (not the spec's folder: the roles' folder is what counts)
+    spec = """\
+        roles: {{chief: {{}}, ps: {{}}, worker: {{{worker}}}}}
+        training: {{program: {program}, data: {{name: digits}}, steps: 10}}
+        {extra}"""
+
+    def load(program: str, worker: str = "", extra: str = "") -> object:
+        return load_spec(write(tmp_path, spec.format(program=program, worker=worker, extra=extra)))
+
+    error = spec_error(write(tmp_path, spec.format(program="my_modelz.tower", worker="", extra="")))
+    assert str(error) == (
+        f"{tmp_path / 'cluster.yaml'}:2: training.program: no module 'my_modelz' for the roles to import: not in "
+        f"the spec's folder ({tmp_path}) nor installed for {sys.executable}; give the path of a .py file, put the "
+        "module beside the spec, or install its package in this Python")
+    boom = "raise SystemExit('imported: the check must only find it')\n"
+    (tmp_path / "beside").mkdir()
+    (tmp_path / "beside" / "__init__.py").write_text(boom)
+    (tmp_path / "lib" / "elsewhere").mkdir(parents=True)
+    (tmp_path / "lib" / "elsewhere" / "__init__.py").write_text(boom)
+    assert load("beside.model")
+    assert load("elsewhere.model", worker="env: {PYTHONPATH: lib}")
+    assert load("json")  # installed (here: the standard library)
+    assert "beside" not in sys.modules and "elsewhere" not in sys.modules
+    # not where the roles run, or made by the spec's own set-up: not checked here
+    assert load("my_modelz.tower", extra="setup: ['pip install my-modelz']")
+    assert load_spec(write(tmp_path, """\
+        hosts: [{name: a, address: 10.0.0.11}]
+        roles: {chief: {host: a, port: 7001}, ps: {hosts: [a], port: 7002}, worker: {hosts: [a], port: 7000}}
+        training: {program: my_modelz.tower, data: {name: digits}, steps: 10}
+        """))
 
 
 @pytest.mark.parametrize("program", sorted(BUILTIN_PROGRAMS))

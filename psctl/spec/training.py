@@ -9,8 +9,12 @@ accepts.
 from __future__ import annotations
 
 import dataclasses
+import importlib.machinery
+import importlib.util
 import math
 import re
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +163,22 @@ def check_confined(
         f"{what} {resolved} is outside the spec's folder ({base_dir})",
         f"move it there, or allow its folder with security: {{allowed_paths: [{resolved.parent}]}}",
     )
+
+
+def check_local_program(c: Checker, program: str, base_dir: Path, *, pythonpath: Sequence[str] = ()) -> None:
+    """A program module of the user's, on a cluster whose roles all run on this machine: its top-level package
+    must be where the roles will look (their working folder, the spec's; ``pythonpath``, from their ``env``;
+    this Python's own path), else the cluster would start only for every role to fail at import. Found
+    without importing it (nothing of the user's runs here); a .py path was checked already."""
+    if program.endswith(".py") or "/" in program or program in BUILTIN_PROGRAMS:
+        return
+    top = program.split(".")[0]
+    places = [str(base_dir), *(str((base_dir / p).resolve()) for p in pythonpath)]
+    if importlib.machinery.PathFinder.find_spec(top, places) is not None or importlib.util.find_spec(top):
+        return
+    c.fail((*T, "program"), f"no module {show(top)} for the roles to import: not in the spec's folder "
+           f"({base_dir}) nor installed for {sys.executable}",
+           "give the path of a .py file, put the module beside the spec, or install its package in this Python")
 
 
 def _program(c: Checker, value: object, base_dir: Path, allowed: tuple[Path, ...] = ()) -> str:
