@@ -74,6 +74,16 @@ class _Computed:
     pulled_bytes: int
 
 
+@dataclass(frozen=True)
+class _Pushed:
+    """A step whose push is on its way: ``answers()`` waits for the PS' responses (and keeps the variables
+    they bring back); ``sending``: the seconds sending it took."""
+
+    step: _Computed
+    answers: Callable[[], dict[int, pb.PushResponse]]
+    sending: float
+
+
 #: A worker that was asked for a step this recently is being fed by the chief (see WorkerServicer.drain).
 FED_RECENTLY = 0.5
 
@@ -299,30 +309,28 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         """``count`` consecutive steps in this thread, each computed while the previous one's push is on its way
         (on the newest variables a push brought back: one step more of staleness, as two steps at once have)."""
         replies: list[pb.StepResponse] = []
-        # the step whose push is on its way: it, what waits for its answers, and the seconds its sending took
-        on_its_way: tuple[_Computed, Callable[[], dict[int, pb.PushResponse]], float] | None = None
-
-        def answered() -> pb.StepResponse:
-            assert on_its_way is not None
-            step, answers, sending = on_its_way
-            waited = time.perf_counter()
-            responses = answers()
-            return self._finish(step, responses, sending + time.perf_counter() - waited)
-
+        pushed: _Pushed | None = None  # the step whose push is on its way
         try:
             for i in range(count):
                 step = self._compute(request, request.step_id + i, request.position + i)
-                if on_its_way is not None:
-                    replies.append(answered())
-                    on_its_way = None
-                on_its_way = step, self._start_push(request, step), time.perf_counter() - step.push_start
-            replies.append(answered())
-            on_its_way = None
+                if pushed is not None:
+                    replies.append(self._answered(pushed))
+                    pushed = None
+                pushed = self._start_push(request, step)
+            assert pushed is not None
+            replies.append(self._answered(pushed))
+            pushed = None
         finally:
-            if on_its_way is not None:  # a later step failed: the push already sent lands or fails, not unseen
+            if pushed is not None:  # a later step failed: the push already sent lands or fails, not unseen
                 with contextlib.suppress(Exception):
-                    on_its_way[1]()
+                    pushed.answers()
         return replies
+
+    def _answered(self, pushed: _Pushed) -> pb.StepResponse:
+        """The reply for a step whose push went ahead of the next step's compute, once its answers are in."""
+        waited = time.perf_counter()
+        responses = pushed.answers()
+        return self._finish(pushed.step, responses, pushed.sending + time.perf_counter() - waited)
 
     def _compute(self, request: pb.StepRequest, step_id: int, position: int) -> _Computed:
         """A step up to its push: its batch, its variables, its loss and gradients."""
@@ -400,8 +408,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._keep(request, responses, after)
         return responses
 
-    def _start_push(self, request: pb.StepRequest, step: _Computed) -> Callable[[], dict[int, pb.PushResponse]]:
-        """``_push`` of a step whose shards come back, sent now: returns what waits for its answers."""
+    def _start_push(self, request: pb.StepRequest, step: _Computed) -> _Pushed:
+        """``_push`` of a step whose shards come back, sent now: its answers are waited for later."""
         answers = self.ps.start_push_pull(step.header, step.gradients, _names(step.plan))
 
         def done() -> dict[int, pb.PushResponse]:
@@ -409,7 +417,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self._keep(request, responses, after)
             return responses
 
-        return done
+        return _Pushed(step, done, time.perf_counter() - step.push_start)
 
     def _keep(self, request: pb.StepRequest, responses: dict[int, pb.PushResponse],
               after: dict[int, list[Entry]]) -> None:

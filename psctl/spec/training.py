@@ -174,7 +174,10 @@ def check_local_program(c: Checker, program: str, base_dir: Path, *, pythonpath:
         return
     top = program.split(".")[0]
     places = [str(base_dir), *(str((base_dir / p).resolve()) for p in pythonpath)]
-    if importlib.machinery.PathFinder.find_spec(top, places) is not None or importlib.util.find_spec(top):
+    try:
+        if importlib.machinery.PathFinder.find_spec(top, places) is not None or importlib.util.find_spec(top):
+            return
+    except (ImportError, ValueError):  # a finder that cannot tell, a name such as __main__: the roles will say
         return
     c.fail((*T, "program"), f"no module {show(top)} for the roles to import: not in the spec's folder "
            f"({base_dir}) nor installed for {sys.executable}",
