@@ -204,7 +204,7 @@ def _finish_line(cdir: ClusterDir, record: Any) -> None:
         shown = metrics_text(metrics)
         where = result.get("checkpoint") or "no checkpoint configured"
         console.print(
-            f"[bold green]training finished[/bold green]: {escape(_steps_text(record, result))}; {shown}; "
+            f"[bold green]training finished[/bold green]: {escape(_steps_text(record, result))}; test split: {shown}; "
             f"checkpoint: {escape(str(where))}",
             highlight=False,
             soft_wrap=True,  # one line, also in a pipe: scripts read it

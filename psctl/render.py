@@ -83,7 +83,8 @@ def progress_line(cdir: ClusterDir, record: ClusterRecord) -> str:
     roles = ", ".join(f"{n} {state}" for state, n in counts.items())
     line = f"{record.name}: {record.state.value}; step {prog.get('global_step', 0)}/{record.steps}"
     if prog.get("loss") is not None:
-        line += f", loss {metric_text(prog['loss'])}, {prog.get('steps_per_sec', 0):.1f} steps/s"
+        # the newest training batch's loss (the final line's is the test split's, not comparable)
+        line += f", train loss {metric_text(prog['loss'])}, {prog.get('steps_per_sec', 0):.1f} steps/s"
     return f"{line}; roles: {roles}"
 
 
@@ -139,7 +140,7 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
         header.append(f"\nSlurm job {job_id(record) or '-'}{where}{again}")
     header.append(f"\nglobal step {step}/{record.steps}")
     if prog.get("loss") is not None:
-        header.append(f"  loss {metric_text(prog['loss'])}")
+        header.append(f"  train loss {metric_text(prog['loss'])}")
     if prog.get("steps_per_sec"):
         header.append(f"  {prog['steps_per_sec']:.1f} steps/s  {prog.get('examples_per_sec', 0):.0f} examples/s")
     for role in record.roles:
@@ -149,7 +150,7 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
     if record.result:
         metrics = record.result.get("metrics", {})
         shown = metrics_text(metrics)
-        header.append(f"\nresult: {shown}")
+        header.append(f"\nresult (test split): {shown}")
         if record.result.get("checkpoint"):
             header.append(f"  checkpoint {record.result['checkpoint']}")
     if record.reason and record.state.terminal:

@@ -150,7 +150,9 @@ def test_up_attached_trains_to_the_end(psctl_env) -> None:
     # Last, so that the checks above run even while it fails: the summary is one line, the last one.
     last = done.stdout.rstrip("\n").splitlines()[-1]
     assert last.startswith(f"training finished: {steps} steps in "), done.stdout
-    assert "accuracy" in last, done.stdout
+    # the final metrics are the test split's, said so; the progress lines before it, the training batches'
+    assert re.search(r"; test split: loss [0-9.]+, accuracy [0-9.]+; checkpoint: ", last), done.stdout
+    assert re.search(r"step \d+/\d+, train loss [0-9.e-]+, [0-9.]+ steps/s", done.stdout), done.stdout
 
 
 def test_the_readme_example_trains_and_status_shows_the_evaluation_of_its_last_checkpoint(psctl_env) -> None:
