@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -134,6 +135,31 @@ def test_an_agent_starts_watches_and_stops_roles_on_the_supervisor_s_word(
     endpoint.hub.send("h1", hello.agent_pid, pb.AgentCommand(stop=pb.StopRole(name="worker-0", grace_seconds=5)))
     stopped = endpoint.role_report("h1", "worker-0", until=lambda r: r.exited, timeout=10)
     assert (stopped.pid, stopped.exit_code) == (second.pid, -signal.SIGTERM)
+
+
+#: A role that crashes in native code (as a bug in an extension would) once told to.
+CRASHES_WHEN_TOLD = [sys.executable, "-c", "import ctypes, os, sys, time\nprint('up', flush=True)\n"
+                     "while not os.path.exists(sys.argv[1]): time.sleep(0.02)\nctypes.string_at(0)\n"]
+#: The agent's report of that crash: where it happened, in Python's library and in the role's own code.
+SEGFAULT_TAIL = (r"up \| Fatal Python error: Segmentation fault in string_at \(ctypes/__init__\.py:\d+\), called "
+                 r"from <module> \(<string>:4\)")
+
+
+def test_a_native_crash_is_reported_as_its_signal_and_where_it_happened(
+        tmp_path: Path, started: list[object]) -> None:
+    """The agent runs its roles with Python's fault handler on: a role killed by SIGSEGV leaves its stacks in
+    its log, and the report of its exit says the crash and where in one line, not the stacks' last lines."""
+    endpoint, _, hello = attached(started)
+    crash = tmp_path / "crash"
+    endpoint.hub.send("h1", hello.agent_pid, start_command("worker-0", 7, tmp_path, [*CRASHES_WHEN_TOLD, str(crash)]))
+    endpoint.role_report("h1", "worker-0", until=lambda r: r.pid > 0)
+    log = tmp_path / "logs" / "worker-0.1.log"
+    wait_until(lambda: log.is_file() and "up" in log.read_text(), timeout=10, what="worker-0 to start")
+    crash.touch()
+    dead = endpoint.role_report("h1", "worker-0", until=lambda r: r.exited, timeout=10)
+    assert dead.exit_code == -signal.SIGSEGV
+    assert re.fullmatch(SEGFAULT_TAIL, dead.log_tail), dead.log_tail
+    assert "Current thread" in log.read_text()  # the whole report is in the log
 
 
 def test_an_exit_is_reported_the_moment_it_happens_not_at_the_next_look(
@@ -452,21 +478,24 @@ def test_a_new_agent_adopts_the_roles_its_host_s_last_agent_left_and_reports_how
     takes them over instead of killing them: it serves their heartbeats on the port they beat to, and its hello
     names them as they are (same pids, incarnations, attempts: the supervisor restarts nothing, and no ps
     falls back to its last checkpoint). They are not its children: it reports each one's end with the exit code
-    the role left in its exit file, or SIGKILL's where it left none."""
+    the role left in its exit file, or the signal of the native crash its log ends with, or SIGKILL's where
+    neither says."""
     endpoint = Endpoint()
     started.append(endpoint)
     first = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=0.2)
     started.append(first)
     first.start()
     hello = endpoint.report("h1", hello=True)
-    done = tmp_path / "done"
+    done, crash = tmp_path / "done", tmp_path / "crash"
     allowed = allowed_cpus()
-    for name, argv in (("worker-0", [*ENDS_WHEN_TOLD, str(done)]), ("worker-1", SLEEPER)):
+    roles = {"worker-0": [*ENDS_WHEN_TOLD, str(done)], "worker-1": SLEEPER,
+             "worker-2": [*CRASHES_WHEN_TOLD, str(crash)]}
+    for name, argv in roles.items():
         command = start_command(name, 4, tmp_path, argv, env=OF_C1_ON_H1)
         if name == "worker-1":  # given a CPU slot (more roles than CPUs here)
             command.start.cpu_slot, command.start.cpu_slots = 0, len(allowed) + 1
         endpoint.hub.send("h1", hello.agent_pid, command)
-    pids = {name: endpoint.role_report("h1", name, until=lambda r: r.pid > 0).pid for name in ("worker-0", "worker-1")}
+    pids = {name: endpoint.role_report("h1", name, until=lambda r: r.pid > 0).pid for name in roles}
     for name in pids:
         log = tmp_path / "logs" / f"{name}.1.log"
         wait_until(lambda log=log: log.is_file() and "up" in log.read_text(), timeout=10, what=f"{name} to start")
@@ -482,7 +511,7 @@ def test_a_new_agent_adopts_the_roles_its_host_s_last_agent_left_and_reports_how
     assert second.roles["worker-1"].cpus == (allowed[-1:] if len(allowed) > 1 else None)
     again = endpoint.report("h1", hello=True)
     assert sorted((r.name, r.pid, r.incarnation, r.attempt, r.exited) for r in again.roles) == [
-        ("worker-0", pids["worker-0"], 4, 1, False), ("worker-1", pids["worker-1"], 4, 1, False)]
+        (name, pids[name], 4, 1, False) for name in roles]
     with make_channel(second.heartbeat_address) as channel:  # where the roles' heartbeats have gone all along
         stub = pb_grpc.SupervisorStub(channel)
         assert not stub.Heartbeat(pb.HeartbeatRequest(task="worker:0", incarnation=4, local_step=9), timeout=5).fenced
@@ -495,6 +524,11 @@ def test_a_new_agent_adopts_the_roles_its_host_s_last_agent_left_and_reports_how
     os.kill(pids["worker-1"], signal.SIGKILL)
     killed = endpoint.role_report("h1", "worker-1", until=lambda r: r.exited, timeout=10)
     assert killed.exit_code == -signal.SIGKILL
+    # a native crash leaves no exit file: its log's crash report names the signal
+    crash.touch()
+    crashed = endpoint.role_report("h1", "worker-2", until=lambda r: r.exited, timeout=10)
+    assert crashed.exit_code == -signal.SIGSEGV
+    assert re.fullmatch(SEGFAULT_TAIL, crashed.log_tail), crashed.log_tail
 
 
 def test_a_new_agent_adopts_the_process_its_predecessor_started_not_one_that_inherited_its_environment(

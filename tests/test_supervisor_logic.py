@@ -109,6 +109,10 @@ LOGGED = "2026-11-27 10:00:0{},000 {} {}"
     (1, 'Traceback (most recent call last): | File "prog.py", line 3, in build | raise KeyError(\'lr\') | '
         "KeyError: 'lr'", "exit code 1: KeyError: 'lr'"),
     (-9, "RuntimeError | (a bare exception line names no message)", "killed by SIGKILL: RuntimeError"),
+    # a native crash: the agent's one line of the fault handler's report (psctl.agent.logs)
+    (-11, "step 12 | Fatal Python error: Segmentation fault in string_at (ctypes/__init__.py:519), called from "
+          "step (/home/me/train.py:42)", "killed by SIGSEGV: Fatal Python error: Segmentation fault in string_at "
+                                         "(ctypes/__init__.py:519), called from step (/home/me/train.py:42)"),
     # nothing that gives a cause: the last lines as they are
     (1, "loading | step 7", "exit code 1; last log lines: loading | step 7"),
     (-9, "", "killed by SIGKILL"),

@@ -20,7 +20,6 @@ import contextlib
 import logging
 import os
 import queue
-import re
 import signal
 import subprocess
 import threading
@@ -32,6 +31,7 @@ from typing import Protocol
 import grpc
 
 from psctl.agent.exits import ExitWaiter
+from psctl.agent.logs import last_step, log_tail
 from psctl.agent.orphans import (
     ADOPTION_VARIABLE,
     EXIT_FILE_VARIABLE,
@@ -70,8 +70,6 @@ MAX_RECONNECT_BACKOFF = 1.0
 #: HTTP/2 pings on the stream to the supervisor: it carries a report every heartbeat interval already, and
 #: the supervisor judges the agent by those; the pings only end a stream to a supervisor that vanished.
 LINK_KEEPALIVE_MS = 10_000
-#: The last lines of a role's log that go with the report of its exit.
-TAIL_LINES = 5
 #: An agent with no running role ends after this long without a supervisor (its cluster is gone, or it was
 #: replaced while cut off); one with roles keeps them and keeps dialling, for a new supervisor to adopt them.
 ORPHAN_TIMEOUT = 600.0
@@ -95,6 +93,7 @@ def spawn_process(command: pb.StartRole, log_fd: int) -> Process:
     """Start the role's argv as a child in its own session and process group (signalled as one)."""
     # (not the agent's own configuration, nor where its launcher reads its exit code: a role's are its own)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PSCTL_AGENT") and k != EXIT_FILE_VARIABLE}
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a native crash leaves its stacks in the log (psctl.agent.logs)
     env.update(command.env)
     return subprocess.Popen(
         list(command.argv), env=env, cwd=host_path(command.cwd) if command.cwd else None,
@@ -106,32 +105,6 @@ def host_path(path: str) -> str:
     """A path as the launcher writes it for a host: ``~/x`` and relative paths are under the user's home."""
     path = os.path.expanduser(path)
     return path if os.path.isabs(path) else os.path.join(os.path.expanduser("~"), path)
-
-
-#: A line a program prints about its progress: "step 120", "Step: 120", "global_step=120" (the last one wins).
-_STEP = re.compile(rb"step[\s:=]+(\d+)", re.IGNORECASE)
-
-
-def last_step(path: str) -> int:
-    """The last step number the end of a program's log names (0 if none)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
-            found = _STEP.findall(f.read())
-    except OSError:
-        return 0
-    return int(found[-1]) if found else 0
-
-
-def log_tail(path: str, lines: int = TAIL_LINES) -> str:
-    """The last lines of a log, joined into one line ("" if it cannot be read)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
 
 
 @dataclass

@@ -7,7 +7,8 @@ heartbeats go to): it serves heartbeats on that same port, so the roles' beats r
 hello names them, so the supervisor sees its roles still running instead of losing and restarting them (a ps
 restarted loses the steps since its last checkpoint). An adopted role is not the new agent's child: its exit
 shows by ``/proc`` when the agent looks (every ``WATCH_INTERVAL``), and its exit code is what the runtime wrote
-to its exit file as it ended (``psctl.runtime.__main__.record_exit``), SIGKILL's where there is none.
+to its exit file as it ended (``psctl.runtime.__main__.record_exit``); where there is none, the signal its log's
+crash report names (``psctl.agent.logs``), else SIGKILL's.
 Only the process its agent started is adopted (its command line is the one described): a Slurm job step's task
 inherits its srun's environment and leads a group of its own, and goes with its srun. Roles it cannot adopt (no
 description, another port, or that port taken) are SIGKILLed: nothing reports on them, and they hold their
@@ -24,6 +25,8 @@ import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from psctl.agent.logs import crash_signal
 
 #: Roles of the cluster started by an agent of this host carry this variable (its name in the cluster).
 HOST_VARIABLE = "PSCTL_AGENT_HOST"
@@ -173,12 +176,15 @@ class AdoptedProcess:
         self.pid = orphan.pid
         self._created = orphan.create_time
         self._exit_file = str((orphan.record or {}).get("exit_file", ""))
+        self._log = str((orphan.record or {}).get("log", ""))
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        """Its exit code once it ended: the one it wrote to its exit file, else SIGKILL's (-9)."""
+        """Its exit code once it ended: the one it wrote to its exit file, else the signal of the crash its log
+        ends with (a native crash), else SIGKILL's (-9)."""
         if self.returncode is None and not _running(self.pid, self._created):
-            self.returncode = read_exit_file(self._exit_file, default=-signal.SIGKILL)
+            code = read_exit_file(self._exit_file)
+            self.returncode = code if code is not None else -(crash_signal(self._log) or signal.SIGKILL)
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
@@ -188,12 +194,12 @@ class AdoptedProcess:
                 os.killpg(self.pid, sig)
 
 
-def read_exit_file(path: str, *, default: int) -> int:
-    """The exit code a role wrote as it ended, else ``default``."""
+def read_exit_file(path: str) -> int | None:
+    """The exit code a role wrote as it ended (None: it wrote none)."""
     if not path:
-        return default
+        return None
     try:
         with open(path, encoding="ascii") as f:
             return int(f.read().strip())
     except (OSError, ValueError):
-        return default
+        return None

@@ -314,16 +314,18 @@ def describe_exit(code: int) -> str:
 
 
 #: A log line that says why a role ended: one logged at ERROR or CRITICAL (the runtime's and most programs'
-#: format), or the last line of a Python traceback (``ValueError: ...``).
+#: format), the last line of a Python traceback (``ValueError: ...``), or a native crash (the agent's one-line
+#: summary of the fault handler's report, ``psctl.agent.logs``).
 _CAUSE = re.compile(LOG_TIME + r"(?:ERROR|CRITICAL) (?P<logged>.+)"
-                    r"|(?P<raised>[\w.]*(?:Error|Exception|Exit|Interrupt)(?:: .+)?)")
+                    r"|(?P<raised>[\w.]*(?:Error|Exception|Exit|Interrupt)(?:: .+)?)|(?P<fatal>Fatal Python error: .+)")
 
 
 def exit_text(code: int, tail: str) -> str:
     """How a role ended (``describe_exit``) and why, as the end of its log (``tail``: its last lines joined by
     `` | ``) says it: the last line that gives a cause, else those last lines."""
     what = describe_exit(code)
-    causes = [m.group("logged") or m.group("raised") for m in map(_CAUSE.fullmatch, tail.split(" | ")) if m]
+    causes = [m.group("logged") or m.group("raised") or m.group("fatal")
+              for m in map(_CAUSE.fullmatch, tail.split(" | ")) if m]
     if causes:
         return f"{what}: {causes[-1]}"
     return what + (f"; last log lines: {tail}" if tail else "")

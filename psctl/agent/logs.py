@@ -1,0 +1,144 @@
+"""What the end of a role's log says about how the role ended: its last lines, the last step it names, and a
+native crash's report.
+
+Every role runs with Python's fault handler on (``PYTHONFAULTHANDLER=1``, set by the agent): a role killed by
+SIGSEGV, SIGABRT, SIGBUS, SIGFPE or SIGILL (a crash in numpy, gRPC, TensorFlow or a program's own extension)
+first writes ``Fatal Python error: Segmentation fault`` and every thread's Python stack to its log. The agent
+reports that crash in one line, where it happened (the crashing thread's innermost frame, and the innermost
+frame of the program's own code when that is another), instead of the report's last lines (its list of
+extension modules). An adopted role is not the agent's child, so its exit status cannot be waited for: the
+crash report also tells which signal ended it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from dataclasses import dataclass
+
+#: The last lines of a role's log that go with the report of its exit.
+TAIL_LINES = 5
+#: How far back from a log's end its last lines are read.
+TAIL_BYTES = 8192
+#: How far back a crash report's first line is looked for: the report lists every thread's stack, and a
+#: TensorFlow program has dozens of threads.
+CRASH_BYTES = 256 * 1024
+
+#: The fault handler's words for the signals it handles.
+FATAL_SIGNALS = {
+    "Segmentation fault": signal.SIGSEGV,
+    "Aborted": signal.SIGABRT,
+    "Bus error": signal.SIGBUS,
+    "Floating point exception": signal.SIGFPE,
+    "Illegal instruction": signal.SIGILL,
+}
+
+_FATAL = re.compile(r"^Fatal Python error: (?P<message>.+)$", re.MULTILINE)
+#: The lines of a report after its first: stacks (indented), their headers, the extension modules.
+_REPORT_LINE = re.compile(r"(?:|  .*|(?:Current thread|Thread 0x|Stack|Extension modules|Python runtime state|<).*)")
+_CURRENT_THREAD = re.compile(r"^Current thread 0x[0-9a-f]+ \(most recent call first\):$", re.MULTILINE)
+_FRAME = re.compile(r'^  File "(?P<path>.+)", line (?P<line>\d+) in (?P<function>.+)$')
+#: A file of Python's own library or of an installed package, not of the program: shown from there on.
+_LIBRARY = re.compile(r"/(?:site-packages|dist-packages|lib/python3\.\d+)/")
+#: A line a program prints about its progress: "step 120", "Step: 120", "global_step=120" (the last one wins).
+_STEP = re.compile(rb"step[\s:=]+(\d+)", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Crash:
+    """A fatal error the fault handler reported."""
+
+    #: As the fault handler says it: "Segmentation fault".
+    message: str
+    #: Where: "in string_at (ctypes/__init__.py:519), called from step (/home/me/train.py:42)"; "" if unknown.
+    where: str
+    #: The log's lines before the report.
+    before: list[str]
+
+    @property
+    def signum(self) -> int:
+        """The signal that ended the process (a fatal error of Python's own aborts)."""
+        return FATAL_SIGNALS.get(self.message, signal.SIGABRT)
+
+    def summary(self) -> str:
+        return f"Fatal Python error: {self.message}" + (f" {self.where}" if self.where else "")
+
+
+def find_crash(text: str) -> Crash | None:
+    """The fault handler's report that ``text`` (the end of a log) ends with, if it ends with one (not one of
+    a child process that shared the log and crashed before its parent went on)."""
+    fatal = next(reversed(list(_FATAL.finditer(text))), None)
+    if fatal is None:
+        return None
+    report = text[fatal.end():]
+    if not all(_REPORT_LINE.fullmatch(line) for line in report.splitlines()):
+        return None
+    current = _CURRENT_THREAD.search(report)
+    frames = []
+    if current is not None:
+        for line in report[current.end():].lstrip("\n").splitlines():
+            frame = _FRAME.match(line)
+            if frame is None:
+                break
+            frames.append(frame)
+    before = [line.strip() for line in text[:fatal.start()].splitlines() if line.strip()]
+    return Crash(fatal.group("message").strip(), _where(frames), before)
+
+
+def _where(frames: list[re.Match[str]]) -> str:
+    """The innermost frame, and the program's own innermost one where that is another."""
+    if not frames:
+        return ""
+    innermost = frames[0]
+    own = next((f for f in frames if not _LIBRARY.search(f.group("path"))), None)
+    where = f"in {_frame_text(innermost)}"
+    if own is not None and own is not innermost:
+        where += f", called from {_frame_text(own)}"
+    return where
+
+
+def _frame_text(frame: re.Match[str]) -> str:
+    path = frame.group("path")
+    library = _LIBRARY.search(path)
+    shown = path[library.end():] if library else path  # a library's file by its name within the library
+    return f"{frame.group('function')} ({shown}:{frame.group('line')})"
+
+
+def _read_end(path: str, size: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(max(0, os.fstat(f.fileno()).st_size - size))
+        return f.read().decode("utf-8", "replace")
+
+
+def log_tail(path: str, lines: int = TAIL_LINES) -> str:
+    """The last lines of a log, joined into one line ("" if it cannot be read); a log that ends in a crash
+    report: the lines before the report, then the crash in one line."""
+    try:
+        text = _read_end(path, TAIL_BYTES)
+        crash = find_crash(_read_end(path, CRASH_BYTES)) if "(most recent call first):" in text else None
+    except OSError:
+        return ""
+    if crash is not None:
+        return " | ".join([*crash.before[-(lines - 1):], crash.summary()])
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+
+
+def crash_signal(path: str) -> int | None:
+    """The signal a crash report at the end of the log names, if the log ends in one."""
+    try:
+        crash = find_crash(_read_end(path, CRASH_BYTES))
+    except OSError:
+        return None
+    return crash.signum if crash is not None else None
+
+
+def last_step(path: str) -> int:
+    """The last step number the end of a program's log names (0 if none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            found = _STEP.findall(f.read())
+    except OSError:
+        return 0
+    return int(found[-1]) if found else 0
