@@ -55,24 +55,32 @@ def cli(ctx: click.Context, debug: bool) -> None:
     ctx.obj["debug"] = debug
 
 
+#: ``--set KEY.PATH=VALUE`` (repeatable): the spec's values changed without editing it (psctl.spec.overrides).
+set_option = click.option(
+    "--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
+    help="Change one of the spec's values (YAML), e.g. --set training.steps=2000; repeatable.")
+
+
 @cli.command()
 @click.argument("spec", type=click.Path(dir_okay=False))
-def validate(spec: str) -> None:
+@set_option
+def validate(spec: str, overrides: tuple[str, ...]) -> None:
     """Check a cluster spec and print the plan (which role runs where)."""
     from psctl import operations
 
-    _spec, plan = operations.plan_spec(spec)
+    _spec, plan = operations.plan_spec(spec, overrides)
     console.print(plan_table(plan))
     console.print(f"[green]{escape(spec)}: valid[/green] ({len(plan.instances)} roles)")
 
 
 @cli.command()
 @click.argument("spec", type=click.Path(dir_okay=False))
-def check(spec: str) -> None:
+@set_option
+def check(spec: str, overrides: tuple[str, ...]) -> None:
     """Check that the spec's hosts are ready: SSH, python and modules, psctl, ports, disk, clocks."""
     from psctl import operations
 
-    cluster_spec, plan = operations.plan_spec(spec)
+    cluster_spec, plan = operations.plan_spec(spec, overrides)
     runners = operations.ssh_runners(cluster_spec, plan)
     if not runners:
         console.print(f"{escape(spec)}: every role runs on this machine; its ports are free (no host to check)")
@@ -93,11 +101,12 @@ def check(spec: str) -> None:
 @click.argument("spec", type=click.Path(dir_okay=False))
 @click.option("--detach", "-d", is_flag=True, help="Return once the cluster is starting; do not watch it.")
 @click.option("--dry-run", is_flag=True, help="Validate and print the plan; start nothing.")
-def up(spec: str, detach: bool, dry_run: bool) -> None:
+@set_option
+def up(spec: str, detach: bool, dry_run: bool, overrides: tuple[str, ...]) -> None:
     """Start the cluster SPEC describes and watch it until training finishes (Ctrl-C detaches)."""
     from psctl import operations
 
-    cluster_spec, plan = operations.plan_spec(spec)
+    cluster_spec, plan = operations.plan_spec(spec, overrides)
     if dry_run:
         console.print(plan_table(plan))
         console.print(f"dry run: nothing started ({len(plan.instances)} roles planned)")

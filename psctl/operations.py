@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, cast
@@ -53,8 +53,8 @@ if TYPE_CHECKING:
     from psctl.launch.ssh import SSHRunner
 
 
-def plan_spec(path: str | Path) -> tuple[ClusterSpec, Plan]:
-    spec = load_spec(path)
+def plan_spec(path: str | Path, overrides: Sequence[str] = ()) -> tuple[ClusterSpec, Plan]:
+    spec = load_spec(path, overrides)
     return spec, make_plan(spec)
 
 

@@ -59,21 +59,20 @@ def check_request(spec: ClusterSpec, record: ClusterRecord, wanted: Mapping[str,
     if spec.training.get("framework") == "tensorflow":
         raise UsageError("a TensorFlow program's cluster is fixed when it starts (its TF_CONFIG): it cannot be "
                          "scaled; change the spec and `psctl up` again")
-    where = record.spec_path or "the spec"
     for role, n in wanted.items():
         rs = spec.roles[role]
         high = rs.slots
         if n > high:
-            line = spec.source.line(("roles", role, "max_replicas" if rs.max_replicas else "replicas"))
+            where = spec.source.where(("roles", role, "max_replicas" if rs.max_replicas else "replicas"))
             raise UsageError(
-                f"{role}={n} is more than roles.{role}.max_replicas ({high}) in {where}:{line}",
+                f"{role}={n} is more than roles.{role}.max_replicas ({high}) in {where}",
                 hint="raise max_replicas there and `psctl up` again: every replica's certificate and port "
                      "are made at up",
             )
         if n < rs.min_replicas:
-            line = spec.source.line(("roles", role, "min_replicas"))
+            where = spec.source.where(("roles", role, "min_replicas"))
             raise UsageError(f"{role}={n} is fewer than roles.{role}.min_replicas ({rs.min_replicas}) in "
-                             f"{where}:{line}", hint=f"scale to at least {rs.min_replicas}")
+                             f"{where}", hint=f"scale to at least {rs.min_replicas}")
         aggregated = spec.training.get("replicas_to_aggregate")
         if role == "worker" and spec.training.get("mode") == "sync" and aggregated and n < int(aggregated):
             raise UsageError(f"worker={n} is fewer than training.replicas_to_aggregate ({aggregated}): no "
@@ -87,7 +86,7 @@ def check_request(spec: ClusterSpec, record: ClusterRecord, wanted: Mapping[str,
 def scale(cdir: ClusterDir, wanted: Mapping[str, int], *, timeout: float = 30.0) -> list[Change]:
     """Ask the supervisor for ``wanted`` replicas and wait (bounded) until its record shows them."""
     record = load_state(cdir.state_file)
-    spec = load_spec(record.spec_path)
+    spec = load_spec(record.spec_path, record.spec_overrides)
     check_request(spec, record, wanted)
     before = {role: len(members(record, role)) for role in wanted}
     if cdir.scale_request.exists():

@@ -81,7 +81,7 @@ def submit_cluster(spec: ClusterSpec, plan: Plan, *, wait_started: float = 30.0)
         spec.slurm, name=spec.name, script=script, output=cdir.root / "slurm-%j.out",
         workdir=spec.path.parent if spec.path else cdir.root, tasks=len(plan.instances),
     )
-    where = f"{spec.source.filename}:{spec.source.line(('slurm',), key=True)}"
+    where = spec.source.where(("slurm",), key=True)
     try:
         job = slurm.submit(argv, where=where)
     except LaunchError:

@@ -155,6 +155,23 @@ def test_up_attached_trains_to_the_end(psctl_env) -> None:
     assert re.search(r"step \d+/\d+, train loss [0-9.e-]+, [0-9.]+ steps/s", done.stdout), done.stdout
 
 
+def test_up_with_set_trains_the_overridden_spec_and_the_cluster_remembers_it(psctl_env) -> None:
+    """`psctl up SPEC --set training.steps=N`: the roles get the overridden value (the chief stops at N, not at
+    the file's step count), and the cluster's record keeps the override for a supervisor started again."""
+    spec = psctl_env.write_spec("setx", steps=LONG, ps=1, workers=1)
+    done = psctl_env.run("up", str(spec), "--set", "training.steps=150", "--set", "roles.worker.replicas=2",
+                         timeout=180)
+    assert done.returncode == 0, (done.stdout, done.stderr, cluster_logs(psctl_env, "setx"))
+    assert done.stdout.rstrip("\n").splitlines()[-1].startswith("training finished: 150 steps in "), done.stdout
+    status = status_json(psctl_env, "setx")
+    assert status["spec_overrides"] == ["training.steps=150", "roles.worker.replicas=2"]
+    assert sorted(r["name"] for r in status["roles"]) == ["chief-0", "ps-0", "worker-0", "worker-1"]
+    refused = psctl_env.run("up", str(spec), "--set", "training.steps=0")
+    assert refused.returncode == 2 and refused.stdout == "", (refused.stdout, refused.stderr)
+    assert flat(refused.stderr) == ("error: --set training.steps=0: training.steps: expected an integer >= 1, got 0; "
+                                    "write a whole number such as 1000")
+
+
 def test_the_readme_example_trains_and_status_shows_the_evaluation_of_its_last_checkpoint(psctl_env) -> None:
     # the README's first command; the evaluator's last evaluation comes after its last periodic heartbeat, and
     # psctl status once showed the one before it

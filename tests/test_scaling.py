@@ -12,11 +12,12 @@ import pytest
 from policy_driver import FakeCluster
 
 from psctl.errors import SpecError, UsageError
-from psctl.scaling import check_request, parse_targets
-from psctl.spec import ClusterSpec, load_spec_text, make_plan
+from psctl.home import ClusterDir
+from psctl.scaling import check_request, parse_targets, scale
+from psctl.spec import ClusterSpec, load_spec, load_spec_text, make_plan
 from psctl.supervisor import policy
 from psctl.supervisor.policy import ScaleRequested, Slot, members
-from psctl.supervisor.state import ClusterRecord, ClusterState, RoleState
+from psctl.supervisor.state import ClusterRecord, ClusterState, RoleState, load_state, new_record, save_state
 
 SPEC = """\
 name: elastic
@@ -191,3 +192,24 @@ def test_spec_bounds_are_checked_where_they_are_written(tmp_path: Path) -> None:
         "remove it (only roles.ps and roles.worker have max_replicas)")
     assert error("ps: {}\n  worker: {max_replicas: 3, ports: [7001, 7002]}") == (
         "b.yaml:5: roles.worker: 3 replicas (max_replicas) but 2 ports; list 3 ports or give a base `port:`")
+
+
+def test_a_clusters_set_overrides_bound_its_scaling_as_they_bound_its_start(tmp_path: Path) -> None:
+    """`psctl up SPEC --set roles.worker.max_replicas=6`: the record keeps the override, and `psctl scale` reads
+    the spec with it (the file alone allows 4), naming the --set where a request passes the bound."""
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(SPEC, encoding="utf-8")
+    spec = load_spec(spec_path, ["roles.worker.max_replicas=6"])
+    record = new_record(spec, make_plan(spec, check_ports=False))
+    assert record.spec_overrides == ["roles.worker.max_replicas=6"]
+    record.supervisor_pid, record.supervisor_create_time = os.getpid(), psutil.Process().create_time()
+    record.state = ClusterState.RUNNING
+    cdir = ClusterDir(tmp_path / "home" / "elastic")
+    cdir.root.mkdir(parents=True)
+    save_state(cdir.state_file, record)
+    assert load_state(cdir.state_file).spec_overrides == ["roles.worker.max_replicas=6"]
+    with pytest.raises(UsageError) as caught:
+        scale(cdir, {"worker": 7}, timeout=0.1)
+    assert str(caught.value).startswith("worker=7 is more than roles.worker.max_replicas (6) in --set "
+                                        "roles.worker.max_replicas=6 ")
+    check_request(spec, record, {"worker": 6})  # beyond the file's 4: allowed by the override

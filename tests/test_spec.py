@@ -1175,3 +1175,52 @@ def test_every_arg_the_spec_lets_through_a_built_in_program_takes(program: str) 
     for arg in BUILTIN_PROGRAMS[program]:
         value = {"num_features": 64, "num_classes": 10, "vocab_size": 30}.get(arg, 8)
         assert module.build({arg: value}, data, 0).variables()
+
+
+# -- --set overrides -----------------------------------------------------------------------------------------
+def test_set_overrides_replace_values_create_left_out_mappings_and_the_last_one_wins(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID)
+    spec = load_spec(path, ["training.steps=500", "roles.worker.replicas=1", "training.checkpoint.every_steps=50",
+                            "training.optimizer={name: sgd, learning_rate: 0.5}", "training.steps=700",
+                            "roles.ps.ports=[7100, 7101]", "roles.ps.ports[1]=7200"])
+    assert spec.training["steps"] == 700
+    assert spec.roles["worker"].replicas == 1
+    assert spec.training["checkpoint"]["every_steps"] == 50  # the mapping the file left out, its other defaults
+    assert (spec.training["optimizer"]["name"], spec.training["optimizer"]["learning_rate"]) == ("sgd", 0.5)
+    assert [i.port for i in make_plan(spec, check_ports=False).instances if i.role == "ps"] == [7100, 7200]
+    assert spec.overrides == ("training.steps=500", "roles.worker.replicas=1", "training.checkpoint.every_steps=50",
+                              "training.optimizer={name: sgd, learning_rate: 0.5}", "training.steps=700",
+                              "roles.ps.ports=[7100, 7101]", "roles.ps.ports[1]=7200")
+    assert load_spec(path).training["steps"] == 2000 and load_spec(path).overrides == ()  # the file is untouched
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    # a value the spec refuses: the error names the --set, not a line of the file
+    ("training.steps=-5", "--set training.steps=-5: training.steps: expected an integer >= 1, got -5; write a "
+                          "whole number such as 1000"),
+    ("training.stepz=5", "--set training.stepz=5: training.stepz: unknown key; did you mean 'steps'?"),
+    ("training.optimizer={name: adamw}", "--set training.optimizer={name: adamw}: training.optimizer.name: unknown "
+                                         "optimizer 'adamw'; did you mean 'adam'? (one of: sgd, momentum, adagrad, "
+                                         "adam)"),
+    # a --set that is not one
+    ("training.steps", "--set training.steps: no '=' between the key path and the value; write KEY.PATH=VALUE, "
+                       "e.g. --set training.steps=2000"),
+    ("roles..ps=1", "--set roles..ps=1: 'roles..ps' is not a key path (keys joined by dots, list items as [1]); "
+                    "write KEY.PATH=VALUE, e.g. --set training.steps=2000"),
+    ("name=[1", "--set name=[1: the value is not valid YAML (expected ',' or ']', but got '<stream end>'); quote a "
+                "string that YAML would read otherwise, e.g. --set name='\"my: run\"'"),
+    ("roles.ps.replicas.max=3", "--set roles.ps.replicas.max=3: roles.ps.replicas is not a mapping in {spec} (it "
+                                "is int); set roles.ps.replicas itself"),
+    ("roles.ps.ports[0]=7000", "--set roles.ps.ports[0]=7000: roles.ps.ports is not set in {spec}; set an item "
+                               "that is there, or the whole list (e.g. --set roles.ps.ports=[5000, 5001])"),
+])
+def test_a_bad_set_is_one_line_naming_it(tmp_path: Path, override: str, message: str) -> None:
+    path = write(tmp_path, VALID)
+    with pytest.raises(SpecError) as info:
+        load_spec(path, [override])
+    assert str(info.value) == message.replace("{spec}", str(path))
+    assert info.value.exit_code == EXIT_USAGE
+    # a mistake in the file itself is still placed at its line
+    bad = write(tmp_path, VALID.replace("steps: 2000", "steps: -1"), "bad.yaml")
+    with pytest.raises(SpecError, match=rf"^{bad}:10: training.steps: expected an integer >= 1"):
+        load_spec(bad, ["roles.worker.replicas=1"])

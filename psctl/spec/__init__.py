@@ -6,6 +6,8 @@ Every mistake in a spec is a :class:`~psctl.errors.SpecError` (exit code 2) whos
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from psctl.errors import SpecError
@@ -19,6 +21,7 @@ from psctl.spec.model import (
     RoleSpec,
     SupervisionSpec,
 )
+from psctl.spec.overrides import apply_overrides, parse_override
 from psctl.spec.plan import Plan, RoleInstance, make_plan
 
 __all__ = [
@@ -39,8 +42,9 @@ __all__ = [
 ]
 
 
-def load_spec(path: str | Path) -> ClusterSpec:
-    """Read and validate the spec file at ``path``; messages name the file as the user wrote it."""
+def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> ClusterSpec:
+    """Read and validate the spec file at ``path`` with ``overrides`` (``--set`` arguments, see
+    ``psctl.spec.overrides``) applied; messages name the file as the user wrote it."""
     shown = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -50,22 +54,26 @@ def load_spec(path: str | Path) -> ClusterSpec:
         raise SpecError(f"{shown}: cannot read the spec: {e.strerror or e}") from None
     except ValueError as e:  # e.g. a NUL in the path
         raise SpecError(f"{shown}: cannot read the spec: {e}") from None
-    return _load(text, shown=shown, path=Path(path).absolute())
+    return _load(text, shown=shown, path=Path(path).absolute(), overrides=overrides)
 
 
-def load_spec_text(text: str, *, filename: str = "<string>") -> ClusterSpec:
+def load_spec_text(text: str, *, filename: str = "<string>", overrides: Sequence[str] = ()) -> ClusterSpec:
     """Validate spec ``text`` as if read from ``filename`` (used in messages, for the default name and as
     the folder relative paths start from; a ``<pseudo-name>`` means the current directory)."""
     pseudo = filename.startswith("<") and filename.endswith(">")
-    return _load(text, shown=filename, path=None if pseudo else Path(filename).absolute())
+    return _load(text, shown=filename, path=None if pseudo else Path(filename).absolute(), overrides=overrides)
 
 
-def _load(text: str, *, shown: str, path: Path | None) -> ClusterSpec:
+def _load(text: str, *, shown: str, path: Path | None, overrides: Sequence[str]) -> ClusterSpec:
     # imported here: validation loads the runtime's optimizers and partitioners (numpy), which what only reads
     # a cluster's recorded spec and plan (psctl status, logs, the supervisor's state) never needs
     from psctl.spec.schema import build_spec
 
+    parsed = [parse_override(o) for o in overrides]  # a malformed one is refused before the file is read
     data, source = load_yaml(text, filename=shown)
+    data = apply_overrides(data, parsed, filename=shown)
+    source = replace(source, overrides={o.path: o.text for o in parsed})
     base_dir = path.parent if path is not None else Path.cwd()
     default_name = path.stem if path is not None else shown.strip("<>")
-    return build_spec(data, source, path=path, base_dir=base_dir, default_name=default_name)
+    spec = build_spec(data, source, path=path, base_dir=base_dir, default_name=default_name)
+    return replace(spec, overrides=tuple(overrides))

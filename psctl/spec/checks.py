@@ -83,8 +83,7 @@ class Checker:
 
     def fail(self, path: KeyPath, what: str, fix: str, *, key: bool = False, at: KeyPath | None = None) -> NoReturn:
         """Raise the spec error for ``path``, at the line of ``at`` (default: ``path`` itself)."""
-        line = self.source.line(path if at is None else at, key=key)
-        raise self.source.error(path, what, fix, line=line)
+        raise self.source.error(path, what, fix, key=key, at=at)
 
     def mapping(
         self, path: KeyPath, value: object, allowed: Sequence[str], *, example: str, none_ok: bool = False

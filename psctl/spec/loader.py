@@ -71,6 +71,8 @@ class SourceMap:
     filename: str
     key_lines: Mapping[KeyPath, int] = field(default_factory=dict)
     value_lines: Mapping[KeyPath, int] = field(default_factory=dict)
+    #: The paths whose values came from the command line (``--set``), and how each was written there.
+    overrides: Mapping[KeyPath, str] = field(default_factory=dict)
 
     def line(self, path: KeyPath, *, key: bool = False) -> int:
         """The line of ``path``'s key (``key=True``) or value, else of its nearest recorded ancestor."""
@@ -84,9 +86,22 @@ class SourceMap:
                 return found
         return 1
 
-    def error(self, path: KeyPath, what: str, fix: str, *, key: bool = False, line: int | None = None) -> SpecError:
-        """The one-line error the spec promises: ``{file}:{line}: {key.path}: {what}; {fix}``."""
-        where = f"{self.filename}:{line if line is not None else self.line(path, key=key)}"
+    def where(self, path: KeyPath, *, key: bool = False) -> str:
+        """Where ``path``'s value was written: ``{file}:{line}``, or ``--set {path}={value}`` for a value set on
+        the command line (or inside one set there)."""
+        for n in range(len(path), 0, -1):
+            written = self.overrides.get(path[:n])
+            if written is not None:
+                return f"--set {written}"
+        return f"{self.filename}:{self.line(path, key=key)}"
+
+    def error(
+        self, path: KeyPath, what: str, fix: str, *, key: bool = False, line: int | None = None,
+        at: KeyPath | None = None,
+    ) -> SpecError:
+        """The one-line error the spec promises: ``{file}:{line}: {key.path}: {what}; {fix}``, located at
+        ``line``, else where ``at`` (default: ``path``) was written."""
+        where = f"{self.filename}:{line}" if line is not None else self.where(path if at is None else at, key=key)
         return SpecError(f"{where}: {dotted(path)}: {what}; {fix}" if path else f"{where}: {what}; {fix}")
 
 

@@ -170,6 +170,8 @@ class ClusterSpec:
     #: (one batch job; its settings in ``slurm``).
     backend: str = "local"
     slurm: SlurmSpec | None = None
+    #: The ``--set`` arguments applied to the file, as written (a cluster's record keeps them).
+    overrides: tuple[str, ...] = ()
 
     @property
     def is_local(self) -> bool:

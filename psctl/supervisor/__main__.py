@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stdout)
     cdir = ClusterDir(Path(argv[1]))
     record = load_state(cdir.state_file)
-    spec = load_spec(record.spec_path)
+    spec = load_spec(record.spec_path, record.spec_overrides)
     if record.backend == "slurm":  # in the cluster's job: its nodes, and a requeue's fresh start
         from psctl.slurm_cluster import prepare_run
 

@@ -124,8 +124,10 @@ class RoleRecord:
 class ClusterRecord:
     name: str
     cluster_id: str
-    #: The spec file the cluster was started from (the supervisor re-reads it when it is restarted).
+    #: The spec file the cluster was started from (the supervisor re-reads it when it is restarted) ...
     spec_path: str = ""
+    #: ... with these ``--set`` overrides.
+    spec_overrides: list[str] = field(default_factory=list)
     #: Roles talk mutual TLS with certificates under the cluster's tls/ folder.
     tls: bool = True
     state: ClusterState = ClusterState.STARTING
@@ -197,6 +199,7 @@ def new_record(spec: ClusterSpec, plan: Plan) -> ClusterRecord:
         name=spec.name,
         cluster_id=f"{spec.name}-{secrets.token_hex(4)}",
         spec_path=str(Path(spec.path).resolve()) if spec.path else "",
+        spec_overrides=list(spec.overrides),
         steps=int(spec.training.get("steps") or 0),
         roles=[RoleRecord(name=i.name, role=i.role, index=i.index, host=i.host, address=i.address, port=i.port)
                for i in plan.instances],
