@@ -44,6 +44,7 @@ from psctl.supervisor.state import (
     ClusterRecord,
     ClusterState,
     RoleState,
+    keep_spec,
     load_state,
     new_record,
     save_state,
@@ -215,6 +216,7 @@ def _start(
         _refuse_if_left_on_hosts(spec.name, load_state(cdir.state_file), runners)
         cdir.clear_last_run()
     cdir.create()
+    keep_spec(cdir.spec_file, spec)
     record = new_record(spec, plan)
     if record.tls:
         create_cluster_pki(cdir.tls_dir, record.cluster_id, pki_members(spec, plan))

@@ -16,9 +16,9 @@ from psctl.errors import PsctlError, UsageError
 from psctl.home import ClusterDir
 from psctl.observe import supervisor_alive
 from psctl.runtime.atomic import write_json_atomic
-from psctl.spec import ClusterSpec, load_spec
+from psctl.spec import ClusterSpec
 from psctl.supervisor.policy import members
-from psctl.supervisor.state import ClusterRecord, load_state
+from psctl.supervisor.state import ClusterRecord, cluster_spec, load_state
 
 _TARGET = re.compile(r"(?P<role>[a-z]+)=(?P<replicas>\d+)")
 
@@ -86,7 +86,7 @@ def check_request(spec: ClusterSpec, record: ClusterRecord, wanted: Mapping[str,
 def scale(cdir: ClusterDir, wanted: Mapping[str, int], *, timeout: float = 30.0) -> list[Change]:
     """Ask the supervisor for ``wanted`` replicas and wait (bounded) until its record shows them."""
     record = load_state(cdir.state_file)
-    spec = load_spec(record.spec_path, record.spec_overrides)
+    spec = cluster_spec(cdir.spec_file, record)
     check_request(spec, record, wanted)
     before = {role: len(members(record, role)) for role in wanted}
     if cdir.scale_request.exists():

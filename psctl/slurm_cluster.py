@@ -17,7 +17,15 @@ from psctl.operations import pki_members
 from psctl.pki import create_cluster_pki
 from psctl.runtime.atomic import write_json_atomic
 from psctl.spec import ClusterSpec, Plan
-from psctl.supervisor.state import ClusterRecord, ClusterState, RoleState, load_state, new_record, save_state
+from psctl.supervisor.state import (
+    ClusterRecord,
+    ClusterState,
+    RoleState,
+    keep_spec,
+    load_state,
+    new_record,
+    save_state,
+)
 
 log = logging.getLogger("psctl.slurm")
 
@@ -71,6 +79,7 @@ def submit_cluster(spec: ClusterSpec, plan: Plan, *, wait_started: float = 30.0)
     if cdir.state_file.is_file():
         cdir.clear_last_run()
     cdir.create()
+    keep_spec(cdir.spec_file, spec)
     record = new_record(spec, plan)
     if record.tls:  # (roles are named, not addressed: TLS checks the cluster's server name, see pki)
         create_cluster_pki(cdir.tls_dir, record.cluster_id, pki_members(spec, plan))

@@ -17,7 +17,15 @@ from psctl.scaling import check_request, parse_targets, scale
 from psctl.spec import ClusterSpec, load_spec, load_spec_text, make_plan
 from psctl.supervisor import policy
 from psctl.supervisor.policy import ScaleRequested, Slot, members
-from psctl.supervisor.state import ClusterRecord, ClusterState, RoleState, load_state, new_record, save_state
+from psctl.supervisor.state import (
+    ClusterRecord,
+    ClusterState,
+    RoleState,
+    keep_spec,
+    load_state,
+    new_record,
+    save_state,
+)
 
 SPEC = """\
 name: elastic
@@ -196,7 +204,8 @@ def test_spec_bounds_are_checked_where_they_are_written(tmp_path: Path) -> None:
 
 def test_a_clusters_set_overrides_bound_its_scaling_as_they_bound_its_start(tmp_path: Path) -> None:
     """`psctl up SPEC --set roles.worker.max_replicas=6`: the record keeps the override, and `psctl scale` reads
-    the spec with it (the file alone allows 4), naming the --set where a request passes the bound."""
+    the spec the cluster started with (its text as it was at `up`, the file alone allows 4) with the override,
+    naming the --set where a request passes the bound."""
     spec_path = tmp_path / "spec.yaml"
     spec_path.write_text(SPEC, encoding="utf-8")
     spec = load_spec(spec_path, ["roles.worker.max_replicas=6"])
@@ -205,9 +214,12 @@ def test_a_clusters_set_overrides_bound_its_scaling_as_they_bound_its_start(tmp_
     record.supervisor_pid, record.supervisor_create_time = os.getpid(), psutil.Process().create_time()
     record.state = ClusterState.RUNNING
     cdir = ClusterDir(tmp_path / "home" / "elastic")
-    cdir.root.mkdir(parents=True)
+    cdir.create()
+    keep_spec(cdir.spec_file, spec)
     save_state(cdir.state_file, record)
     assert load_state(cdir.state_file).spec_overrides == ["roles.worker.max_replicas=6"]
+    # the file edited since `up` (for the next run) changes nothing for this cluster
+    spec_path.write_text("name: elastic\nroles: [unfinished\n", encoding="utf-8")
     with pytest.raises(UsageError) as caught:
         scale(cdir, {"worker": 7}, timeout=0.1)
     assert str(caught.value).startswith("worker=7 is more than roles.worker.max_replicas (6) in --set "

@@ -13,8 +13,13 @@ def write_json_atomic(path: Path, data: Any, *, compact: bool = False) -> None:
     """Temporary file (named for this host and process: other hosts may write beside it), fsync, rename;
     owner-only. ``compact``: one line, by json's C encoder (a supervisor of a thousand roles writes its state
     every second; indented output takes the pure-Python encoder, several times slower)."""
-    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     text = json.dumps(data, separators=(",", ":"), default=str) if compact else json.dumps(data, indent=1, default=str)
+    write_text_atomic(path, text)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """``text`` to ``path`` as ``write_json_atomic`` writes: whole or not at all, owner-only."""
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()

@@ -172,6 +172,9 @@ class ClusterSpec:
     slurm: SlurmSpec | None = None
     #: The ``--set`` arguments applied to the file, as written (a cluster's record keeps them).
     overrides: tuple[str, ...] = ()
+    #: The file's text as it was validated (``up`` keeps it: the cluster runs this spec whatever the file says
+    #: later).
+    text: str = field(default="", repr=False, compare=False)
 
     @property
     def is_local(self) -> bool:

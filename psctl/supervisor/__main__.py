@@ -14,9 +14,8 @@ from psctl.home import ClusterDir
 from psctl.launch.hostset import host_runners, placements
 from psctl.runtime.log_format import LOG_FORMAT
 from psctl.signals import on_signals
-from psctl.spec import load_spec
 from psctl.supervisor.daemon import Supervisor
-from psctl.supervisor.state import ClusterState, load_state, save_state
+from psctl.supervisor.state import ClusterState, cluster_spec, load_state, save_state
 
 #: Seconds the supervisor of a Slurm job that Slurm stops waits for its roles to go before it records the
 #: outcome: Slurm signals every step itself and SIGKILLs what is left after its KillWait (30 s by default).
@@ -28,7 +27,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stdout)
     cdir = ClusterDir(Path(argv[1]))
     record = load_state(cdir.state_file)
-    spec = load_spec(record.spec_path, record.spec_overrides)
+    spec = cluster_spec(cdir.spec_file, record)
     if record.backend == "slurm":  # in the cluster's job: its nodes, and a requeue's fresh start
         from psctl.slurm_cluster import prepare_run
 

@@ -23,7 +23,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from psctl.runtime.atomic import write_json_atomic
+from psctl.runtime.atomic import write_json_atomic, write_text_atomic
 from psctl.spec.model import ClusterSpec
 from psctl.spec.plan import Plan, endpoint
 
@@ -124,7 +124,8 @@ class RoleRecord:
 class ClusterRecord:
     name: str
     cluster_id: str
-    #: The spec file the cluster was started from (the supervisor re-reads it when it is restarted) ...
+    #: The spec file the cluster was started from (its text as it was then is kept beside the state: see
+    #: ``cluster_spec``) ...
     spec_path: str = ""
     #: ... with these ``--set`` overrides.
     spec_overrides: list[str] = field(default_factory=list)
@@ -207,6 +208,24 @@ def new_record(spec: ClusterSpec, plan: Plan) -> ClusterRecord:
     )
     record.tls = spec.security.tls
     return record
+
+
+def keep_spec(path: Path, spec: ClusterSpec) -> None:
+    """Keep the spec's text as ``up`` validated it (owner-only), for ``cluster_spec``."""
+    write_text_atomic(path, spec.text)
+
+
+def cluster_spec(kept: Path, record: ClusterRecord) -> ClusterSpec:
+    """The spec a cluster was started with, whatever its file says now (edited for the next run): the text
+    ``keep_spec`` kept, read as the file it came from (for messages and relative paths), with the cluster's
+    ``--set`` overrides; the file itself for a cluster started before its text was kept."""
+    from psctl.spec import load_spec, load_spec_text
+
+    try:
+        text = kept.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return load_spec(record.spec_path, record.spec_overrides)
+    return load_spec_text(text, filename=record.spec_path or "<spec>", overrides=record.spec_overrides)
 
 
 def save_state(path: Path, record: ClusterRecord) -> None:
