@@ -138,6 +138,8 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
         where = f" on {', '.join(nodes)}" if nodes else "" if record.state.terminal else " (waiting for its nodes)"
         again = f", requeued {record.slurm['restarts']}x" if record.slurm.get("restarts") else ""
         header.append(f"\nSlurm job {job_id(record) or '-'}{where}{again}")
+    if record.spec_overrides:  # what tells the runs of a sweep over one file apart
+        header.append("\nspec: " + " ".join([record.spec_path or "-", *(f"--set {o}" for o in record.spec_overrides)]))
     header.append(f"\nglobal step {step}/{record.steps}")
     if prog.get("loss") is not None:
         header.append(f"  train loss {metric_text(prog['loss'])}")

@@ -165,6 +165,8 @@ def test_up_with_set_trains_the_overridden_spec_and_the_cluster_remembers_it(psc
     assert done.stdout.rstrip("\n").splitlines()[-1].startswith("training finished: 150 steps in "), done.stdout
     status = status_json(psctl_env, "setx")
     assert status["spec_overrides"] == ["training.steps=150", "roles.worker.replicas=2"]
+    shown = flat(check(psctl_env.run("status", "setx")).stdout)
+    assert "spec: " in shown and "--set training.steps=150 --set roles.worker.replicas=2" in shown, shown
     assert sorted(r["name"] for r in status["roles"]) == ["chief-0", "ps-0", "worker-0", "worker-1"]
     refused = psctl_env.run("up", str(spec), "--set", "training.steps=0")
     assert refused.returncode == 2 and refused.stdout == "", (refused.stdout, refused.stderr)
