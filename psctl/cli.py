@@ -400,20 +400,34 @@ def scale(name: str, targets: tuple[str, ...]) -> None:
 
 
 @cli.command()
-@click.argument("name", required=False, shell_complete=completion.cluster_names)
+@click.argument("names", nargs=-1, metavar="[NAME]...", shell_complete=completion.cluster_names)
 @click.option("--grace", type=float, default=5.0, show_default=True, help="Seconds between SIGTERM and SIGKILL.")
 @click.option("--purge", is_flag=True, help="Also delete the cluster's logs and state.")
-def down(name: str | None, grace: float, purge: bool) -> None:
-    """Stop every process of a cluster and verify that none is left."""
+def down(names: tuple[str, ...], grace: float, purge: bool) -> None:
+    """Stop every process of a cluster (of each one named: the runs of a sweep) and verify that none is left."""
     from psctl import operations
 
-    cdir = observe.resolve_cluster(name)
-    report = operations.tear_down(cdir, grace=grace, purge=purge)
-    what = f"stopped {report.stopped} process(es)" if report.stopped else "nothing was running"
-    kept = "logs and state deleted" if purge else f"logs kept in {cdir.logs}"
-    spares = (f"; not answering, but no role ever ran there: {', '.join(report.unanswered_spares)}"
-              if report.unanswered_spares else "")  # fmt: skip
-    console.print(f"cluster {cdir.name!r}: {what}; no process of it is left; {kept}{spares}", markup=False)
+    # every name is looked up before anything stops: a misspelt one stops nothing
+    cdirs = [observe.resolve_cluster(name) for name in dict.fromkeys(names)] or [observe.resolve_cluster(None)]
+    failed: list[str] = []
+    for cdir in cdirs:
+        try:
+            report = operations.tear_down(cdir, grace=grace, purge=purge)
+        except PsctlError as exc:
+            if len(cdirs) == 1:
+                raise
+            failed.append(cdir.name)  # the others are still brought down
+            err_console.print(f"[red]error:[/red] cluster {cdir.name!r}: {escape(exc.format_message())}",
+                              highlight=False, soft_wrap=True)
+            continue
+        what = f"stopped {report.stopped} process(es)" if report.stopped else "nothing was running"
+        kept = "logs and state deleted" if purge else f"logs kept in {cdir.logs}"
+        spares = (f"; not answering, but no role ever ran there: {', '.join(report.unanswered_spares)}"
+                  if report.unanswered_spares else "")  # fmt: skip
+        console.print(f"cluster {cdir.name!r}: {what}; no process of it is left; {kept}{spares}", markup=False)
+    if failed:
+        raise PsctlError(f"{len(failed)} of {len(cdirs)} clusters are not down: {', '.join(failed)}",
+                         hint="see the errors above; run psctl down again for them")
 
 
 @cli.command()

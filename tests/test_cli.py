@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -426,3 +428,47 @@ def test_up_s_watch_says_when_the_supervisor_died(tmp_path: Path) -> None:
     _running_record(cdir, gone.pid, created)
     with pytest.raises(PsctlError, match="the supervisor of 'orphaned' died; roles may still run"):
         cli_module._watch(cdir)
+
+
+def test_down_of_several_clusters_stops_each_ones_processes_and_a_misspelt_name_stops_nothing(psctl_env) -> None:
+    """`psctl down sweep-a sweep-b`: the runs of a sweep brought down at once, each verified empty; every name
+    is looked up first, so a misspelt one stops nothing."""
+    names = ("sweep-a", "sweep-b")
+    for name in names:
+        recorded_cluster(name, {"chief-0": 1}, state=ClusterState.RUNNING)
+    roles = {name: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True,
+                                    env={"PSCTL_CLUSTER_ID": f"{name}-0000", "PATH": "/usr/bin:/bin"})
+             for name in names}  # a process of each cluster, as its roles carry its id
+    try:
+        assert_one_line_error(invoke("down", "sweep-a", "sweep-c"), EXIT_NOT_FOUND, "sweep-c")
+        assert all(p.poll() is None for p in roles.values())  # nothing stopped
+        done = invoke("down", "sweep-a", "sweep-b", "sweep-a", "--grace", "2")
+        assert done.exit_code == 0, (done.stdout, done.stderr)
+        said = " ".join(done.stdout.split())
+        assert [said.count(f"cluster '{n}': stopped 1 process(es); no process of it is left") for n in names] == [1, 1]
+        for process in roles.values():
+            assert process.wait(timeout=10) is not None
+
+        # one that cannot be brought down (its SSH host does not answer) is named; the others still go down
+        unreachable = recorded_cluster("sweep-c", {"chief-0": 1}, state=ClusterState.RUNNING)
+        record = load_state(unreachable.state_file)
+        with socket.socket() as probe:  # a loopback port nothing listens on
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        record.hosts = {"gone": {"spec": {"name": "gone", "address": "127.0.0.1", "port": port}, "root": "~/x"}}
+        record.roles[0].host = "gone"  # its chief ran there
+        save_state(unreachable.state_file, record)
+        mixed = invoke("down", "sweep-c", "sweep-a")
+        assert mixed.exit_code == 1, (mixed.stdout, mixed.stderr)
+        errors = [" ".join(line.split()) for line in mixed.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 2 and errors[0].startswith("error: cluster 'sweep-c': cannot verify"), errors
+        assert "gone" in mixed.stderr
+        assert errors[1] == ("error: 1 of 2 clusters are not down: sweep-c (see the errors above; run psctl down "
+                             "again for them)"), errors
+        assert "cluster 'sweep-a': nothing was running; no process of it is left" in " ".join(mixed.stdout.split())
+    finally:
+        shutil.rmtree(ClusterDir.named("sweep-c").root, ignore_errors=True)  # its host never answers
+        for process in roles.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
