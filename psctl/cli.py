@@ -289,16 +289,28 @@ def plot(name: str | None, out: str) -> None:
 
 
 @cli.command(name="ls")
-def list_command() -> None:
-    """List the clusters psctl knows (under PSCTL_HOME)."""
+@click.option("--json", "as_json", is_flag=True, help="Print the list as JSON, for scripts (a sweep's results).")
+def list_command(as_json: bool) -> None:
+    """List the clusters psctl knows (under PSCTL_HOME), with each one's result: the runs of a sweep side by
+    side."""
+    records = [load_state(cdir.state_file) for cdir in list_clusters()]
+    if as_json:
+        click.echo(json.dumps([
+            {"name": r.name, "state": r.state.value, "stale": observe.is_stale(r), "roles": len(r.roles),
+             "steps": r.steps, "updated_at": r.updated_at, "spec_path": r.spec_path,
+             "spec_overrides": r.spec_overrides, "result": r.result}
+            for r in records], indent=1))
+        return
     table = Table(box=None)
     for col in ("name", "state", "roles", "steps", "updated"):
-        table.add_column(col)
-    for cdir in list_clusters():
-        record = load_state(cdir.state_file)
+        table.add_column(col, no_wrap=True)
+    table.add_column("result (test split)")
+    for record in records:
         state = record.state.value + (" (stale)" if observe.is_stale(record) else "")
+        metrics = (record.result or {}).get("metrics")
         table.add_row(record.name, state, str(len(record.roles)), str(record.steps),
-                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.updated_at)))
+                      time.strftime("%m-%d %H:%M", time.localtime(record.updated_at)),  # (80 columns)
+                      metrics_text(metrics) if metrics else "-")
     console.print(table)
 
 

@@ -34,6 +34,11 @@ def invoke(*args: str) -> Result:
     return CliRunner().invoke(cli, list(args))
 
 
+def check_ok(result: Result) -> Result:
+    assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
+    return result
+
+
 def assert_one_line_error(result: Result, code: int, expected: str) -> str:
     """Exit ``code``, nothing on stdout, exactly one ``error:`` line on stderr containing ``expected``, and no
     traceback anywhere."""
@@ -251,20 +256,26 @@ def test_logs_prints_the_current_or_an_earlier_attempt(psctl_env) -> None:
 def test_ls_lists_clusters(psctl_env) -> None:
     empty = invoke("ls")
     assert empty.exit_code == 0, (empty.stdout, empty.stderr)
-    assert [line.split() for line in empty.stdout.splitlines() if line.strip()] == [
-        ["name", "state", "roles", "steps", "updated"]
-    ]
-    # One cluster that finished, and one that says it runs although it has no supervisor (so it is stale).
-    # (test_e2e_local lists a cluster a real supervisor ran.)
-    recorded_cluster("done", {"chief-0": 1, "ps-0": 1, "worker-0": 1})
+    header = ["name", "state", "roles", "steps", "updated", "result", "(test", "split)"]
+    assert [line.split() for line in empty.stdout.splitlines() if line.strip()] == [header]
+    # One cluster that finished (with the test split's metrics: a sweep's runs compare by them), and one that says
+    # it runs although it has no supervisor (so it is stale). (test_e2e_local lists a cluster a real supervisor ran.)
+    done = recorded_cluster("done", {"chief-0": 1, "ps-0": 1, "worker-0": 1})
+    record = load_state(done.state_file)
+    record.result, record.spec_overrides = {"metrics": {"loss": 0.0633, "accuracy": 0.9889}}, ["training.steps=50"]
+    save_state(done.state_file, record)
     recorded_cluster("orphan", {"chief-0": 1}, state=ClusterState.RUNNING, steps=7)
     result = invoke("ls")
     assert result.exit_code == 0, (result.stdout, result.stderr)
-    rows = [line.split() for line in result.stdout.splitlines() if line.strip()]
-    assert rows[0] == ["name", "state", "roles", "steps", "updated"], result.stdout
-    assert [r[:-2] for r in rows[1:]] == [["done", "succeeded", "3", "50"], ["orphan", "running", "(stale)", "1", "7"]]
-    for row in rows[1:]:
-        assert re.fullmatch(r"\d{4}-\d\d-\d\d", row[-2]) and re.fullmatch(r"\d\d:\d\d:\d\d", row[-1]), row
+    assert result.stdout.split()[:len(header)] == header, result.stdout
+    rows = " ".join(result.stdout.split()[len(header):])  # (a narrow terminal wraps the result cell)
+    when = r"\d\d-\d\d \d\d:\d\d"
+    assert re.fullmatch(rf"done succeeded 3 50 {when} loss 0\.0633, accuracy 0\.9889 "
+                        rf"orphan running \(stale\) 1 7 {when} -", rows), result.stdout
+    listed = json.loads(check_ok(invoke("ls", "--json")).stdout)
+    assert [(c["name"], c["state"], c["stale"], c["steps"], c["spec_overrides"], c["result"]) for c in listed] == [
+        ("done", "succeeded", False, 50, ["training.steps=50"], {"metrics": {"loss": 0.0633, "accuracy": 0.9889}}),
+        ("orphan", "running", True, 7, [], None)]
 
 
 def test_version() -> None:
