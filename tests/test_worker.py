@@ -135,6 +135,19 @@ def test_a_ps_client_follows_a_ps_to_its_new_address(cluster) -> None:
         server.stop(grace=None).wait()
 
 
+def two_steps_in_flight(address: str, *, step_id_base: int, calls: int, steps: int) -> list[object]:
+    """A chief's coordinator with two calls in flight on the worker at ``address``: ``calls`` train calls of
+    ``steps`` steps each, run to the end; their remote values."""
+    coordinator = ClusterCoordinator([address], probe_interval=0.05, steps_in_flight=2, step_id_base=step_id_base)
+    try:
+        assert coordinator.wait_for_workers(10) == 1
+        values = [coordinator.schedule("train", steps=steps) for _ in range(calls)]
+        coordinator.join(timeout=60)
+    finally:
+        coordinator.shutdown()
+    return values
+
+
 @pytest.mark.parametrize("pipelined", [True, False])
 def test_two_steps_in_flight_per_worker_apply_each_step_and_batch_once(cluster, pipelined: bool) -> None:
     """Two steps in flight per worker (asynchronous training): queued and run one at a time by default, run at
@@ -173,14 +186,7 @@ def test_two_steps_in_flight_per_worker_apply_each_step_and_batch_once(cluster, 
 
     servicer._train = arriving  # type: ignore[method-assign]
     servicer._train_now = computing  # type: ignore[method-assign]
-    coordinator = ClusterCoordinator([first.workers[0].address], probe_interval=0.05, steps_in_flight=2,
-                                     step_id_base=1000)
-    try:
-        assert coordinator.wait_for_workers(10) == 1
-        values = [coordinator.schedule("train") for _ in range(40)]
-        coordinator.join(timeout=60)
-    finally:
-        coordinator.shutdown()
+    values = two_steps_in_flight(first.workers[0].address, step_id_base=1000, calls=40, steps=1)
     assert arrived_together.is_set()
     assert most[0] == (2 if pipelined else 1)  # pipelined steps compute at once; queued ones one after another
     assert all(r.applied for r in ClusterCoordinator.fetch(values))
@@ -257,14 +263,9 @@ def test_pipelined_calls_of_several_steps_compute_each_step_while_the_last_push_
     servicer.ps.start_push_pull = starting  # type: ignore[method-assign]
     program.loss_and_grads = computing  # type: ignore[method-assign]
     servicer._train_now = one_call  # type: ignore[method-assign]
-    coordinator = ClusterCoordinator([first.workers[0].address], probe_interval=0.05, steps_in_flight=2,
-                                     step_id_base=2000)
     try:
-        assert coordinator.wait_for_workers(10) == 1
-        values = [coordinator.schedule("train", steps=5) for _ in range(6)]
-        coordinator.join(timeout=60)
+        values = two_steps_in_flight(first.workers[0].address, step_id_base=2000, calls=6, steps=5)
     finally:
-        coordinator.shutdown()
         program.loss_and_grads = loss_and_grads  # type: ignore[method-assign]
     responses = ClusterCoordinator.fetch(values)
     assert [r.steps for r in responses] == [5] * 6 and all(r.applied for r in responses)
