@@ -273,19 +273,18 @@ def top(name: str | None, as_json: bool, interval: float) -> None:
 
 
 @cli.command()
-@click.argument("name", required=False, shell_complete=completion.cluster_names)
+@click.argument("names", nargs=-1, metavar="[NAME]...", shell_complete=completion.cluster_names)
 @click.option("--output", "-o", "out", default="curves.png", show_default=True, type=click.Path(dir_okay=False),
               help="The PNG file to write.")
-def plot(name: str | None, out: str) -> None:
-    """Draw the training curves of cluster NAME (loss, accuracy, steps/s by global step) into a PNG."""
+def plot(names: tuple[str, ...], out: str) -> None:
+    """Draw the training curves of cluster NAME (loss, accuracy, steps/s by global step) into a PNG; of several
+    clusters (the runs of a sweep), side by side in each panel."""
     from psctl.plot import curves
     from psctl.plot import plot as draw
 
-    cdir = observe.resolve_cluster(name)
-    data = curves(cdir.run_dir)
-    draw(data, Path(out), title=f"cluster {cdir.name}")
-    shown = ", ".join(f"{k.replace('_', ' ')} ({len(v[0])} points)" for k, v in data.items())
-    console.print(f"wrote {out}: {shown}", markup=False, soft_wrap=True)
+    cdirs = [observe.resolve_cluster(name) for name in dict.fromkeys(names)] or [observe.resolve_cluster(None)]
+    drawn = draw({cdir.name: curves(cdir.run_dir) for cdir in cdirs}, Path(out))
+    console.print(f"wrote {out}: {', '.join(drawn)}", markup=False, soft_wrap=True)
 
 
 @cli.command(name="ls")

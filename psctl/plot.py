@@ -1,4 +1,5 @@
-"""``psctl plot``: a cluster's training curves (loss, accuracy, steps/s against the global step) as a PNG.
+"""``psctl plot``: a cluster's training curves (loss, accuracy, steps/s against the global step) as a PNG; with
+several clusters (the runs of a sweep), each panel holds every cluster's curve, labelled by its name.
 
 The data are the chief's ``run/metrics.jsonl`` (progress records: loss and steps/s) and the evaluator's
 ``run/eval.jsonl`` (accuracy and loss of each checkpoint it evaluated; without an evaluator, the chief's final
@@ -7,6 +8,7 @@ evaluation). matplotlib is an optional extra (``pip install 'psctl[plot]'``), im
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from psctl.errors import UsageError
@@ -41,8 +43,9 @@ def curves(run_dir: Path) -> dict[str, Curve]:
     return out
 
 
-def plot(data: dict[str, Curve], out: Path, *, title: str) -> None:
-    """Draw the curves (one panel each for loss, accuracy, steps/s) into the PNG ``out``."""
+def plot(runs: Mapping[str, dict[str, Curve]], out: Path) -> list[str]:
+    """Draw the curves of each cluster in ``runs`` (name -> its ``curves``) into the PNG ``out``: one panel each
+    for loss, accuracy, steps/s. Returns what it drew, a line each: ``"[cluster: ]curve (N points)"``."""
     try:
         import matplotlib
 
@@ -50,23 +53,29 @@ def plot(data: dict[str, Curve], out: Path, *, title: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("psctl plot needs matplotlib", hint="pip install 'psctl[plot]'") from None
-    if not data:
-        raise UsageError(f"no training metrics to plot yet for {title!r}",
+    empty = [name for name, data in runs.items() if not data]
+    if empty:
+        raise UsageError(f"no training metrics to plot yet for {', '.join(repr(n) for n in empty)}",
                          hint="plot once the chief has reported progress (psctl status shows it)")
+    several = len(runs) > 1
     wanted = [("loss", ("loss", "eval_loss")), ("accuracy", ("accuracy",)), ("steps/s", ("steps_per_sec",))]
-    present = [(label, [n for n in names if n in data]) for label, names in wanted]
-    panels = [(label, names) for label, names in present if names]
+    panels = [(label, names) for label, names in wanted if any(n in data for data in runs.values() for n in names)]
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), sharex=True, squeeze=False)
+    drawn = []
     for ax, (label, names) in zip(axes[:, 0], panels, strict=True):
-        for name in names:
-            steps, values = data[name]
-            ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=name.replace("_", " "))
+        for run, data in runs.items():
+            for name in (n for n in names if n in data):
+                steps, values = data[name]
+                curve = f"{run}: {name.replace('_', ' ')}" if several else name.replace("_", " ")
+                ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=curve)
+                drawn.append(f"{curve} ({len(steps)} points)")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
-        if len(names) > 1:
-            ax.legend()
+        if len(ax.get_lines()) > 1:
+            ax.legend(fontsize="small")
     axes[-1, 0].set_xlabel("global step")
-    fig.suptitle(title)
+    fig.suptitle(f"cluster{'s' if several else ''} {', '.join(runs)}")
     fig.tight_layout()
     fig.savefig(out, format="png", dpi=100)
     plt.close(fig)
+    return drawn

@@ -178,7 +178,21 @@ def test_plot_writes_a_png_of_the_curves_the_metrics_hold(tmp_path: Path) -> Non
     empty.create()
     save_state(empty.state_file, ClusterRecord(name="empty", cluster_id="empty-1", roles=[role("chief-0")]))
     nothing = CliRunner().invoke(cli, ["plot", "empty", "-o", str(tmp_path / "x.png")], env={"PSCTL_HOME": str(home)})
-    assert nothing.exit_code == 2 and "no training metrics to plot yet" in nothing.output
+    assert nothing.exit_code == 2 and "no training metrics to plot yet for 'empty'" in nothing.output
+
+    # two runs of a sweep: each panel holds both clusters' curves, labelled by cluster
+    other = ClusterDir(home / "lr-2")
+    other.create()
+    save_state(other.state_file, ClusterRecord(name="lr-2", cluster_id="lr-2-1", roles=[role("chief-0")]))
+    (other.run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in progress[:2]) + "\n")
+    both = CliRunner().invoke(cli, ["plot", "curves", "lr-2", "-o", str(out)], env={"PSCTL_HOME": str(home)})
+    assert both.exit_code == 0, both.output
+    assert " ".join(both.output.split()) == (
+        f"wrote {out}: curves: loss (3 points), curves: eval loss (2 points), lr-2: loss (2 points), curves: "
+        "accuracy (2 points), curves: steps per sec (3 points), lr-2: steps per sec (2 points)")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    refused = CliRunner().invoke(cli, ["plot", "curves", "empty", "-o", str(out)], env={"PSCTL_HOME": str(home)})
+    assert refused.exit_code == 2 and "no training metrics to plot yet for 'empty'" in refused.output
 
 
 def read_events(folder: Path) -> list[Any]:
