@@ -62,12 +62,17 @@ def plot(runs: Mapping[str, dict[str, Curve]], out: Path) -> list[str]:
     panels = [(label, names) for label, names in wanted if any(n in data for data in runs.values() for n in names)]
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), sharex=True, squeeze=False)
     drawn = []
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (label, names) in zip(axes[:, 0], panels, strict=True):
-        for run, data in runs.items():
-            for name in (n for n in names if n in data):
+        for i, (run, data) in enumerate(runs.items()):
+            for j, name in enumerate(names):
+                if name not in data:
+                    continue
                 steps, values = data[name]
                 curve = f"{run}: {name.replace('_', ' ')}" if several else name.replace("_", " ")
-                ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=curve)
+                # several runs: a colour per run, a dash per curve (loss, eval loss); one run: a colour per curve
+                style = {"color": colours[i % len(colours)], "linestyle": ("-", "--")[j % 2]} if several else {}
+                ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=curve, **style)
                 drawn.append(f"{curve} ({len(steps)} points)")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
