@@ -1,6 +1,6 @@
 """``--set KEY.PATH=VALUE``: a spec's values changed from the command line, without editing the file.
 
-``psctl up exp.yaml --set training.optimizer.learning_rate=0.003 --set name=lr-3e-3`` runs the spec with those
+``psctl up exp.yaml --set training.optimizer.learning_rate=0.003 --set name=lr-003`` runs the spec with those
 two values replaced (a sweep of one file). The key path is the one spec errors print (``roles.ps.ports[1]``);
 the value is YAML (``2000`` is a number, ``[a, b]`` a list, ``{name: adam}`` a mapping, ``null`` removes the
 key's value). Mappings on the way that the spec leaves out are created. The overridden spec is validated as
