@@ -282,7 +282,7 @@ def plot(names: tuple[str, ...], out: str) -> None:
     from psctl.plot import curves
     from psctl.plot import plot as draw
 
-    cdirs = [observe.resolve_cluster(name) for name in dict.fromkeys(names)] or [observe.resolve_cluster(None)]
+    cdirs = observe.resolve_clusters(names)
     drawn = draw({cdir.name: curves(cdir.run_dir) for cdir in cdirs}, Path(out))
     console.print(f"wrote {out}: {', '.join(drawn)}", markup=False, soft_wrap=True)
 
@@ -418,8 +418,7 @@ def down(names: tuple[str, ...], grace: float, purge: bool) -> None:
     """Stop every process of a cluster (of each one named: the runs of a sweep) and verify that none is left."""
     from psctl import operations
 
-    # every name is looked up before anything stops: a misspelt one stops nothing
-    cdirs = [observe.resolve_cluster(name) for name in dict.fromkeys(names)] or [observe.resolve_cluster(None)]
+    cdirs = observe.resolve_clusters(names)  # (before anything stops: a misspelt name stops nothing)
     failed: list[str] = []
     for cdir in cdirs:
         try:

@@ -68,6 +68,13 @@ def resolve_cluster(name: str | None) -> ClusterDir:
     raise UsageError(f"several clusters exist ({names}); name the one you mean")
 
 
+def resolve_clusters(names: Sequence[str]) -> list[ClusterDir]:
+    """Each named cluster once, in order (a command over the runs of a sweep), every name looked up before the
+    caller acts on any; no name: ``resolve_cluster(None)``."""
+    by_folder = {cdir.root: cdir for cdir in map(resolve_cluster, names)}  # (two names of one cluster: once)
+    return list(by_folder.values()) or [resolve_cluster(None)]
+
+
 def _cluster_name(name: str) -> str:
     """``name`` itself, or the name a spec file at that path gives its cluster (its ``name:``, else its stem)."""
     path = Path(name)
