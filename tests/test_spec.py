@@ -1192,6 +1192,12 @@ def test_set_overrides_replace_values_create_left_out_mappings_and_the_last_one_
                               "training.optimizer={name: sgd, learning_rate: 0.5}", "training.steps=700",
                               "roles.ps.ports=[7100, 7101]", "roles.ps.ports[1]=7200")
     assert load_spec(path).training["steps"] == 2000 and load_spec(path).overrides == ()  # the file is untouched
+    # a list an earlier --set made is named as that --set's
+    with pytest.raises(SpecError) as made:
+        load_spec(path, ["roles.ps.ports=[7000, 7001]", "roles.ps.ports[2]=7002"])
+    assert str(made.value) == ("--set roles.ps.ports[2]=7002: roles.ps.ports is a list of 2 in --set "
+                               "roles.ps.ports=[7000, 7001]; set an item that is there, or the whole list (e.g. "
+                               "--set roles.ps.ports=[5000, 5001])")
 
 
 @pytest.mark.parametrize(("override", "message"), [

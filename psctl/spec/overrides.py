@@ -76,22 +76,26 @@ def apply_overrides(data: Any, overrides: Sequence[Override], *, filename: str) 
     if not isinstance(root, dict):
         raise SpecError(f"{filename}: the spec is not a mapping of keys, so --set cannot change it; write the "
                         f"spec as key: value lines")
+    made_by: dict[KeyPath, str] = {}  # the paths earlier overrides set: what an error says made them
     for override in overrides:
         node: Any = root
         for depth, part in enumerate(override.path):
             last = depth == len(override.path) - 1
             where = dotted(override.path[:depth]) or "the spec"
+            made = next((f"--set {made_by[override.path[:n]]}" for n in range(depth, 0, -1)
+                         if override.path[:n] in made_by), filename)
             if isinstance(part, int):
                 if not isinstance(node, list) or part >= len(node):
                     have = (f"a list of {len(node)}" if isinstance(node, list) else "not set" if node is None
                             else f"not a list ({type(node).__name__})")
-                    raise SpecError(f"--set {override.text}: {where} is {have} in {filename}; set an item that is "
+                    raise SpecError(f"--set {override.text}: {where} is {have} in {made}; set an item that is "
                                     "there, or the whole list (e.g. --set roles.ps.ports=[5000, 5001])")
             elif not isinstance(node, dict):
-                raise SpecError(f"--set {override.text}: {where} is not a mapping in {filename} (it is "
+                raise SpecError(f"--set {override.text}: {where} is not a mapping in {made} (it is "
                                 f"{type(node).__name__}); set {where} itself")
             if last:
                 node[part] = override.value
+                made_by[override.path] = override.text
             elif isinstance(part, str) and node.get(part) is None and isinstance(override.path[depth + 1], str):
                 node[part] = {}  # a mapping the spec leaves out (its defaults apply to the rest of it)
                 node = node[part]
