@@ -46,6 +46,19 @@ def test_an_abort_names_sigabrt_and_a_crash_in_the_program_itself_names_one_fram
     assert crash_signal(str(log)) == signal.SIGABRT
 
 
+def test_an_abort_of_a_cpp_library_leads_with_what_it_said_as_it_aborted(tmp_path: Path) -> None:
+    """TensorFlow's C++ writes its FATAL line (a failed CHECK) and aborts: the line says why, the fault handler
+    where; both in the one line, the FATAL line no longer among the last lines before it."""
+    fatal = ("2026-11-27 10:00:01.123456: F tensorflow/core/framework/tensor.cc:669] Check failed: 1 == "
+             "NumElements() (1 vs. 2)Must have a one element tensor")
+    log = crashed(tmp_path, f"import os, sys\nprint('step 3', flush=True)\nsys.stderr.write({fatal!r} + '\\n')\n"
+                            "sys.stderr.flush()\nos.abort()\n")
+    assert log_tail(str(log)) == (
+        "step 3 | Check failed: 1 == NumElements() (1 vs. 2)Must have a one element tensor "
+        "(tensorflow/core/framework/tensor.cc:669); then Fatal Python error: Aborted in <module> (<string>:5)")
+    assert crash_signal(str(log)) == signal.SIGABRT
+
+
 def test_a_crash_report_that_more_output_follows_is_not_how_the_log_ends(tmp_path: Path) -> None:
     """A child that shared the log crashed; its parent went on and failed otherwise: the parent's end counts."""
     child = "import ctypes; ctypes.string_at(0)"

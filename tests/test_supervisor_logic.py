@@ -110,6 +110,10 @@ LOGGED = "2026-11-27 10:00:0{},000 {} {}"
         "KeyError: 'lr'", "exit code 1: KeyError: 'lr'"),
     (-9, "RuntimeError | (a bare exception line names no message)", "killed by SIGKILL: RuntimeError"),
     # a native crash: the agent's one line of the fault handler's report (psctl.agent.logs)
+    (-6, "loading | Check failed: 1 == NumElements() (1 vs. 2) (tensorflow/core/framework/tensor.cc:669); then "
+         "Fatal Python error: Aborted in quick_execute (tensorflow/python/eager/execute.py:53)",
+     "killed by SIGABRT: Check failed: 1 == NumElements() (1 vs. 2) (tensorflow/core/framework/tensor.cc:669); "
+     "then Fatal Python error: Aborted in quick_execute (tensorflow/python/eager/execute.py:53)"),
     (-11, "step 12 | Fatal Python error: Segmentation fault in string_at (ctypes/__init__.py:519), called from "
           "step (/home/me/train.py:42)", "killed by SIGSEGV: Fatal Python error: Segmentation fault in string_at "
                                          "(ctypes/__init__.py:519), called from step (/home/me/train.py:42)"),

@@ -5,9 +5,10 @@ Every role runs with Python's fault handler on (``PYTHONFAULTHANDLER=1``, set by
 SIGSEGV, SIGABRT, SIGBUS, SIGFPE or SIGILL (a crash in numpy, gRPC, TensorFlow or a program's own extension)
 first writes ``Fatal Python error: Segmentation fault`` and every thread's Python stack to its log. The agent
 reports that crash in one line, where it happened (the crashing thread's innermost frame, and the innermost
-frame of the program's own code when that is another), instead of the report's last lines (its list of
-extension modules). An adopted role is not the agent's child, so its exit status cannot be waited for: the
-crash report also tells which signal ended it.
+frame of the program's own code when that is another), after what a C++ library said as it aborted
+(TensorFlow's ``Check failed: ...``), instead of the report's last lines (its list of extension modules). An
+adopted role is not the agent's child, so its exit status cannot be waited for: the crash report also tells
+which signal ended it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ _FATAL = re.compile(r"^Fatal Python error: (?P<message>.+)$", re.MULTILINE)
 _REPORT_LINE = re.compile(r"(?:|  .*|(?:Current thread|Thread 0x|Stack|Extension modules|Python runtime state|<).*)")
 _CURRENT_THREAD = re.compile(r"^Current thread 0x[0-9a-f]+ \(most recent call first\):$", re.MULTILINE)
 _FRAME = re.compile(r'^  File "(?P<path>.+)", line (?P<line>\d+) in (?P<function>.+)$')
+#: A C++ library's FATAL log line, which it writes just before it aborts: TensorFlow's own format
+#: (``2026-11-27 10:00:01.123456: F tensorflow/core/framework/tensor.cc:669] Check failed: ...``) and absl's /
+#: glog's (``F1127 10:00:01.123456   4242 tensor.cc:669] Check failed: ...``).
+_NATIVE_FATAL = re.compile(r"(?:.*: F |F\d{4} [\d:.]+\s+\d+ )(?P<where>[\w./-]+:\d+)\] (?P<what>.+)")
 #: A file of Python's own library or of an installed package, not of the program: shown from there on.
 _LIBRARY = re.compile(r"/(?:site-packages|dist-packages|lib/python3\.\d+)/")
 #: A line a program prints about its progress: "step 120", "Step: 120", "global_step=120" (the last one wins).
@@ -55,6 +60,9 @@ class Crash:
     where: str
     #: The log's lines before the report.
     before: list[str]
+    #: What a C++ library said as it aborted (its FATAL line just before the report), with where: "Check
+    #: failed: 1 == NumElements() (1 vs. 2) (tensorflow/core/framework/tensor.cc:669)"; "" if none.
+    native: str = ""
 
     @property
     def signum(self) -> int:
@@ -62,7 +70,8 @@ class Crash:
         return FATAL_SIGNALS.get(self.message, signal.SIGABRT)
 
     def summary(self) -> str:
-        return f"Fatal Python error: {self.message}" + (f" {self.where}" if self.where else "")
+        fatal = f"Fatal Python error: {self.message}" + (f" {self.where}" if self.where else "")
+        return f"{self.native}; then {fatal}" if self.native else fatal
 
 
 def find_crash(text: str) -> Crash | None:
@@ -83,7 +92,9 @@ def find_crash(text: str) -> Crash | None:
                 break
             frames.append(frame)
     before = [line.strip() for line in text[:fatal.start()].splitlines() if line.strip()]
-    return Crash(fatal.group("message").strip(), _where(frames), before)
+    native = _NATIVE_FATAL.fullmatch(before[-1]) if before else None
+    said = f"{native.group('what').strip()} ({native.group('where')})" if native else ""
+    return Crash(fatal.group("message").strip(), _where(frames), before[:-1] if native else before, said)
 
 
 def _where(frames: list[re.Match[str]]) -> str:

@@ -317,7 +317,8 @@ def describe_exit(code: int) -> str:
 #: format), the last line of a Python traceback (``ValueError: ...``), or a native crash (the agent's one-line
 #: summary of the fault handler's report, ``psctl.agent.logs``).
 _CAUSE = re.compile(LOG_TIME + r"(?:ERROR|CRITICAL) (?P<logged>.+)"
-                    r"|(?P<raised>[\w.]*(?:Error|Exception|Exit|Interrupt)(?:: .+)?)|(?P<fatal>Fatal Python error: .+)")
+                    r"|(?P<raised>[\w.]*(?:Error|Exception|Exit|Interrupt)(?:: .+)?)"
+                    r"|(?P<fatal>(?:.+; then )?Fatal Python error: .+)")
 
 
 def exit_text(code: int, tail: str) -> str:
