@@ -315,10 +315,10 @@ def describe_exit(code: int) -> str:
 
 #: A log line that says why a role ended: one logged at ERROR or CRITICAL (the runtime's and most programs'
 #: format), the last line of a Python traceback (``ValueError: ...``), or a native crash (the agent's one-line
-#: summary of the fault handler's report, ``psctl.agent.logs``).
+#: summary of the fault handler's report, whatever leads it: ``psctl.agent.logs``).
 _CAUSE = re.compile(LOG_TIME + r"(?:ERROR|CRITICAL) (?P<logged>.+)"
                     r"|(?P<raised>[\w.]*(?:Error|Exception|Exit|Interrupt)(?:: .+)?)"
-                    r"|(?P<fatal>(?:.+; then )?Fatal Python error: .+)")
+                    r"|(?P<fatal>.*Fatal Python error: .+)")
 
 
 def exit_text(code: int, tail: str) -> str:
