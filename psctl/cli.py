@@ -40,9 +40,13 @@ class PsctlGroup(click.Group):
         except PsctlError as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 traceback.print_exc()
-            # escape: a path or key in the message may look like rich markup ("[red]")
-            err_console.print(f"[red]error:[/red] {escape(exc.format_message())}", highlight=False, soft_wrap=True)
+            print_error(exc.format_message())
             ctx.exit(exc.exit_code)
+
+
+def print_error(message: str) -> None:
+    """``error: message`` on stderr, one line however wide (escaped: a path or key may look like rich markup)."""
+    err_console.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 @click.group(cls=PsctlGroup)
@@ -427,8 +431,7 @@ def down(names: tuple[str, ...], grace: float, purge: bool) -> None:
             if len(cdirs) == 1:
                 raise
             failed.append(cdir.name)  # the others are still brought down
-            err_console.print(f"[red]error:[/red] cluster {cdir.name!r}: {escape(exc.format_message())}",
-                              highlight=False, soft_wrap=True)
+            print_error(f"cluster {cdir.name!r}: {exc.format_message()}")
             continue
         what = f"stopped {report.stopped} process(es)" if report.stopped else "nothing was running"
         kept = "logs and state deleted" if purge else f"logs kept in {cdir.logs}"
