@@ -215,11 +215,7 @@ def _start(
     if cdir.state_file.is_file():
         _refuse_if_left_on_hosts(spec.name, load_state(cdir.state_file), runners)
         cdir.clear_last_run()
-    cdir.create()
-    keep_spec(cdir.spec_file, spec)
-    record = new_record(spec, plan)
-    if record.tls:
-        create_cluster_pki(cdir.tls_dir, record.cluster_id, pki_members(spec, plan))
+    record = new_cluster_folder(cdir, spec, plan)
     try:
         record.hosts = prepare_hosts(spec, plan, cdir, runners, reports)
     except PsctlError:
@@ -242,6 +238,17 @@ def _start(
         f"the supervisor of {spec.name!r} did not start within {wait_started:.0f}s; "
         f"see {cdir.supervisor_log}"
     )
+
+
+def new_cluster_folder(cdir: ClusterDir, spec: ClusterSpec, plan: Plan) -> ClusterRecord:
+    """The folder of a cluster about to start (its last run's leftovers already cleared): created, the spec
+    kept as read, the roles' certificates made; returns its new record (not saved yet)."""
+    cdir.create()
+    keep_spec(cdir.spec_file, spec)
+    record = new_record(spec, plan)
+    if record.tls:  # (roles are named, not addressed: TLS checks the cluster's server name, see pki)
+        create_cluster_pki(cdir.tls_dir, record.cluster_id, pki_members(spec, plan))
+    return record
 
 
 def pki_members(spec: ClusterSpec, plan: Plan) -> list[tuple[str, list[str]]]:

@@ -13,17 +13,14 @@ from psctl.errors import LaunchError, UsageError
 from psctl.home import ClusterDir
 from psctl.launch import slurm
 from psctl.launch.slurm import SlurmRefused
-from psctl.operations import pki_members
-from psctl.pki import create_cluster_pki
+from psctl.operations import new_cluster_folder
 from psctl.runtime.atomic import write_json_atomic
 from psctl.spec import ClusterSpec, Plan
 from psctl.supervisor.state import (
     ClusterRecord,
     ClusterState,
     RoleState,
-    keep_spec,
     load_state,
-    new_record,
     save_state,
 )
 
@@ -78,11 +75,7 @@ def submit_cluster(spec: ClusterSpec, plan: Plan, *, wait_started: float = 30.0)
     cdir = ClusterDir.named(spec.name)
     if cdir.state_file.is_file():
         cdir.clear_last_run()
-    cdir.create()
-    keep_spec(cdir.spec_file, spec)
-    record = new_record(spec, plan)
-    if record.tls:  # (roles are named, not addressed: TLS checks the cluster's server name, see pki)
-        create_cluster_pki(cdir.tls_dir, record.cluster_id, pki_members(spec, plan))
+    record = new_cluster_folder(cdir, spec, plan)
     save_state(cdir.state_file, record)  # before sbatch: the job may start at once and read it
     script = cdir.root / "slurm-job.sh"
     slurm.write_script(script, cdir.root)
