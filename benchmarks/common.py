@@ -7,6 +7,7 @@ every group it ever started (SIGTERM, then SIGKILL), also when the benchmark fai
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -36,7 +37,7 @@ from psctl.launch.cpus import (  # as agents bind roles
     cpu_list,
     host_slots,
 )
-from psctl.launch.env import tuning_env  # the same environment the supervisor gives roles
+from psctl.launch.env import default_threads, tuning_env  # as the supervisor gives roles
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.rpc import make_channel
@@ -51,6 +52,26 @@ MIB = 1 << 20
 def thread_env(threads: int) -> dict[str, str]:
     """BLAS / OpenMP thread counts for a role: set deliberately, since every role shares the machine's cores."""
     return tuning_env(threads)
+
+
+#: ``--threads`` help, the same for every benchmark.
+THREADS_HELP = ("numpy/BLAS threads per role, or auto (default): the machine's CPUs shared out among the roles, "
+                "at least 1, as psctl's launcher does")
+
+
+def threads_option(value: str) -> int | str:
+    """argparse type of ``--threads``: ``auto`` or a whole number >= 1."""
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected auto or a whole number >= 1, got {value!r}")
+    return int(value)
+
+
+def resolve_threads(threads: int | str, roles: int) -> int:
+    """BLAS threads per role for ``--threads``: the number given, or for ``auto`` the share psctl's launcher
+    gives a role when ``roles`` run on this machine (psctl.launch.env.default_threads)."""
+    return default_threads(os.cpu_count() or 1, roles) if threads == "auto" else int(threads)
 
 
 #: Environment variables that change the figures (glibc malloc tuning), recorded with them when set.

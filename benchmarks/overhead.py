@@ -36,6 +36,7 @@ import numpy as np
 import psutil
 
 from benchmarks.common import (
+    THREADS_HELP,
     Monitor,
     bench_cluster,
     cpu_seconds,
@@ -45,9 +46,11 @@ from benchmarks.common import (
     machine,
     median,
     percentile,
+    resolve_threads,
     rounded,
     run_as_role,
     run_directory,
+    threads_option,
 )
 from benchmarks.workloads import training_config
 from psctl.proto import psctl_pb2 as pb
@@ -267,7 +270,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=500, help="timed steps (default 500)")
     parser.add_argument("--warmup", type=int, default=50, help="untimed steps first (default 50)")
     parser.add_argument("--repeats", type=int, default=200, help="repeats of each attribution timing (default 200)")
-    parser.add_argument("--threads", type=int, default=1, help="OMP/OPENBLAS/MKL threads per role (default 1)")
+    parser.add_argument("--threads", type=threads_option, default="auto", help=THREADS_HELP)
     parser.add_argument("--steps-per-execution", type=int, default=10,
                         help="steps per call for the queued runs with training.steps_per_execution (default 10)")
     parser.add_argument("--seed", type=int, default=0)
@@ -275,6 +278,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.ps < 1 or args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.steps_per_execution < 2:
         parser.error("--ps, --steps and --repeats must be >= 1, --steps-per-execution >= 2, --warmup >= 0")
+    args.threads = resolve_threads(args.threads, args.ps + 2)  # the ps, one worker, this process as the chief
     return args
 
 

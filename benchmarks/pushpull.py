@@ -45,6 +45,7 @@ from benchmarks.common import (
     MB,
     MIB,
     REPO_ROOT,
+    THREADS_HELP,
     Monitor,
     bench_cluster,
     cpu_seconds,
@@ -53,9 +54,11 @@ from benchmarks.common import (
     log,
     machine,
     median,
+    resolve_threads,
     rounded,
     run_as_role,
     run_directory,
+    threads_option,
 )
 from psctl.proto import psctl_pb2 as pb
 from psctl.runtime import limits, wire
@@ -368,13 +371,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sizes", default="1,8,64", help="comma-separated sizes in MiB (default 1,8,64)")
     parser.add_argument("--repeats", type=int, default=10, help="timed repeats per figure (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed repeats first (default 2)")
-    parser.add_argument("--threads", type=int, default=1, help="OMP/OPENBLAS threads of the PS (default 1)")
+    parser.add_argument("--threads", type=threads_option, default="auto", help=THREADS_HELP)
     parser.add_argument("--run-dir", help="keep the PS log here (default: a temp dir)")
     parser.add_argument("--tcp-receiver", type=int, metavar="MAX_BYTES", help=argparse.SUPPRESS)
     parser.add_argument("--grpc-raw-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
+    args.threads = resolve_threads(args.threads, 2)  # the ps, and this process as the worker
     return args
 
 

@@ -36,6 +36,7 @@ import numpy as np
 from benchmarks.common import (
     MB,
     MIB,
+    THREADS_HELP,
     BenchCluster,
     Monitor,
     emit_all,
@@ -43,8 +44,10 @@ from benchmarks.common import (
     log,
     machine,
     median,
+    resolve_threads,
     rounded,
     run_directory,
+    threads_option,
 )
 from psctl.pki import create_cluster_pki
 from psctl.proto import psctl_pb2 as pb
@@ -196,11 +199,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sizes", default="1,8,64", help="comma-separated sizes in MiB (default 1,8,64)")
     parser.add_argument("--repeats", type=int, default=10, help="timed repeats per figure (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed repeats first (default 2)")
-    parser.add_argument("--threads", type=int, default=1, help="OMP/OPENBLAS threads of each PS (default 1)")
+    parser.add_argument("--threads", type=threads_option, default="auto", help=THREADS_HELP)
     parser.add_argument("--run-dir", help="keep the PS logs here (default: a temp dir)")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
+    args.threads = resolve_threads(args.threads, 2)  # one ps at a time, and this process as its client
     return args
 
 

@@ -37,14 +37,17 @@ from typing import Any
 from benchmarks import workloads
 from benchmarks.common import (
     REPO_ROOT,
+    THREADS_HELP,
     BenchCluster,
     Monitor,
     emit_all,
     install_signal_handlers,
     log,
     machine,
+    resolve_threads,
     rounded,
     run_directory,
+    threads_option,
 )
 from psctl.launch.cpus import CPU_BINDINGS
 
@@ -94,9 +97,15 @@ class TfCluster(BenchCluster):
                 "--zipf", str(w.zipf), "--steps-per-execution", str(self.steps_per_execution)]
 
 
+def threads_per_role(workload: Workload, args: argparse.Namespace) -> int:
+    """The BLAS threads each role of ``workload`` gets, both systems (psctl's workloads resolve ``auto`` alike)."""
+    return resolve_threads(args.threads, workload.ps + workload.workers + 1)
+
+
 @contextlib.contextmanager
 def tf_cluster(run_dir: Path, workload: Workload, args: argparse.Namespace) -> Iterator[TfCluster]:
-    cluster = TfCluster(run_dir, workload, threads=args.threads, steps_per_execution=args.tf_steps_per_execution)
+    cluster = TfCluster(run_dir, workload, threads=threads_per_role(workload, args),
+                        steps_per_execution=args.tf_steps_per_execution)
     try:
         yield cluster
     finally:
@@ -138,7 +147,8 @@ def run_tensorflow(workload: Workload, args: argparse.Namespace) -> dict[str, An
 
 def run_psctl(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
     argv = [workload.program, "--ps", str(workload.ps), "--workers", str(workload.workers),
-            "--steps", str(workload.steps), "--threads", str(args.threads), "--timeout", str(args.timeout),
+            "--steps", str(workload.steps), "--threads", str(threads_per_role(workload, args)),
+            "--timeout", str(args.timeout),
             "--steps-per-execution", str(args.psctl_steps_per_execution), "--cpu-binding", args.psctl_cpu_binding]
     if workload.zipf:
         argv += ["--zipf", str(workload.zipf)]
@@ -201,13 +211,14 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 result = runners[system](workload, args)
                 results[workload.name][system].append(result)
                 log(f"  {result['steps_per_s']} steps/s ({time.monotonic() - started:.0f} s)")
-    context = {"machine": machine(), "versions": versions(), "threads_per_role": args.threads,
+    context = {"machine": machine(), "versions": versions(),
                "steps_per_execution": {"psctl": args.psctl_steps_per_execution,
                                        "tensorflow": args.tf_steps_per_execution},
                "pipelined": {"psctl": args.psctl_pipelined, "tensorflow": False},
                "cpu_binding": {"psctl": args.psctl_cpu_binding, "tensorflow": "none"}}
     for workload in chosen:
-        yield {**summary(workload, results[workload.name]), **context}
+        yield {**summary(workload, results[workload.name]), "threads_per_role": threads_per_role(workload, args),
+               **context}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -215,8 +226,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="OMP/OPENBLAS/MKL threads per role, both systems (default 1)")
+    parser.add_argument("--threads", type=threads_option, default="auto", help=THREADS_HELP + ", both systems")
     parser.add_argument("--timeout", type=float, default=600.0, help="give up on a run after this many seconds")
     parser.add_argument("--psctl-steps-per-execution", default="auto",
                         help="psctl's training.steps_per_execution (default auto, psctl's default)")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
+    THREADS_HELP,
     BenchCluster,
     Monitor,
     bench_cluster,
@@ -27,8 +28,10 @@ from benchmarks.common import (
     install_signal_handlers,
     log,
     machine,
+    resolve_threads,
     rounded,
     run_directory,
+    threads_option,
 )
 from psctl.launch.cpus import CPU_BINDINGS
 from psctl.runtime.metrics import read_metrics
@@ -231,8 +234,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, help="number of workers (default: w1 2, w2 2, w3 1)")
     parser.add_argument("--steps", type=int, help="training steps (default: w1 3000, w2 400, w3 300)")
     parser.add_argument("--batch-size", type=int, default=0, help="override the workload's batch size")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="OMP/OPENBLAS/MKL threads per role (default 1: roles share the cores)")
+    parser.add_argument("--threads", type=threads_option, default="auto", help=THREADS_HELP)
     parser.add_argument("--zipf", type=float, default=0.0,
                         help="w2: Zipf exponent of the ids (> 1), 0 for uniform ids (default)")
     parser.add_argument("--vocab", type=int, default=1_000_000, help="w2: embedding rows (default 1000000)")
@@ -257,8 +259,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in DEFAULTS[args.workload].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.ps < 1 or args.workers < 1 or args.steps < 1 or args.threads < 1:
-        parser.error("--ps, --workers, --steps and --threads must be >= 1")
+    if args.ps < 1 or args.workers < 1 or args.steps < 1:
+        parser.error("--ps, --workers and --steps must be >= 1")
+    args.threads = resolve_threads(args.threads, args.ps + args.workers + 1)  # with the chief
     if args.zipf and args.zipf <= 1:
         parser.error("--zipf must be 0 (uniform) or > 1")
     return args

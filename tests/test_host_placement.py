@@ -218,8 +218,9 @@ class Shell:
     folders: dict[str, ClusterDir]
 
 
-def make_shell(tmp_path: Path, text: str = SPEC, **training: object) -> Shell:
-    """A supervisor for ``text``'s hosts (``training``: keys of the spec's training to override)."""
+def make_shell(tmp_path: Path, text: str = SPEC, cpus: int = 2, **training: object) -> Shell:
+    """A supervisor for ``text``'s hosts of ``cpus`` CPUs each (``training``: keys of the spec's training to
+    override)."""
     spec = load_spec_text(text, filename=str(tmp_path / "pools.yaml"))
     if training:
         spec = dataclasses.replace(spec, training={**spec.training, **training})
@@ -234,7 +235,7 @@ def make_shell(tmp_path: Path, text: str = SPEC, **training: object) -> Shell:
     for folder in folders.values():
         folder.create()
     places = {
-        h.name: Placement(h.name, FakeRunner(h.name), "python3", folders[h.name], str(tmp_path), {}, 2, remote=True,
+        h.name: Placement(h.name, FakeRunner(h.name), "python3", folders[h.name], str(tmp_path), {}, cpus, remote=True,
                           address=h.address)
         for h in spec.hosts
     }
@@ -259,6 +260,16 @@ def test_the_chief_s_metrics_and_checkpoints_are_followed_to_the_host_it_moved_t
     shell.mirror_metrics()
     mirrored = (cdir.run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["global_step"] for line in mirrored] == [5, 6]
+
+
+def test_a_role_s_blas_threads_are_its_host_s_cpus_shared_among_the_roles_there(tmp_path: Path) -> None:
+    # h1 runs the chief and worker-0, h2 worker-1 alone, h3 the ps (threads: 3 in the spec) and worker-2
+    shell = make_shell(tmp_path, SPEC.replace("ps: {host: h3, port: 7010}", "ps: {host: h3, port: 7010, threads: 3}"),
+                       cpus=16)
+    threads = {r.name: shell.supervisor.role_env(r)["OPENBLAS_NUM_THREADS"] for r in shell.record.roles}
+    assert threads == {"chief-0": "8", "ps-0": "3", "worker-0": "8", "worker-1": "16", "worker-2": "8"}
+    few = make_shell(tmp_path / "few", cpus=1)  # more roles than CPUs: one thread each, never none
+    assert {few.supervisor.role_env(r)["OMP_NUM_THREADS"] for r in few.record.roles} == {"1"}
 
 
 def test_a_role_stays_on_its_host_when_its_pool_has_no_other_usable_one() -> None:

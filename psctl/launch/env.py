@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 
+def default_threads(cpus: int, roles_here: int) -> int:
+    """numpy/BLAS threads of a role whose spec names none: the host's CPUs shared out among the roles it runs,
+    at least one. Where roles outnumber the CPUs, more than one thread each only oversubscribes them; where
+    CPUs are plenty (16 for a 1 ps / 2 worker cluster), a role's matrix products get its share of them."""
+    return max(1, cpus // max(1, roles_here))
+
+
 def tuning_env(threads: int) -> dict[str, str]:
     """numpy/BLAS thread counts set deliberately (roles sharing a machine must not oversubscribe its cores),
     and glibc malloc settings: thresholds that keep large buffers mapped between rpcs (the default hands them

@@ -32,7 +32,7 @@ from psctl.home import ClusterDir
 from psctl.launch import slurm
 from psctl.launch.base import ProcessHandle, Runner
 from psctl.launch.cpus import host_slots
-from psctl.launch.env import tuning_env
+from psctl.launch.env import default_threads, tuning_env
 from psctl.launch.hostset import Placement, placements
 from psctl.launch.remote import remote_training
 from psctl.pki import member_files
@@ -396,7 +396,7 @@ class Supervisor:
             "chief_incarnation": self.state.chief_incarnation(),
         }
         spec_role = self.spec.roles[role.role]
-        threads = spec_role.threads or max(1, place.cpus // max(1, len(self._roles_on_host(role.host))))
+        threads = spec_role.threads or default_threads(place.cpus, len(self._roles_on_host(role.host)))
         env = {} if not place.remote else dict(place.base_env)  # here the agent's own environment is the base
         env.update(
             PSCTL_CLUSTER=json.dumps(cluster),
