@@ -29,7 +29,7 @@ from psctl.runtime.optimizers import make_optimizer
 from psctl.runtime.ps import ParameterServerServicer, VariableStore, add_to_server
 from psctl.runtime.ps_client import PsClient, PsUnavailable, PushHeader
 from psctl.runtime.rpc import make_server
-from psctl.runtime.wire import DENSE, IDS, LEFT_FACTOR, RIGHT_FACTOR, ROWS, Entry, WireError
+from psctl.runtime.wire import DENSE, IDS, LEFT_FACTOR, PULL_IDS, RIGHT_FACTOR, ROWS, Entry, WireError, whole_shard
 
 CLUSTER = "test-cluster"
 W = pb.VariableSpec(name="w", dtype="float32", shape=[4, 3], full_shape=[4, 3], initializer="glorot_uniform", seed=11)
@@ -307,7 +307,7 @@ def test_a_low_rank_gradient_is_the_same_update_as_its_product(servers: Servers,
     product = LEFT.T @ RIGHT
     assert product.shape == (4, 3) and np.abs(product).min() > 0  # every element moves
     header = PushHeader(step_id=5, task="worker:0", incarnation=1)
-    _, after = by_factors.client.push_pull(header, {0: low_rank(LEFT, RIGHT)}, {0: ["w"]})
+    _, after = by_factors.client.push_pull(header, {0: low_rank(LEFT, RIGHT)}, {0: [whole_shard("w")]})
     by_product.client.push(header, {0: [Entry("w", DENSE, product)]})
     plain = pb.PushRequest(step_id=6, task="worker:0", incarnation=1, increment_global_step=True)
     wire.add_entries(plain.entries, low_rank(2 * LEFT, RIGHT))
@@ -660,6 +660,26 @@ REFUSALS: dict[str, tuple[Callable[[Ps], object], grpc.StatusCode]] = {
         _framed("PushFramedStream", *_push_frames([GOOD_W], pull_dense=["w"]), stream=True),
         grpc.StatusCode.INVALID_ARGUMENT,
     ),
+    "framed-pull-rows-out-of-range": (
+        _framed("PushFramed", _push_frame([GOOD_W, Entry(EMB_IDS, PULL_IDS, np.array([0, 5]))])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "framed-pull-rows-unknown": (
+        _framed("PushFramed", _push_frame([GOOD_W, Entry("nope", PULL_IDS, np.array([0]))])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "framed-pull-rows-negative-id": (
+        _framed("PushFramed", _push_frame([GOOD_W, Entry(EMB_IDS, PULL_IDS, np.array([-1]))])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "framed-pull-rows-float-ids": (
+        _framed("PushFramed", _push_frame([GOOD_W, Entry(EMB_IDS, PULL_IDS, np.array([0.0]))])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "framed-stream-pull-rows": (
+        _framed("PushFramedStream", *_push_frames([GOOD_W, Entry(EMB_IDS, PULL_IDS, np.array([0]))]), stream=True),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
     "framed-stream-inf-in-last-piece": (
         _framed("PushFramedStream", *_push_frames([INF_LAST_W]), stream=True),
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -841,17 +861,32 @@ def test_push_pull_answers_the_variables_right_after_the_update(ps: Ps) -> None:
     init(ps)
     g = w_grad(0.37)
     header = PushHeader(step_id=1, task="worker:0", incarnation=1)
-    responses, pulled = ps.client.push_pull(header, {0: [Entry("w", DENSE, g)]}, {0: ["w", "b"]})
+    both = {0: [whole_shard("w"), whole_shard("b")]}
+    responses, pulled = ps.client.push_pull(header, {0: [Entry("w", DENSE, g)]}, both)
     assert responses[0].applied and responses[0].global_step == 1
     got = {e.name: e.array for e in pulled[0]}
     assert got["w"].tobytes() == (initial_value(W) - np.float32(LR) * g).tobytes()
     assert got["b"].tobytes() == initial_value(B).tobytes()
     assert {k: v.tobytes() for k, v in got.items()} == {k: v.tobytes() for k, v in pull_dense(ps, ["w", "b"]).items()}
     # a retry: not applied again, and still answered with the variables as they are
-    responses, again = ps.client.push_pull(header, {0: [Entry("w", DENSE, g)]}, {0: ["w"]})
+    responses, again = ps.client.push_pull(header, {0: [Entry("w", DENSE, g)]}, {0: [whole_shard("w")]})
     assert not responses[0].applied
     assert again[0][0].array.tobytes() == got["w"].tobytes()
     assert state(ps).applied_updates == 1
+
+
+def test_a_push_brings_back_the_rows_it_asks_for_as_they_are_right_after_the_update(ps: Ps) -> None:
+    init(ps)
+    grads = {0: [Entry(EMB_IDS, IDS, np.array([1, 4])), Entry(EMB_IDS, ROWS, np.full((2, 2), 0.5, np.float32))]}
+    asked = np.array([4, 0, 4], dtype=np.int64)  # in the order asked, duplicates included
+    header = PushHeader(step_id=1, task="worker:0", incarnation=1)
+    responses, pulled = ps.client.push_pull(header, grads, {0: [Entry(EMB_IDS, IDS, asked), whole_shard("b")]})
+    assert responses[0].applied
+    after = pull_dense(ps)
+    assert after[EMB_IDS][4].tobytes() != initial_value(EMB)[4].tobytes()  # row 4 was updated, then read
+    assert [(e.name, e.kind) for e in pulled[0]] == [("b", DENSE), (EMB_IDS, ROWS)]  # whole shards first
+    assert pulled[0][1].array.tobytes() == after[EMB_IDS][asked].tobytes()
+    assert pulled[0][0].array.tobytes() == after["b"].tobytes()
 
 
 def test_a_push_asking_back_more_than_one_message_holds_is_refused_and_changes_nothing(ps: Ps) -> None:
@@ -867,7 +902,7 @@ def test_a_push_asking_back_more_than_one_message_holds_is_refused_and_changes_n
 def test_push_pull_needs_gradients_that_fit_one_message(ps: Ps) -> None:
     big = Entry("w", DENSE, np.zeros(limits.UNARY_MAX_BYTES // 4 + 1, np.float32))
     with pytest.raises(ValueError, match="do not fit one message"):
-        ps.client.push_pull(PushHeader(step_id=1, task="worker:0", incarnation=1), {0: [big]}, {0: ["w"]})
+        ps.client.push_pull(PushHeader(step_id=1, task="worker:0", incarnation=1), {0: [big]}, {0: [whole_shard("w")]})
 
 
 def test_a_plain_grpc_server_serves_the_framed_rpcs_too(servers: Servers) -> None:
@@ -879,7 +914,7 @@ def test_a_plain_grpc_server_serves_the_framed_rpcs_too(servers: Servers) -> Non
     large = np.full(tuple(big.shape), 0.5, np.float32)
     assert push(ps, 1, [Entry("w", DENSE, g), Entry("big", DENSE, large)]).applied  # streamed
     _, pulled = ps.client.push_pull(PushHeader(step_id=2, task="worker:0", incarnation=1),
-                                    {0: [Entry("w", DENSE, g)]}, {0: ["w"]})  # fmt: skip
+                                    {0: [Entry("w", DENSE, g)]}, {0: [whole_shard("w")]})  # fmt: skip
     want = initial_value(W) - np.float32(LR) * g - np.float32(LR) * g
     assert pulled[0][0].array.tobytes() == want.tobytes()
     values, _ = ps.client.pull({0: [Entry("big", DENSE, EMPTY)]}, {0: large.nbytes})  # streamed

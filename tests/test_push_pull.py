@@ -14,6 +14,7 @@ from inprocess_cluster import Cluster, MakeCluster, cluster_factory
 
 from psctl.proto import psctl_pb2 as pb
 from psctl.runtime import limits
+from psctl.runtime import worker as worker_module
 from psctl.runtime.program import ProgramRef
 from psctl.runtime.ps_client import PushHeader
 from psctl.runtime.wire import DENSE, Entry
@@ -80,14 +81,44 @@ def test_a_new_params_epoch_makes_the_worker_pull_again(make_cluster: MakeCluste
     assert cluster.pushes() == [7]
 
 
-def test_synchronous_steps_and_embedding_models_pull_every_step(make_cluster: MakeCluster) -> None:
+def test_synchronous_steps_and_embedding_models_one_step_a_call_pull_every_step(make_cluster: MakeCluster) -> None:
     cluster = make_cluster(MLP, num_ps=1)
     for step in range(1, 4):
         cluster.run_step(step_id=step, shard=0, position=step - 1, sync_step=step, params_epoch=5)
     assert cluster.pulls() == [3]  # a synchronous step must see its own round's variables
     embedding = make_cluster(EMBEDDING, num_ps=2)
     _train(embedding, 3)
-    assert embedding.pulls() == [3, 3]  # the rows a batch needs depend on the batch
+    assert embedding.pulls() == [3, 3]  # the rows a batch needs depend on the batch, not known before its call
+
+
+def test_a_call_of_several_embedding_steps_pulls_for_its_first_step_only(make_cluster: MakeCluster) -> None:
+    # each push asks back the rows (and dense shards) of the call's next batch: one round trip per ps per step
+    cluster = make_cluster(EMBEDDING, num_ps=2)
+    response = cluster.run_step(step_id=1, shard=0, position=0, steps=5)
+    assert response.steps == 5 and response.applied and response.global_step == 5
+    assert cluster.pulls() == [1, 1] and cluster.pushes() == [5, 5]
+    assert cluster.run_step(step_id=10, shard=0, position=5, steps=3).global_step == 8
+    assert cluster.pulls() == [2, 2]  # a new call pulls for its first step: its batch was not known before
+
+
+def test_the_rows_a_push_brings_back_are_exactly_those_a_pull_would_get(make_cluster: MakeCluster) -> None:
+    # One worker, one call of 6 steps against 6 calls of one step (each pulling): the same variables, bit for bit
+    ahead, pulled = make_cluster(EMBEDDING, num_ps=2), make_cluster(EMBEDDING, num_ps=2)
+    assert ahead.run_step(step_id=1, shard=0, position=0, steps=6).global_step == 6
+    for step in range(1, 7):
+        assert pulled.run_step(step_id=step, shard=0, position=step - 1).applied
+    assert ahead.pulls() == [1, 1] and pulled.pulls() == [6, 6]
+    assert ahead.values() == pulled.values()
+    assert ahead.values() != make_cluster(EMBEDDING, num_ps=2).values()  # (and training did move them)
+
+
+def test_rows_that_do_not_fit_one_message_are_pulled_by_the_step_itself(
+    make_cluster: MakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster = make_cluster(EMBEDDING, num_ps=1)
+    monkeypatch.setattr(worker_module, "UNARY_MAX_BYTES", 64)  # less than any batch's rows
+    assert cluster.run_step(step_id=1, shard=0, position=0, steps=3).global_step == 3
+    assert cluster.pulls() == [3] and cluster.pushes() == [3]
 
 
 def test_an_evaluate_step_between_train_steps_keeps_the_reused_variables_valid(make_cluster: MakeCluster) -> None:
@@ -103,10 +134,9 @@ def test_an_evaluate_step_between_train_steps_keeps_the_reused_variables_valid(m
 def test_push_pull_of_a_whole_dense_model_matches_a_pull(make_cluster: MakeCluster) -> None:
     cluster = make_cluster(MLP, num_ps=2)
     plan = cluster.model.pull_plan({})
-    names = {ps: [e.name for e in entries] for ps, entries in plan.items()}
     zeros = {ps: [Entry(e.name, DENSE, np.zeros(cluster.model.layouts[e.name].variable.shape, np.float32))
                   for e in entries] for ps, entries in plan.items()}  # fmt: skip
-    _, after = cluster.chief.push_pull(PushHeader(step_id=1, task="worker:9", incarnation=1), zeros, names)
+    _, after = cluster.chief.push_pull(PushHeader(step_id=1, task="worker:9", incarnation=1), zeros, plan)
     pulled, _ = cluster.chief.pull(plan)
     for ps in plan:
         assert [(e.name, e.array.tobytes()) for e in after[ps]] == [(e.name, e.array.tobytes()) for e in pulled[ps]]

@@ -15,12 +15,14 @@ class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SLOT: _ClassVar[Kind]
     LEFT_FACTOR: _ClassVar[Kind]
     RIGHT_FACTOR: _ClassVar[Kind]
+    PULL_IDS: _ClassVar[Kind]
 DENSE: Kind
 IDS: Kind
 ROWS: Kind
 SLOT: Kind
 LEFT_FACTOR: Kind
 RIGHT_FACTOR: Kind
+PULL_IDS: Kind
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data", "offset", "size")

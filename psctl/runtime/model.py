@@ -24,7 +24,7 @@ from psctl.runtime.strategy import (
     shard_slices_for_global,
     stitch_rows,
 )
-from psctl.runtime.wire import DENSE, IDS, LEFT_FACTOR, RIGHT_FACTOR, ROWS, Entry
+from psctl.runtime.wire import DENSE, IDS, LEFT_FACTOR, RIGHT_FACTOR, ROWS, Entry, whole_shard
 
 PerPs = dict[int, list[Entry]]
 
@@ -76,7 +76,6 @@ class ShardedModel:
         ``full=True`` pulls embeddings whole too (evaluation, export, checkpoints).
         """
         plan: PerPs = {i: [] for i in range(self.num_ps)}
-        empty = np.zeros(0, dtype=np.float32)
         for name, layout in self.layouts.items():
             if layout.variable.embedding and not full:
                 ids = (embedding_ids or {}).get(name)
@@ -86,7 +85,7 @@ class ShardedModel:
                     plan[shard.ps].append(Entry(shard.name, IDS, local.astype(np.int64, copy=False)))
             else:
                 for shard in layout.shards:
-                    plan[shard.ps].append(Entry(shard.name, DENSE, empty))
+                    plan[shard.ps].append(whole_shard(shard.name))
         return plan
 
     def pull_bytes(self, plan: PerPs) -> dict[int, int]:

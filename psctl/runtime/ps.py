@@ -35,7 +35,18 @@ from psctl.runtime.optimizers import Optimizer, make_optimizer
 from psctl.runtime.rows import gather_rows
 from psctl.runtime.rpc import UNARY_THREADS
 from psctl.runtime.sessions import SESSIONS_PER_PS, SessionSlots
-from psctl.runtime.wire import DENSE, IDS, LEFT_FACTOR, RIGHT_FACTOR, ROWS, SLOT, Entry, SplitArray, WireError
+from psctl.runtime.wire import (
+    DENSE,
+    IDS,
+    LEFT_FACTOR,
+    PULL_IDS,
+    RIGHT_FACTOR,
+    ROWS,
+    SLOT,
+    Entry,
+    SplitArray,
+    WireError,
+)
 
 #: Step ids this far below the newest one seen count as applied; older retries are refused as duplicates.
 #: Bounds the memory of the at-most-once check; retries are never anywhere near this old.
@@ -60,7 +71,6 @@ def _thread_budget() -> int:
 #: Dense updates and finite checks of shards of at least PARALLEL_MIN elements are split over this many threads.
 UPDATE_THREADS = min(4, _thread_budget())
 PARALLEL_MIN = 1 << 20
-_EMPTY = np.zeros(0, dtype=np.float32)
 T = TypeVar("T")
 X = TypeVar("X")
 #: A dense gradient as it arrived: whole, or (streamed) in the pieces of its frames.
@@ -232,14 +242,20 @@ class VariableStore:
 
     # -- updates --------------------------------------------------------------------------------------
     def push(
-        self, request: pb.PushRequest, entries: Sequence[Entry], split: Mapping[str, SplitArray] | None = None
+        self,
+        request: pb.PushRequest,
+        entries: Sequence[Entry],
+        split: Mapping[str, SplitArray] | None = None,
+        pull_rows: Sequence[Entry] = (),
     ) -> PushOutcome:
-        """Apply one step's gradients (``split``: dense ones still in the pieces they arrived in) at most once."""
+        """Apply one step's gradients (``split``: dense ones still in the pieces they arrived in) at most once.
+        ``pull_rows``: the IDS entries whose rows the push asks back (PULL_IDS on the wire), checked here with
+        the gradients."""
         self.last_push = time.monotonic()
         if self._optimizer is None:
             raise NotInitializedError("this PS has no variables yet (the chief has not initialised it)")
         updates = self._validate_update(entries, split or {})
-        self._check_pull_dense(request.pull_dense)
+        self._check_pull(request.pull_dense, pull_rows)
         with self._lock:
             if request.step_id == 0:
                 raise WireError("step_id must be non-zero")
@@ -275,11 +291,16 @@ class VariableStore:
             self.shard_positions[request.shard] = max(self.shard_positions.get(request.shard, -1),
                                                       int(request.position))
 
-    def _check_pull_dense(self, names: Sequence[str]) -> None:
-        """What a push asks back must exist and fit its one-message answer, before anything changes."""
+    def _check_pull(self, names: Sequence[str], rows: Sequence[Entry]) -> None:
+        """What a push asks back (whole shards, rows) must exist and fit its one-message answer, before anything
+        changes."""
         size = sum(self._shard(name).value.nbytes for name in names)
+        for entry in rows:
+            shard = self._shard(entry.name)
+            size += len(_check_ids(entry, shard)) * (shard.value.nbytes // max(1, shard.rows))
         if size > limits.UNARY_MAX_BYTES:
-            raise WireError(f"pull_dense asks for {size} bytes; one answer holds at most {limits.UNARY_MAX_BYTES}")
+            raise WireError(f"the push asks back {size} bytes (pull_dense, PULL_IDS); one answer holds at most "
+                            f"{limits.UNARY_MAX_BYTES}")
 
     def _push_sync(self, request: pb.PushRequest, step_id: int, updates: list[Update]) -> PushOutcome:
         """Accumulate a fresh gradient; apply the average once enough arrived (caller holds the lock)."""
@@ -614,6 +635,14 @@ _FRAMED: dict[str, tuple[Callable[..., grpc.RpcMethodHandler], str]] = {
 }
 
 
+def _pull_rows_apart(entries: list[Entry], *, streamed: bool) -> tuple[list[Entry], list[Entry]]:
+    """A push's gradients, and the rows it asks back (its PULL_IDS entries, as a pull's IDS)."""
+    rows = [Entry(e.name, IDS, e.array) for e in entries if e.kind == PULL_IDS]
+    if rows and streamed:
+        raise WireError("PULL_IDS needs a unary push: the answer is one message")
+    return ([e for e in entries if e.kind != PULL_IDS] if rows else entries), rows
+
+
 def _push_header(p: pb.PushRequest) -> pb.PushRequest:
     """A streamed push's header: the first chunk's fields without its arrays."""
     return pb.PushRequest(
@@ -704,11 +733,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         context: grpc.ServicerContext,
         split: Mapping[str, SplitArray] | None = None,
     ) -> tuple[pb.PushResponse, list[Entry]]:
-        """Apply a push; the response, and the shards its pull_dense names as they are after it."""
+        """Apply a push; the response, and the shards its pull_dense names and the rows its PULL_IDS entries ask
+        for, as they are after it."""
         self.requests += 1
         try:
-            outcome = self.store.push(request, entries, split)
-            pulled = self.store.pull([Entry(name, DENSE, _EMPTY) for name in request.pull_dense])
+            gradients, rows = _pull_rows_apart(entries, streamed=split is not None)
+            outcome = self.store.push(request, gradients, split, rows)
+            pulled = self.store.pull([*map(wire.whole_shard, request.pull_dense), *rows])
         except (ValueError, FencedError, NotInitializedError, ChiefReplaced) as exc:
             self._abort(context, exc)
             raise

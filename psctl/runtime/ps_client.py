@@ -269,20 +269,20 @@ class PsClient:
         self,
         header: PushHeader,
         plan: Mapping[int, Sequence[Entry]],
-        pull: Mapping[int, Sequence[str]],
+        pull: Mapping[int, Sequence[Entry]],
         *,
         increment_on: int | None = 0,
     ) -> tuple[dict[int, pb.PushResponse], dict[int, list[Entry]]]:
-        """Push, and get back the whole shards ``pull`` names on each PS as they are right after the update,
-        in the same round trip (an asynchronous worker's next step's variables). Each PS's gradients must fit
-        one unary message."""
+        """Push, and get back what the pull plan ``pull`` asks of each PS (whole shards; an embedding shard's
+        rows, by IDS entries) as it is right after the update, in the same round trip (an asynchronous worker's
+        next step's variables). Each PS's gradients must fit one unary message."""
         return _apart(self._push(header, plan, increment_on, pull))
 
     def start_push_pull(
         self,
         header: PushHeader,
         plan: Mapping[int, Sequence[Entry]],
-        pull: Mapping[int, Sequence[str]],
+        pull: Mapping[int, Sequence[Entry]],
         *,
         increment_on: int | None = 0,
     ) -> Callable[[], tuple[dict[int, pb.PushResponse], dict[int, list[Entry]]]]:
@@ -296,7 +296,7 @@ class PsClient:
         header: PushHeader,
         plan: Mapping[int, Sequence[Entry]],
         increment_on: int | None,
-        pull: Mapping[int, Sequence[str]],
+        pull: Mapping[int, Sequence[Entry]],
     ) -> dict[int, tuple[pb.PushResponse, list[Entry]]]:
         calls = self._push_calls(header, plan, increment_on, pull)
         return {ps: _push_reply(frame) for ps, frame in self._on_every_ps(calls).items()}
@@ -306,12 +306,15 @@ class PsClient:
         header: PushHeader,
         plan: Mapping[int, Sequence[Entry]],
         increment_on: int | None,
-        pull: Mapping[int, Sequence[str]],
+        pull: Mapping[int, Sequence[Entry]],
     ) -> dict[int, Call]:
-        """Each PS's push of one step: its request, and the rpc that carries it."""
+        """Each PS's push of one step: its request, and the rpc that carries it (the rows it asks back travel as
+        PULL_IDS entries after the gradients)."""
         calls: dict[int, Call] = {}
         for ps in range(len(self._framed)):
-            entries = plan.get(ps, [])
+            asked = pull.get(ps, ())
+            rows = [Entry(e.name, wire.PULL_IDS, e.array) for e in asked if e.kind == wire.IDS]
+            entries = [*plan.get(ps, []), *rows]
             request = pb.PushRequest(
                 step_id=header.step_id,
                 task=header.task,
@@ -320,12 +323,12 @@ class PsClient:
                 increment_global_step=ps == increment_on,
                 shard=header.shard,
                 position=header.position,
-                pull_dense=list(pull.get(ps, ())),
+                pull_dense=[e.name for e in asked if e.kind == wire.DENSE],
                 chief_incarnation=header.chief_incarnation,
             )
             if wire.payload_bytes(entries) <= limits.UNARY_MAX_BYTES:
                 calls[ps] = (self._framed[ps].push, wire.encode_frame(request, entries))
-            elif request.pull_dense:
+            elif asked:
                 raise ValueError(f"push_pull: the gradients for ps:{ps} do not fit one message")
             else:
                 frames = wire.frames(entries, request)

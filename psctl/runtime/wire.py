@@ -45,12 +45,16 @@ ROWS = pb.ROWS
 SLOT = pb.SLOT
 LEFT_FACTOR = pb.LEFT_FACTOR
 RIGHT_FACTOR = pb.RIGHT_FACTOR
-_KINDS = (DENSE, IDS, ROWS, SLOT, LEFT_FACTOR, RIGHT_FACTOR)
+PULL_IDS = pb.PULL_IDS
+_KINDS = (DENSE, IDS, ROWS, SLOT, LEFT_FACTOR, RIGHT_FACTOR, PULL_IDS)
 _ZEROS = bytes(FRAME_ALIGN)
 #: Wire dtype by name, and name by dtype (either byte order): looked up per array on every rpc, where numpy's
 #: own ``dtype.name`` and ``np.dtype(name)`` cost microseconds each.
 _WIRE_DTYPE = {name: np.dtype(name).newbyteorder("<") for name in DTYPES}
 _NAME_OF = {dt.newbyteorder(order): name for name, dt in _WIRE_DTYPE.items() for order in "<>"}
+
+
+_NO_DATA = np.zeros(0, dtype=np.float32)
 
 
 class WireError(ValueError):
@@ -64,6 +68,11 @@ class Entry:
     name: str
     kind: int
     array: np.ndarray
+
+
+def whole_shard(name: str) -> Entry:
+    """A pull's ask for the whole of shard ``name`` (a DENSE entry with no data)."""
+    return Entry(name, DENSE, _NO_DATA)
 
 
 class Piece(NamedTuple):

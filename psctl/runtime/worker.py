@@ -17,6 +17,11 @@ communication that overlaps computation). A dense model's calls of several steps
 after step, the calls one at a time; otherwise (one step per call, embeddings) the chief's two calls run at
 once, a thread each.
 
+A model with embeddings cannot reuse what a push brought back: the next batch needs other rows. Within a call
+of several asynchronous steps, the worker reads the next step's batch ahead, and each push asks back that
+batch's rows (and the dense shards) as they are right after the update: the next step pulls nothing, which is
+what a pull sent right after the push would have read, in one round trip per PS instead of two.
+
 Status codes the coordinator relies on:
 - FAILED_PRECONDITION "ps unavailable: ..." — a PS is down; the step can be retried once it is back.
 - UNAVAILABLE "preempted: ..." — the worker is leaving (SIGTERM) and ran nothing of this step: hand it to
@@ -31,9 +36,10 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import grpc
+import numpy as np
 
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
@@ -42,10 +48,10 @@ from psctl.runtime.fencing import ChiefFence, ChiefReplaced
 from psctl.runtime.heartbeat import PROGRESS, Progress
 from psctl.runtime.limits import UNARY_MAX_BYTES
 from psctl.runtime.model import ShardedModel
-from psctl.runtime.program import Dataset
+from psctl.runtime.program import Batch, Dataset
 from psctl.runtime.ps_client import PsClient, PsUnavailable, PushHeader
 from psctl.runtime.stepstats import StepStats
-from psctl.runtime.wire import DENSE, Entry
+from psctl.runtime.wire import DENSE, IDS, Entry, payload_bytes
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,19 @@ class _Computed:
     plan: dict[int, list[Entry]]
     reuse: bool
     pulled_bytes: int
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    """The next step of a call, read ahead: its batch, embedding ids and pull plan; once the previous step's push
+    has answered, the variables it brought back for it and each PS's global step then."""
+
+    position: int
+    batch: Batch
+    ids: dict[str, np.ndarray]
+    plan: dict[int, list[Entry]]
+    pulled: dict[int, list[Entry]] = field(default_factory=dict)
+    steps: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -282,10 +301,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self.ps.wait_ready(5.0)
             self._ps_was_down = False
         count = max(1, request.steps)
-        if one_thread:
-            replies = self._train_pipelined(request, count)
-        else:
-            replies = [self._train_step(request, request.step_id + i, request.position + i) for i in range(count)]
+        replies = self._train_pipelined(request, count) if one_thread else self._train_steps(request, count)
         if count == 1:
             return replies[0]
         last = replies[-1]
@@ -300,10 +316,37 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             steps=count,
         )
 
-    def _train_step(self, request: pb.StepRequest, step_id: int, position: int) -> pb.StepResponse:
-        step = self._compute(request, step_id, position)
-        responses = self._push(request, step.header, step.gradients, step.plan if step.reuse else None)
-        return self._finish(step, responses, time.perf_counter() - step.push_start)
+    def _train_steps(self, request: pb.StepRequest, count: int) -> list[pb.StepResponse]:
+        """``count`` consecutive steps, each pushed before the next computes; each push brings back the next
+        step's rows where it can (see _read_ahead)."""
+        replies: list[pb.StepResponse] = []
+        ahead: _Ahead | None = None
+        for i in range(count):
+            step = self._compute(request, request.step_id + i, request.position + i, ahead)
+            ahead = self._read_ahead(request, step, request.position + i + 1) if i + 1 < count else None
+            if ahead is None:
+                responses = self._push(request, step.header, step.gradients, step.plan if step.reuse else None)
+            else:
+                responses, after = self.ps.push_pull(step.header, step.gradients, ahead.plan)
+                ahead = replace(ahead, pulled=after, steps={ps: r.global_step for ps, r in responses.items()})
+            replies.append(self._finish(step, responses, time.perf_counter() - step.push_start))
+        return replies
+
+    def _read_ahead(self, request: pb.StepRequest, step: _Computed, position: int) -> _Ahead | None:
+        """The step at ``position``, next in this call, read ahead so that ``step``'s push asks back its rows:
+        for a model with embeddings (a dense model's push brings its shards back already), asynchronous, where
+        each PS's push and answer fit one message. None where the next step pulls for itself."""
+        if step.reuse or request.sync_step or not any(e.kind == IDS for es in step.plan.values() for e in es):
+            return None
+        batch = self.dataset("train", request.shard).batch(position, self.batch_size)
+        ids = self.model.program.embedding_ids(batch)
+        plan = self.model.pull_plan(ids)
+        answers = self.model.pull_bytes(plan)
+        for ps, asked in plan.items():
+            sent = payload_bytes([*step.gradients.get(ps, []), *(e for e in asked if e.kind == IDS)])
+            if max(sent, answers[ps]) > UNARY_MAX_BYTES:
+                return None
+        return _Ahead(position, batch, ids, plan)
 
     def _train_pipelined(self, request: pb.StepRequest, count: int) -> list[pb.StepResponse]:
         """``count`` consecutive steps in this thread, each computed while the previous one's push is on its way
@@ -332,16 +375,22 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         responses = pushed.answers()
         return self._finish(pushed.step, responses, pushed.sending + time.perf_counter() - waited)
 
-    def _compute(self, request: pb.StepRequest, step_id: int, position: int) -> _Computed:
-        """A step up to its push: its batch, its variables, its loss and gradients."""
+    def _compute(self, request: pb.StepRequest, step_id: int, position: int, ahead: _Ahead | None = None) -> _Computed:
+        """A step up to its push: its batch, its variables (``ahead``: read ahead, brought back by the previous
+        push), its loss and gradients."""
         start = time.perf_counter()
         program = self.model.program
-        batch = self.dataset("train", request.shard).batch(position, self.batch_size)
-        ids = program.embedding_ids(batch)
-        plan = self.model.pull_plan(ids)
-        expected = self.model.pull_bytes(plan)
-        reuse = _reusable(request, plan, expected)
-        pulled, steps = self._variables(request, plan, expected, reuse)
+        if ahead is not None and ahead.position == position and ahead.pulled:
+            batch, ids, plan = ahead.batch, ahead.ids, ahead.plan
+            reuse, expected = False, {}  # (its bytes came with the previous push's answer)
+            pulled, steps = ahead.pulled, ahead.steps
+        else:
+            batch = self.dataset("train", request.shard).batch(position, self.batch_size)
+            ids = program.embedding_ids(batch)
+            plan = self.model.pull_plan(ids)
+            expected = self.model.pull_bytes(plan)
+            reuse = _reusable(request, plan, expected)
+            pulled, steps = self._variables(request, plan, expected, reuse)
         params = self.model.assemble(ids, pulled)
         compute_start = time.perf_counter()
         loss, grads = program.loss_and_grads(params, batch)
@@ -404,13 +453,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         """Push the gradients; with the step's pull ``plan``, also bring its shards back for the next step."""
         if plan is None:
             return self.ps.push(header, gradients)
-        responses, after = self.ps.push_pull(header, gradients, _names(plan))
+        responses, after = self.ps.push_pull(header, gradients, plan)
         self._keep(request, responses, after)
         return responses
 
     def _start_push(self, request: pb.StepRequest, step: _Computed) -> _Pushed:
         """``_push`` of a step whose shards come back, sent now: its answers are waited for later."""
-        answers = self.ps.start_push_pull(step.header, step.gradients, _names(step.plan))
+        answers = self.ps.start_push_pull(step.header, step.gradients, step.plan)
 
         def done() -> dict[int, pb.PushResponse]:
             responses, after = answers()
@@ -442,10 +491,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             step_seconds=time.perf_counter() - start,
             global_step=global_step,
         )
-
-
-def _names(plan: dict[int, list[Entry]]) -> dict[int, list[str]]:
-    return {ps: [e.name for e in entries] for ps, entries in plan.items()}
 
 
 def _nbytes(grad: object) -> int:
