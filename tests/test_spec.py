@@ -1205,6 +1205,11 @@ def test_set_overrides_replace_values_create_left_out_mappings_and_the_last_one_
     ("training.steps=-5", "--set training.steps=-5: training.steps: expected an integer >= 1, got -5; write a "
                           "whole number such as 1000"),
     ("training.stepz=5", "--set training.stepz=5: training.stepz: unknown key; did you mean 'steps'?"),
+    # a fix the file would write as "key: value" is given as the --set to write
+    ("name=Bad_Name", "--set name=Bad_Name: name: 'Bad_Name' is not valid: lowercase letters, digits and dashes, at "
+                      "most 63, not starting with a dash; write e.g. --set name=digits"),
+    ("roles.ps.threads=[1]", "--set roles.ps.threads=[1]: roles.ps.threads: expected an integer >= 1, got a list; "
+                             "write e.g. --set roles.ps.threads=1"),
     ("training.optimizer={name: adamw}", "--set training.optimizer={name: adamw}: training.optimizer.name: unknown "
                                          "optimizer 'adamw'; did you mean 'adam'? (one of: sgd, momentum, adagrad, "
                                          "adam)"),
