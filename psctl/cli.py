@@ -308,13 +308,16 @@ def list_command(as_json: bool) -> None:
     for col in ("name", "state", "roles", "steps", "updated"):
         table.add_column(col, no_wrap=True)
     table.add_column("result (test split)")
-    for record in records:
-        state = record.state.value + (" (stale)" if observe.is_stale(record) else "")
+    stale = [observe.is_stale(record) for record in records]
+    for record, is_stale in zip(records, stale, strict=True):
         metrics = (record.result or {}).get("metrics")
-        table.add_row(record.name, state, str(len(record.roles)), str(record.steps),
-                      time.strftime("%m-%d %H:%M", time.localtime(record.updated_at)),  # (80 columns)
-                      metrics_text(metrics) if metrics else "-")
+        table.add_row(record.name, record.state.value + ("*" if is_stale else ""), str(len(record.roles)),
+                      str(record.steps), time.strftime("%m-%d %H:%M", time.localtime(record.updated_at)),
+                      metrics_text(metrics) if metrics else "-")  # (80 columns: a mark, a footnote for stale)
     console.print(table)
+    if any(stale):
+        console.print("* stale: its supervisor is not running; `psctl supervise NAME` takes it up again",
+                      markup=False, soft_wrap=True)
 
 
 @cli.command()

@@ -271,7 +271,9 @@ def test_ls_lists_clusters(psctl_env) -> None:
     rows = " ".join(result.stdout.split()[len(header):])  # (a narrow terminal wraps the result cell)
     when = r"\d\d-\d\d \d\d:\d\d"
     assert re.fullmatch(rf"done succeeded 3 50 {when} loss 0\.0633, accuracy 0\.9889 "
-                        rf"orphan running \(stale\) 1 7 {when} -", rows), result.stdout
+                        rf"orphan running\* 1 7 {when} - \* stale: its supervisor is not running; `psctl "
+                        r"supervise NAME` takes it up again", rows), result.stdout
+    assert all(len(line) <= 80 for line in result.stdout.splitlines()), result.stdout
     listed = json.loads(check_ok(invoke("ls", "--json")).stdout)
     assert [(c["name"], c["state"], c["stale"], c["steps"], c["spec_overrides"], c["result"]) for c in listed] == [
         ("done", "succeeded", False, 50, ["training.steps=50"], {"metrics": {"loss": 0.0633, "accuracy": 0.9889}}),
