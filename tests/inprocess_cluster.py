@@ -76,11 +76,13 @@ MakeCluster = Callable[..., Cluster]
 
 
 def cluster_factory() -> Iterator[MakeCluster]:
-    """The body of a fixture: yields ``make(program, num_ps=1, batch_size=20)``, then stops all it made."""
+    """The body of a fixture: yields ``make(program, num_ps=1, batch_size=20, spare_ps=0, num_shards=1)``, then
+    stops all it made."""
     servers: list[grpc.Server] = []
     closers: list[Callable[[], object]] = []
 
-    def make(program: ProgramRef, num_ps: int = 1, batch_size: int = 20, spare_ps: int = 0) -> Cluster:
+    def make(program: ProgramRef, num_ps: int = 1, batch_size: int = 20, spare_ps: int = 0,
+             num_shards: int = 1) -> Cluster:
         loaded = load_program(program)
         model = ShardedModel(loaded, num_ps)
         servicers, addresses = [], []
@@ -105,7 +107,7 @@ def cluster_factory() -> Iterator[MakeCluster]:
         closers.extend([chief.close, worker_ps.close])
         chief.init(model.shard_specs(0), pb.OptimizerConfig(name="adam", learning_rate=0.01), CLUSTER_ID)
         worker = WorkerServicer(model, worker_ps, task="worker:0", incarnation=1, batch_size=batch_size,
-                                num_shards=1, relayout=relayout)  # fmt: skip
+                                num_shards=num_shards, relayout=relayout)  # fmt: skip
         server, port = make_server("127.0.0.1:0")
         pb_grpc.add_WorkerServicer_to_server(worker, server)
         server.start()

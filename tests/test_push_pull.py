@@ -81,14 +81,23 @@ def test_a_new_params_epoch_makes_the_worker_pull_again(make_cluster: MakeCluste
     assert cluster.pushes() == [7]
 
 
-def test_synchronous_steps_and_embedding_models_one_step_a_call_pull_every_step(make_cluster: MakeCluster) -> None:
+def test_synchronous_steps_pull_every_step(make_cluster: MakeCluster) -> None:
     cluster = make_cluster(MLP, num_ps=1)
     for step in range(1, 4):
         cluster.run_step(step_id=step, shard=0, position=step - 1, sync_step=step, params_epoch=5)
     assert cluster.pulls() == [3]  # a synchronous step must see its own round's variables
+    embedding = make_cluster(EMBEDDING, num_ps=1)
+    for step in range(1, 4):
+        embedding.run_step(step_id=step, shard=0, position=step - 1, sync_step=step, params_epoch=5)
+    assert embedding.pulls() == [3]
+
+
+def test_an_embedding_model_s_steps_one_a_call_pull_for_the_first_only(make_cluster: MakeCluster) -> None:
+    # through the coordinator: each call's push brings back the rows of the batch after it, which the next call
+    # on this worker's data shard starts at
     embedding = make_cluster(EMBEDDING, num_ps=2)
-    _train(embedding, 3)
-    assert embedding.pulls() == [3, 3]  # the rows a batch needs depend on the batch, not known before its call
+    assert [r.global_step for r in _train(embedding, 4)] == [1, 2, 3, 4]
+    assert embedding.pulls() == [1, 1] and embedding.pushes() == [4, 4]
 
 
 def test_a_call_of_several_embedding_steps_pulls_for_its_first_step_only(make_cluster: MakeCluster) -> None:
@@ -102,14 +111,35 @@ def test_a_call_of_several_embedding_steps_pulls_for_its_first_step_only(make_cl
 
 
 def test_the_rows_a_push_brings_back_are_exactly_those_a_pull_would_get(make_cluster: MakeCluster) -> None:
-    # One worker, one call of 6 steps against 6 calls of one step (each pulling): the same variables, bit for bit
+    # One worker: calls of several steps (within a call, and from one call to the next of the same params epoch)
+    # against calls of one step, each pulling: the same variables, bit for bit
     ahead, pulled = make_cluster(EMBEDDING, num_ps=2), make_cluster(EMBEDDING, num_ps=2)
-    assert ahead.run_step(step_id=1, shard=0, position=0, steps=6).global_step == 6
-    for step in range(1, 7):
+    assert ahead.run_step(step_id=1, shard=0, position=0, steps=4, params_epoch=3).global_step == 4
+    assert ahead.run_step(step_id=5, shard=0, position=4, steps=3, params_epoch=3).global_step == 7
+    for step in range(1, 8):
         assert pulled.run_step(step_id=step, shard=0, position=step - 1).applied
-    assert ahead.pulls() == [1, 1] and pulled.pulls() == [6, 6]
+    assert ahead.pulls() == [1, 1] and pulled.pulls() == [7, 7]
     assert ahead.values() == pulled.values()
     assert ahead.values() != make_cluster(EMBEDDING, num_ps=2).values()  # (and training did move them)
+
+
+def test_a_call_s_last_push_brings_back_the_next_call_s_first_rows_only_where_it_starts_there(
+    make_cluster: MakeCluster,
+) -> None:
+    cluster = make_cluster(EMBEDDING, num_ps=2, num_shards=2)
+    assert cluster.run_step(step_id=1, shard=0, position=0, steps=2, params_epoch=5).applied
+    assert cluster.run_step(step_id=3, shard=0, position=2, steps=2, params_epoch=5).applied
+    assert cluster.pulls() == [1, 1]  # the second call started where the first one's last push read ahead
+    assert cluster.run_step(step_id=5, shard=0, position=9, steps=2, params_epoch=5).applied
+    assert cluster.pulls() == [2, 2]  # another position: not the batch read ahead
+    assert cluster.run_step(step_id=7, shard=1, position=11, steps=2, params_epoch=5).applied
+    assert cluster.pulls() == [3, 3]  # the next position, of another data shard
+    assert cluster.run_step(step_id=9, shard=1, position=13, steps=2, params_epoch=6).applied
+    assert cluster.pulls() == [4, 4]  # a new params epoch: the variables may have been replaced meanwhile
+    assert cluster.run_step(step_id=11, shard=1, position=15, steps=2).applied
+    assert cluster.run_step(step_id=13, shard=1, position=17, steps=2).applied
+    assert cluster.pulls() == [6, 6]  # no params epoch (a chief that sends none): nothing is kept across calls
+    assert cluster.pushes() == [14, 14]
 
 
 def test_rows_that_do_not_fit_one_message_are_pulled_by_the_step_itself(

@@ -20,7 +20,9 @@ once, a thread each.
 A model with embeddings cannot reuse what a push brought back: the next batch needs other rows. Within a call
 of several asynchronous steps, the worker reads the next step's batch ahead, and each push asks back that
 batch's rows (and the dense shards) as they are right after the update: the next step pulls nothing, which is
-what a pull sent right after the push would have read, in one round trip per PS instead of two.
+what a pull sent right after the push would have read, in one round trip per PS instead of two. Where calls
+run one at a time, a call's last push asks back the rows of the batch after it, kept for the next call if it
+starts there (same data shard, same params epoch, as the dense variables are kept).
 
 Status codes the coordinator relies on:
 - FAILED_PRECONDITION "ps unavailable: ..." — a PS is down; the step can be retried once it is back.
@@ -85,6 +87,7 @@ class _Ahead:
     """The next step of a call, read ahead: its batch, embedding ids and pull plan; once the previous step's push
     has answered, the variables it brought back for it and each PS's global step then."""
 
+    shard: int
     position: int
     batch: Batch
     ids: dict[str, np.ndarray]
@@ -149,6 +152,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         #: (the chief resends work only after the PS is back and restored).
         self._ps_was_down = False
         self._prefetched: Prefetched | None = None
+        #: The rows a call's last push brought back for the batch after it, and the params epoch of that call.
+        self._rows_ahead: tuple[int, _Ahead] | None = None
         self._lock = threading.Lock()
         #: Steps running now, whether the worker is leaving (see drain), and when a step was last asked of it.
         self._running = 0
@@ -230,7 +235,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     return self._train(request)
                 except Exception:
                     with self._lock:  # the variables a push brought back may no longer be the PS's
-                        self._prefetched = None
+                        self._prefetched, self._rows_ahead = None, None
                     raise
             if request.function == "evaluate":
                 return self._evaluate(request)
@@ -265,7 +270,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 raise ValueError(f"the chief's layout has {len(addresses)} ps, this worker {self.model.num_ps}")
             old = self.ps
             self.model, self.ps = self.relayout(addresses)
-            self._prefetched = None
+            self._prefetched, self._rows_ahead = None, None
         old.close_later()
 
     def _train(self, request: pb.StepRequest) -> pb.StepResponse:
@@ -320,17 +325,35 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         """``count`` consecutive steps, each pushed before the next computes; each push brings back the next
         step's rows where it can (see _read_ahead)."""
         replies: list[pb.StepResponse] = []
-        ahead: _Ahead | None = None
+        ahead = self._kept_ahead(request)
+        # calls one at a time, of a params epoch: nothing else runs on this worker before the next call's first
+        # step, and a new epoch tells when the variables may have been replaced meanwhile (see _kept_ahead)
+        keep = self._serial is not None and request.params_epoch != 0
         for i in range(count):
             step = self._compute(request, request.step_id + i, request.position + i, ahead)
-            ahead = self._read_ahead(request, step, request.position + i + 1) if i + 1 < count else None
+            last = i + 1 == count
+            ahead = self._read_ahead(request, step, request.position + i + 1) if keep or not last else None
             if ahead is None:
                 responses = self._push(request, step.header, step.gradients, step.plan if step.reuse else None)
             else:
                 responses, after = self.ps.push_pull(step.header, step.gradients, ahead.plan)
                 ahead = replace(ahead, pulled=after, steps={ps: r.global_step for ps, r in responses.items()})
             replies.append(self._finish(step, responses, time.perf_counter() - step.push_start))
+        if ahead is not None:
+            with self._lock:
+                self._rows_ahead = (request.params_epoch, ahead)
         return replies
+
+    def _kept_ahead(self, request: pb.StepRequest) -> _Ahead | None:
+        """The rows the previous call's last push brought back, if this call starts at that batch (same data
+        shard, next position) in the same params epoch; taken either way (they are for one step only)."""
+        with self._lock:
+            kept, self._rows_ahead = self._rows_ahead, None
+        if kept is None:
+            return None
+        epoch, ahead = kept
+        same = (epoch, ahead.shard, ahead.position) == (request.params_epoch, request.shard, request.position)
+        return ahead if same and request.params_epoch != 0 else None
 
     def _read_ahead(self, request: pb.StepRequest, step: _Computed, position: int) -> _Ahead | None:
         """The step at ``position``, next in this call, read ahead so that ``step``'s push asks back its rows:
@@ -346,7 +369,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             sent = payload_bytes([*step.gradients.get(ps, []), *(e for e in asked if e.kind == IDS)])
             if max(sent, answers[ps]) > UNARY_MAX_BYTES:
                 return None
-        return _Ahead(position, batch, ids, plan)
+        return _Ahead(request.shard, position, batch, ids, plan)
 
     def _train_pipelined(self, request: pb.StepRequest, count: int) -> list[pb.StepResponse]:
         """``count`` consecutive steps in this thread, each computed while the previous one's push is on its way
