@@ -59,8 +59,9 @@ THREADS_HELP = ("numpy/BLAS threads per role, or auto (default): the machine's C
                 "at least 1, as psctl's launcher does")
 
 
-def threads_option(value: str) -> int | str:
-    """argparse type of ``--threads``: ``auto`` or a whole number >= 1."""
+def auto_or_count(value: str) -> int | str:
+    """argparse type of an option that takes ``auto`` or a whole number >= 1 (``--threads``,
+    ``--steps-per-execution``)."""
     if value == "auto":
         return value
     if not value.isdigit() or int(value) < 1:

@@ -38,6 +38,7 @@ import psutil
 from benchmarks.common import (
     THREADS_HELP,
     Monitor,
+    auto_or_count,
     bench_cluster,
     cpu_seconds,
     emit_all,
@@ -50,7 +51,6 @@ from benchmarks.common import (
     rounded,
     run_as_role,
     run_directory,
-    threads_option,
 )
 from benchmarks.workloads import training_config
 from psctl.proto import psctl_pb2 as pb
@@ -270,7 +270,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=500, help="timed steps (default 500)")
     parser.add_argument("--warmup", type=int, default=50, help="untimed steps first (default 50)")
     parser.add_argument("--repeats", type=int, default=200, help="repeats of each attribution timing (default 200)")
-    parser.add_argument("--threads", type=threads_option, default="auto", help=THREADS_HELP)
+    parser.add_argument("--threads", type=auto_or_count, default="auto", help=THREADS_HELP)
     parser.add_argument("--steps-per-execution", type=int, default=10,
                         help="steps per call for the queued runs with training.steps_per_execution (default 10)")
     parser.add_argument("--seed", type=int, default=0)

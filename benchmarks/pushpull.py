@@ -47,6 +47,7 @@ from benchmarks.common import (
     REPO_ROOT,
     THREADS_HELP,
     Monitor,
+    auto_or_count,
     bench_cluster,
     cpu_seconds,
     emit_all,
@@ -58,7 +59,6 @@ from benchmarks.common import (
     rounded,
     run_as_role,
     run_directory,
-    threads_option,
 )
 from psctl.proto import psctl_pb2 as pb
 from psctl.runtime import limits, wire
@@ -371,7 +371,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sizes", default="1,8,64", help="comma-separated sizes in MiB (default 1,8,64)")
     parser.add_argument("--repeats", type=int, default=10, help="timed repeats per figure (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed repeats first (default 2)")
-    parser.add_argument("--threads", type=threads_option, default="auto", help=THREADS_HELP)
+    parser.add_argument("--threads", type=auto_or_count, default="auto", help=THREADS_HELP)
     parser.add_argument("--run-dir", help="keep the PS log here (default: a temp dir)")
     parser.add_argument("--tcp-receiver", type=int, metavar="MAX_BYTES", help=argparse.SUPPRESS)
     parser.add_argument("--grpc-raw-server", type=int, metavar="PORT", help=argparse.SUPPRESS)

@@ -39,6 +39,7 @@ from benchmarks.common import (
     THREADS_HELP,
     BenchCluster,
     Monitor,
+    auto_or_count,
     emit_all,
     install_signal_handlers,
     log,
@@ -47,7 +48,6 @@ from benchmarks.common import (
     resolve_threads,
     rounded,
     run_directory,
-    threads_option,
 )
 from psctl.pki import create_cluster_pki
 from psctl.proto import psctl_pb2 as pb
@@ -199,7 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sizes", default="1,8,64", help="comma-separated sizes in MiB (default 1,8,64)")
     parser.add_argument("--repeats", type=int, default=10, help="timed repeats per figure (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed repeats first (default 2)")
-    parser.add_argument("--threads", type=threads_option, default="auto", help=THREADS_HELP)
+    parser.add_argument("--threads", type=auto_or_count, default="auto", help=THREADS_HELP)
     parser.add_argument("--run-dir", help="keep the PS logs here (default: a temp dir)")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:

@@ -40,6 +40,7 @@ from benchmarks.common import (
     THREADS_HELP,
     BenchCluster,
     Monitor,
+    auto_or_count,
     emit_all,
     install_signal_handlers,
     log,
@@ -47,7 +48,6 @@ from benchmarks.common import (
     resolve_threads,
     rounded,
     run_directory,
-    threads_option,
 )
 from psctl.launch.cpus import CPU_BINDINGS
 
@@ -226,7 +226,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    parser.add_argument("--threads", type=threads_option, default="auto", help=THREADS_HELP + ", both systems")
+    parser.add_argument("--threads", type=auto_or_count, default="auto", help=THREADS_HELP + ", both systems")
     parser.add_argument("--timeout", type=float, default=600.0, help="give up on a run after this many seconds")
     parser.add_argument("--psctl-steps-per-execution", default="auto",
                         help="psctl's training.steps_per_execution (default auto, psctl's default)")

@@ -23,6 +23,7 @@ from benchmarks.common import (
     THREADS_HELP,
     BenchCluster,
     Monitor,
+    auto_or_count,
     bench_cluster,
     emit_all,
     install_signal_handlers,
@@ -31,7 +32,6 @@ from benchmarks.common import (
     resolve_threads,
     rounded,
     run_directory,
-    threads_option,
 )
 from psctl.launch.cpus import CPU_BINDINGS
 from psctl.runtime.metrics import read_metrics
@@ -218,15 +218,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
 
 
-def _steps_per_call(value: str) -> int | str:
-    """--steps-per-execution: auto, or a whole number >= 1."""
-    if value == "auto":
-        return value
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"expected auto or a whole number >= 1, got {value!r}")
-    return int(value)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workload", choices=WORKLOADS)
@@ -234,7 +225,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, help="number of workers (default: w1 2, w2 2, w3 1)")
     parser.add_argument("--steps", type=int, help="training steps (default: w1 3000, w2 400, w3 300)")
     parser.add_argument("--batch-size", type=int, default=0, help="override the workload's batch size")
-    parser.add_argument("--threads", type=threads_option, default="auto", help=THREADS_HELP)
+    parser.add_argument("--threads", type=auto_or_count, default="auto", help=THREADS_HELP)
     parser.add_argument("--zipf", type=float, default=0.0,
                         help="w2: Zipf exponent of the ids (> 1), 0 for uniform ids (default)")
     parser.add_argument("--vocab", type=int, default=1_000_000, help="w2: embedding rows (default 1000000)")
@@ -244,7 +235,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-fraction", type=float, default=0.1,
                         help="steps/s is measured from this fraction of the steps to the last (default 0.1)")
     parser.add_argument("--pipelined", action="store_true", help="training.pipelined: two steps in flight per worker")
-    parser.add_argument("--steps-per-execution", type=_steps_per_call, default="auto",
+    parser.add_argument("--steps-per-execution", type=auto_or_count, default="auto",
                         help="training.steps_per_execution: steps per call from the chief, or auto (the default: "
                              "sized from the steps' durations)")
     parser.add_argument("--placement", choices=("balanced", "round_robin"), default="balanced",
