@@ -6,7 +6,9 @@ driven through the coordinator or straight through RunStep.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -140,6 +142,26 @@ def test_a_call_s_last_push_brings_back_the_next_call_s_first_rows_only_where_it
     assert cluster.run_step(step_id=13, shard=1, position=17, steps=2).applied
     assert cluster.pulls() == [6, 6]  # no params epoch (a chief that sends none): nothing is kept across calls
     assert cluster.pushes() == [14, 14]
+
+
+def test_a_batch_read_ahead_counts_as_its_own_step_s_input_not_the_push_it_preceded(
+    make_cluster: MakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # what psctl top shows: each step's input+pull, compute and push time (a slow input here: 0.1 s a batch)
+    cluster = make_cluster(EMBEDDING, num_ps=1)
+    dataset = cluster.worker.dataset("train", 0)
+    read = dataset.batch
+
+    def slow_batch(position: int, batch_size: int) -> Any:
+        time.sleep(0.1)
+        return read(position, batch_size)
+
+    monkeypatch.setattr(dataset, "batch", slow_batch)
+    phases: list[dict[str, float]] = []
+    monkeypatch.setattr(cluster.worker.stats, "record", lambda **kw: phases.append(kw))
+    assert cluster.run_step(step_id=1, shard=0, position=0, steps=4).steps == 4
+    assert cluster.pulls() == [1]  # (the batches after the first were read ahead)
+    assert len(phases) == 4 and all(p["pull"] >= 0.1 and p["push"] < 0.1 for p in phases), phases
 
 
 def test_rows_that_do_not_fit_one_message_are_pulled_by_the_step_itself(

@@ -94,6 +94,8 @@ class _Ahead:
     plan: dict[int, list[Entry]]
     pulled: dict[int, list[Entry]] = field(default_factory=dict)
     steps: dict[int, int] = field(default_factory=dict)
+    #: How long reading it ahead took: the next step's input time, not the push it delayed.
+    read_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -335,10 +337,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             ahead = self._read_ahead(request, step, request.position + i + 1) if keep or not last else None
             if ahead is None:
                 responses = self._push(request, step.header, step.gradients, step.plan if step.reuse else None)
+                pushing = time.perf_counter() - step.push_start
             else:
                 responses, after = self.ps.push_pull(step.header, step.gradients, ahead.plan)
                 ahead = replace(ahead, pulled=after, steps={ps: r.global_step for ps, r in responses.items()})
-            replies.append(self._finish(step, responses, time.perf_counter() - step.push_start))
+                pushing = time.perf_counter() - step.push_start - ahead.read_seconds
+            replies.append(self._finish(step, responses, pushing))
         if ahead is not None:
             with self._lock:
                 self._rows_ahead = (request.params_epoch, ahead)
@@ -361,6 +365,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         each PS's push and answer fit one message. None where the next step pulls for itself."""
         if step.reuse or request.sync_step or not any(e.kind == IDS for es in step.plan.values() for e in es):
             return None
+        started = time.perf_counter()
         batch = self.dataset("train", request.shard).batch(position, self.batch_size)
         ids = self.model.program.embedding_ids(batch)
         plan = self.model.pull_plan(ids)
@@ -369,7 +374,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             sent = payload_bytes([*step.gradients.get(ps, []), *(e for e in asked if e.kind == IDS)])
             if max(sent, answers[ps]) > UNARY_MAX_BYTES:
                 return None
-        return _Ahead(request.shard, position, batch, ids, plan)
+        return _Ahead(request.shard, position, batch, ids, plan, read_seconds=time.perf_counter() - started)
 
     def _train_pipelined(self, request: pb.StepRequest, count: int) -> list[pb.StepResponse]:
         """``count`` consecutive steps in this thread, each computed while the previous one's push is on its way
@@ -404,6 +409,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         start = time.perf_counter()
         program = self.model.program
         if ahead is not None and ahead.position == position and ahead.pulled:
+            start -= ahead.read_seconds  # its input was read during the previous step's push
             batch, ids, plan = ahead.batch, ahead.ids, ahead.plan
             reuse, expected = False, {}  # (its bytes came with the previous push's answer)
             pulled, steps = ahead.pulled, ahead.steps
