@@ -17,7 +17,6 @@ import contextlib
 import itertools
 import re
 import signal
-import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,34 +43,41 @@ WINDOW = 2 * 2 + 2
 RUN_TIMEOUT = 180.0
 
 
-def spec_text(name: str, steps: int) -> str:
-    return textwrap.dedent(
-        f"""\
-        name: {name}
-        roles:
-          chief: {{}}
-          ps: {{replicas: 2}}
-          worker: {{replicas: 2}}
-        training:
-          program: psctl.models.mlp
-          args: {{hidden_units: 32}}
-          data: {{name: digits}}
-          batch_size: 50
-          optimizer: {{name: adam, learning_rate: 0.01}}
-          mode: async
-          steps: {steps}
-          log_every_seconds: 0.2s
-          checkpoint: {{every_steps: {EVERY_STEPS}, every_seconds: 0, max_to_keep: 100}}
-        supervision: {{heartbeat_interval: {HEARTBEAT_INTERVAL}s, heartbeat_timeout: {HEARTBEAT_TIMEOUT}s}}
-        """
+#: The training section's model keys, by model: a dense MLP, or an embedding table cut over both ps (its pushes
+#: bring back the rows of the batches after them, read ahead).
+MODELS = {
+    "mlp": {"program": "psctl.models.mlp", "args": "{hidden_units: 32}", "data": "{name: digits}"},
+    "embedding": {"program": "psctl.models.wide_embedding", "args": "{dim: 8, vocab_size: 1200}",
+                  "partitioner": "{kind: fixed, num_shards: 2}",
+                  "data": "{name: synthetic_embedding, num_examples: 10000, vocab_size: 1000, ids_per_example: 10}"},
+}
+
+
+def spec_text(name: str, steps: int, model: str = "mlp") -> str:
+    model_keys = "".join(f"  {key}: {value}\n" for key, value in MODELS[model].items())
+    return (
+        f"name: {name}\n"
+        "roles:\n"
+        "  chief: {}\n"
+        "  ps: {replicas: 2}\n"
+        "  worker: {replicas: 2}\n"
+        "training:\n"
+        f"{model_keys}"
+        "  batch_size: 50\n"
+        "  optimizer: {name: adam, learning_rate: 0.01}\n"
+        "  mode: async\n"
+        f"  steps: {steps}\n"
+        "  log_every_seconds: 0.2s\n"
+        f"  checkpoint: {{every_steps: {EVERY_STEPS}, every_seconds: 0, max_to_keep: 100}}\n"
+        f"supervision: {{heartbeat_interval: {HEARTBEAT_INTERVAL}s, heartbeat_timeout: {HEARTBEAT_TIMEOUT}s}}\n"
     )
 
 
 class Cluster(SupervisedCluster):
     """One named cluster of the test's PSCTL_HOME, with the checkpoints and progress the fault tests wait for."""
 
-    def __init__(self, penv: PsctlEnv, name: str, steps: int) -> None:
-        super().__init__(penv, name, spec_text(name, steps))
+    def __init__(self, penv: PsctlEnv, name: str, steps: int, model: str = "mlp") -> None:
+        super().__init__(penv, name, spec_text(name, steps, model))
         self.steps = steps
 
     @property
@@ -110,15 +116,15 @@ def assert_finished_with_exactly(cluster: Cluster, steps: int) -> dict[str, Any]
     return result
 
 
-MakeCluster = Callable[[str, int], Cluster]
+MakeCluster = Callable[..., Cluster]
 
 
 @pytest.fixture
 def cluster_factory(psctl_env: PsctlEnv) -> MakeCluster:
     """Clusters in the test's own PSCTL_HOME; ``psctl_env`` tears down every one of them, pass or fail."""
 
-    def make(name: str, steps: int) -> Cluster:
-        return Cluster(psctl_env, name, steps)
+    def make(name: str, steps: int, model: str = "mlp") -> Cluster:
+        return Cluster(psctl_env, name, steps, model)
 
     return make
 
@@ -157,10 +163,10 @@ def test_sigkill_of_a_worker(cluster_factory: MakeCluster) -> None:
 RESTORED = re.compile(r"restored (\S+) \(global step (\d+)\)")
 
 
-@pytest.mark.parametrize("victim", ["ps-0", "ps-1"])
-def test_sigkill_of_a_ps_restores_the_latest_checkpoint(cluster_factory: MakeCluster, victim: str) -> None:
+@pytest.mark.parametrize(("victim", "model"), [("ps-0", "mlp"), ("ps-1", "mlp"), ("ps-1", "embedding")])
+def test_sigkill_of_a_ps_restores_the_latest_checkpoint(cluster_factory: MakeCluster, victim: str, model: str) -> None:
     steps = 1500
-    cluster = cluster_factory(f"kill{victim.replace('-', '')}", steps)
+    cluster = cluster_factory(f"kill{victim.replace('-', '')}{model[0]}", steps, model)
     cluster.up()
     cluster.wait_progress(400, checkpoints=2)
     killed_at = sigkill(cluster.process(victim))
