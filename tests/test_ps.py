@@ -899,6 +899,20 @@ def test_a_push_asking_back_more_than_one_message_holds_is_refused_and_changes_n
     assert push(ps, BAD_STEP, [GOOD_W]).applied  # the step id was not used up
 
 
+def test_a_push_asking_back_more_rows_than_one_message_holds_is_refused_and_changes_nothing(
+    ps: Ps, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    init(ps)
+    before = snapshot(ps)
+    monkeypatch.setattr(limits, "UNARY_MAX_BYTES", 4 * 2 * 4)  # room for 4 of EMB's rows (2 float32 each)
+    asked = Entry(EMB_IDS, PULL_IDS, np.array([0, 1, 2, 3, 4]))
+    code = rpc_code(lambda: _framed("PushFramed", _push_frame([GOOD_W, asked]))(ps))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    monkeypatch.undo()
+    assert snapshot(ps) == before
+    assert push(ps, BAD_STEP, [GOOD_W]).applied  # the step id was not used up
+
+
 def test_push_pull_needs_gradients_that_fit_one_message(ps: Ps) -> None:
     big = Entry("w", DENSE, np.zeros(limits.UNARY_MAX_BYTES // 4 + 1, np.float32))
     with pytest.raises(ValueError, match="do not fit one message"):
