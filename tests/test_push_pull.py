@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 from inprocess_cluster import Cluster, MakeCluster, cluster_factory
@@ -162,6 +163,26 @@ def test_a_batch_read_ahead_counts_as_its_own_step_s_input_not_the_push_it_prece
     assert cluster.run_step(step_id=1, shard=0, position=0, steps=4).steps == 4
     assert cluster.pulls() == [1]  # (the batches after the first were read ahead)
     assert len(phases) == 4 and all(p["pull"] >= 0.1 and p["push"] < 0.1 for p in phases), phases
+
+
+def test_data_that_ends_after_a_call_s_last_batch_fails_no_step(
+    make_cluster: MakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a program's dataset may end: reading ahead past its end must not fail the steps before it
+    cluster = make_cluster(EMBEDDING, num_ps=1)
+    dataset = cluster.worker.dataset("train", 0)
+    read = dataset.batch
+
+    def finite(position: int, batch_size: int) -> Any:
+        if position >= 3:
+            raise IndexError(f"no batch {position}: the data has 3")
+        return read(position, batch_size)
+
+    monkeypatch.setattr(dataset, "batch", finite)
+    assert cluster.run_step(step_id=1, shard=0, position=0, steps=3, params_epoch=4).global_step == 3
+    with pytest.raises(grpc.RpcError) as failed:  # the step that needs the missing batch says so
+        cluster.run_step(step_id=4, shard=0, position=3, params_epoch=4)
+    assert "no batch 3" in failed.value.details()  # type: ignore[attr-defined]
 
 
 def test_rows_that_do_not_fit_one_message_are_pulled_by_the_step_itself(

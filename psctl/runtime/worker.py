@@ -366,8 +366,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if step.reuse or request.sync_step or not any(e.kind == IDS for es in step.plan.values() for e in es):
             return None
         started = time.perf_counter()
-        batch = self.dataset("train", request.shard).batch(position, self.batch_size)
-        ids = self.model.program.embedding_ids(batch)
+        try:
+            batch = self.dataset("train", request.shard).batch(position, self.batch_size)
+            ids = self.model.program.embedding_ids(batch)
+        except Exception:  # a program's data may end here: the step that needs this batch, if one does, says so
+            return None
         plan = self.model.pull_plan(ids)
         answers = self.model.pull_bytes(plan)
         for ps, asked in plan.items():
