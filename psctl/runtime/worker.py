@@ -360,7 +360,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return ahead if same and request.params_epoch != 0 else None
 
     def _read_ahead(self, request: pb.StepRequest, step: _Computed, position: int) -> _Ahead | None:
-        """The step at ``position``, next in this call, read ahead so that ``step``'s push asks back its rows:
+        """The step at ``position``, next in this call (or the next call's first, kept), read ahead so that
+        ``step``'s push asks back its rows:
         for a model with embeddings (a dense model's push brings its shards back already), asynchronous, where
         each PS's push and answer fit one message. None where the next step pulls for itself."""
         if step.reuse or request.sync_step or not any(e.kind == IDS for es in step.plan.values() for e in es):
@@ -369,9 +370,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         try:
             batch = self.dataset("train", request.shard).batch(position, self.batch_size)
             ids = self.model.program.embedding_ids(batch)
-        except Exception:  # a program's data may end here: the step that needs this batch, if one does, says so
+            plan = self.model.pull_plan(ids)
+        except Exception:  # the data may end here, or hold bad ids: the step that needs it, if one does, says so
             return None
-        plan = self.model.pull_plan(ids)
         answers = self.model.pull_bytes(plan)
         for ps, asked in plan.items():
             sent = payload_bytes([*step.gradients.get(ps, []), *(e for e in asked if e.kind == IDS)])
