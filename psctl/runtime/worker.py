@@ -361,9 +361,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     def _read_ahead(self, request: pb.StepRequest, step: _Computed, position: int) -> _Ahead | None:
         """The step at ``position``, next in this call (or the next call's first, kept), read ahead so that
-        ``step``'s push asks back its rows:
-        for a model with embeddings (a dense model's push brings its shards back already), asynchronous, where
-        each PS's push and answer fit one message. None where the next step pulls for itself."""
+        ``step``'s push asks back its rows: for a model with embeddings (a dense model's push brings its shards
+        back already), asynchronous, where each PS's push and answer fit one message. None where the next step
+        pulls for itself."""
         if step.reuse or request.sync_step or not any(e.kind == IDS for es in step.plan.values() for e in es):
             return None
         started = time.perf_counter()
