@@ -7,7 +7,7 @@ driven through the coordinator or straight through RunStep.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -145,19 +145,24 @@ def test_a_call_s_last_push_brings_back_the_next_call_s_first_rows_only_where_it
     assert cluster.pushes() == [14, 14]
 
 
+def _before_each_batch(cluster: Cluster, monkeypatch: pytest.MonkeyPatch, before: Callable[[int], object]) -> None:
+    """Make the worker's training data (shard 0) call ``before(position)`` ahead of reading each batch."""
+    dataset = cluster.worker.dataset("train", 0)
+    read = dataset.batch
+
+    def batch(position: int, batch_size: int) -> Any:
+        before(position)
+        return read(position, batch_size)
+
+    monkeypatch.setattr(dataset, "batch", batch)
+
+
 def test_a_batch_read_ahead_counts_as_its_own_step_s_input_not_the_push_it_preceded(
     make_cluster: MakeCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # what psctl top shows: each step's input+pull, compute and push time (a slow input here: 0.1 s a batch)
     cluster = make_cluster(EMBEDDING, num_ps=1)
-    dataset = cluster.worker.dataset("train", 0)
-    read = dataset.batch
-
-    def slow_batch(position: int, batch_size: int) -> Any:
-        time.sleep(0.1)
-        return read(position, batch_size)
-
-    monkeypatch.setattr(dataset, "batch", slow_batch)
+    _before_each_batch(cluster, monkeypatch, lambda _position: time.sleep(0.1))
     phases: list[dict[str, float]] = []
     monkeypatch.setattr(cluster.worker.stats, "record", lambda **kw: phases.append(kw))
     assert cluster.run_step(step_id=1, shard=0, position=0, steps=4).steps == 4
@@ -170,15 +175,12 @@ def test_data_that_ends_after_a_call_s_last_batch_fails_no_step(
 ) -> None:
     # a program's dataset may end: reading ahead past its end must not fail the steps before it
     cluster = make_cluster(EMBEDDING, num_ps=1)
-    dataset = cluster.worker.dataset("train", 0)
-    read = dataset.batch
 
-    def finite(position: int, batch_size: int) -> Any:
+    def three_batches(position: int) -> None:
         if position >= 3:
             raise IndexError(f"no batch {position}: the data has 3")
-        return read(position, batch_size)
 
-    monkeypatch.setattr(dataset, "batch", finite)
+    _before_each_batch(cluster, monkeypatch, three_batches)
     assert cluster.run_step(step_id=1, shard=0, position=0, steps=3, params_epoch=4).global_step == 3
     with pytest.raises(grpc.RpcError) as failed:  # the step that needs the missing batch says so
         cluster.run_step(step_id=4, shard=0, position=3, params_epoch=4)
