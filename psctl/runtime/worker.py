@@ -84,9 +84,11 @@ class _Computed:
 
 @dataclass(frozen=True)
 class _Ahead:
-    """The next step of a call, read ahead: its batch, embedding ids and pull plan; once the previous step's push
-    has answered, the variables it brought back for it and each PS's global step then."""
+    """The next step of a call, read ahead (where: params epoch, data shard, position): its batch, embedding ids
+    and pull plan; once the previous step's push has answered, the variables it brought back for it and each
+    PS's global step then."""
 
+    epoch: int
     shard: int
     position: int
     batch: Batch
@@ -155,7 +157,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._ps_was_down = False
         self._prefetched: Prefetched | None = None
         #: The rows a call's last push brought back for the batch after it, and the params epoch of that call.
-        self._rows_ahead: tuple[int, _Ahead] | None = None
+        self._rows_ahead: _Ahead | None = None
         self._lock = threading.Lock()
         #: Steps running now, whether the worker is leaving (see drain), and when a step was last asked of it.
         self._running = 0
@@ -345,7 +347,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             replies.append(self._finish(step, responses, pushing))
         if ahead is not None:
             with self._lock:
-                self._rows_ahead = (request.params_epoch, ahead)
+                self._rows_ahead = ahead
         return replies
 
     def _kept_ahead(self, request: pb.StepRequest) -> _Ahead | None:
@@ -353,11 +355,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         shard, next position) in the same params epoch; taken either way (they are for one step only)."""
         with self._lock:
             kept, self._rows_ahead = self._rows_ahead, None
-        if kept is None:
+        if kept is None or request.params_epoch == 0:
             return None
-        epoch, ahead = kept
-        same = (epoch, ahead.shard, ahead.position) == (request.params_epoch, request.shard, request.position)
-        return ahead if same and request.params_epoch != 0 else None
+        same = (kept.epoch, kept.shard, kept.position) == (request.params_epoch, request.shard, request.position)
+        return kept if same else None
 
     def _read_ahead(self, request: pb.StepRequest, step: _Computed, position: int) -> _Ahead | None:
         """The step at ``position``, next in this call (or the next call's first, kept), read ahead so that
@@ -378,7 +379,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             sent = payload_bytes([*step.gradients.get(ps, []), *(e for e in asked if e.kind == IDS)])
             if max(sent, answers[ps]) > UNARY_MAX_BYTES:
                 return None
-        return _Ahead(request.shard, position, batch, ids, plan, read_seconds=time.perf_counter() - started)
+        return _Ahead(request.params_epoch, request.shard, position, batch, ids, plan,
+                      read_seconds=time.perf_counter() - started)
 
     def _train_pipelined(self, request: pb.StepRequest, count: int) -> list[pb.StepResponse]:
         """``count`` consecutive steps in this thread, each computed while the previous one's push is on its way
