@@ -531,6 +531,49 @@ def test_a_new_agent_adopts_the_roles_its_host_s_last_agent_left_and_reports_how
     assert re.fullmatch(SEGFAULT_TAIL, crashed.log_tail), crashed.log_tail
 
 
+#: A framework's program (no heartbeats, no exit file): prints its step as TensorFlow's logs do, and ends with the
+#: exit code written to the file its argument names.
+FRAMEWORK_PROGRAM = [sys.executable, "-c", "import os, sys, time\nprint('step 5', flush=True)\n"
+                     "while not os.path.exists(sys.argv[1]): time.sleep(0.02)\n"
+                     "time.sleep(0.05)\nsys.exit(int(open(sys.argv[1]).read()))\n"]
+
+
+def test_a_new_agent_adopts_a_framework_s_programs_and_reports_how_they_end(
+        tmp_path: Path, started: list[object]) -> None:
+    """A TensorFlow program leaves no exit file, so its agent runs it under a keeper that does
+    (psctl.agent.keeper): the host's next agent adopts it as it adopts the runtime's roles, instead of killing it
+    (a TensorFlow ps killed costs the chief's restart from its last checkpoint). Adopted, it is still a watched
+    program (alive while it runs, its step read from its log), and its end is reported with its exit code."""
+    endpoint, first, hello = attached(started)
+    ends = {name: tmp_path / f"{name}.end" for name in ("chief-0", "worker-0", "worker-1")}
+    for name, end in ends.items():
+        command = start_command(name, 2, tmp_path, [*FRAMEWORK_PROGRAM, str(end)], env=OF_C1_ON_H1)
+        command.start.watched_only = True
+        endpoint.hub.send("h1", hello.agent_pid, command)
+    pids = {name: endpoint.role_report("h1", name, until=lambda r: r.pid > 0).pid for name in ends}
+    for name in ends:
+        log = tmp_path / "logs" / f"{name}.1.log"
+        wait_until(lambda log=log: log.is_file() and "step 5" in log.read_text(), timeout=10, what=f"{name} to start")
+    first.stop()  # as if it died
+
+    second = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=0.2)
+    started.append(second)
+    second.start(find_orphans("c1", "h1"))
+    again = endpoint.report("h1", hello=True)
+    assert sorted((r.name, r.pid, r.incarnation, r.exited) for r in again.roles) == [
+        (name, pids[name], 2, False) for name in sorted(ends)]
+    alive = endpoint.role_report("h1", "chief-0", until=lambda r: r.last.global_step == 5)
+    assert 0 <= alive.heartbeat_age < 1.0  # alive while it runs: no heartbeat expected of it
+
+    ends["chief-0"].write_text("0")  # finished: the training's end, not a failure
+    assert endpoint.role_report("h1", "chief-0", until=lambda r: r.exited).exit_code == 0
+    ends["worker-0"].write_text("3")
+    assert endpoint.role_report("h1", "worker-0", until=lambda r: r.exited).exit_code == 3
+    program = psutil.Process(pids["worker-1"]).children()[0]  # the program itself, under its keeper
+    program.terminate()
+    assert endpoint.role_report("h1", "worker-1", until=lambda r: r.exited).exit_code == -signal.SIGTERM
+
+
 def test_a_new_agent_adopts_the_process_its_predecessor_started_not_one_that_inherited_its_environment(
         tmp_path: Path, started: list[object]) -> None:
     """A Slurm job step's task carries its srun's environment and leads a process group of its own: the new

@@ -115,6 +115,32 @@ def test_tf2_a_killed_worker_is_restarted_and_training_finishes(psctl_env: Psctl
 
 @pytest.mark.slow
 @pytest.mark.tensorflow
+def test_tf2_the_agent_killed_its_successor_adopts_the_programs_and_nothing_restarts(psctl_env: PsctlEnv) -> None:
+    """The host's agent dies mid-training: TensorFlow's programs run on (each under its keeper, which leaves its
+    exit code), the next agent adopts them, and training ends with no role restarted (a ps restarted would have
+    cost the chief's restart from its last checkpoint), the chief's exit 0 read from its keeper's exit file."""
+    tensorflow_or_skip()
+    cluster = example(psctl_env, "tf2agent", "tf2_pss.yaml", **LONGER)
+    cluster_id = cluster.up()
+    wait_until(lambda: max(steps_printed(chief_log(cluster)), default=0) >= 200, timeout=180,
+               what="the chief to pass step 200", detail=cluster.describe)
+    roles = ("chief-0", "ps-0", "worker-0", "worker-1")
+    pids = {role: cluster.process(role).pid for role in roles}
+    agents = [p for p in psctl_env.processes(cluster_id) if "psctl.agent" in " ".join(p.cmdline())
+              and "psctl.agent.keeper" not in " ".join(p.cmdline())]
+    assert len(agents) == 1, psctl_env.describe(agents)
+    sigkill(agents[0])
+    cluster.wait_finished(300)
+    assert "chief: finished at step 2000" in chief_log(cluster), chief_log(cluster)[-2000:]
+    for role in roles:  # the same processes, on their first attempt
+        record = cluster.role(role)
+        assert (record["pid"], record["attempt"], record["restarts"]) == (pids[role], 1, 0), cluster.describe()
+    assert {r["name"]: r["state"] for r in cluster.state()["roles"]}["chief-0"] == "succeeded"
+    assert not [e for e in cluster.events() if e["to"] in ("lost", "restarting")], cluster.describe()
+
+
+@pytest.mark.slow
+@pytest.mark.tensorflow
 def test_tf2_a_killed_ps_restarts_with_the_chief_which_resumes_from_its_checkpoint(psctl_env: PsctlEnv) -> None:
     tensorflow_or_skip()
     cluster = example(psctl_env, "tf2ps", "tf2_pss.yaml", **LONGER)

@@ -17,11 +17,14 @@ Needs only what a role needs (the runtime's dependencies): it imports nothing of
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import queue
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -31,6 +34,7 @@ from typing import Protocol
 import grpc
 
 from psctl.agent.exits import ExitWaiter
+from psctl.agent.keeper import keeper_argv
 from psctl.agent.logs import last_step, log_tail
 from psctl.agent.orphans import (
     ADOPTION_VARIABLE,
@@ -101,6 +105,19 @@ def spawn_process(command: pb.StartRole, log_fd: int) -> Process:
     )
 
 
+def _check_program(command: pb.StartRole) -> None:
+    """FileNotFoundError (as ``Popen`` raises it) unless the program ``command.argv`` names can be run where it
+    starts: checked here because a program under a keeper would only fail inside it, after its start."""
+    program = command.argv[0] if command.argv else ""
+    if os.sep in program:
+        cwd = host_path(command.cwd) if command.cwd else os.getcwd()
+        found = os.path.join(cwd, program) if os.access(os.path.join(cwd, program), os.X_OK) else None
+    else:
+        found = shutil.which(program, path=command.env.get("PATH", os.environ.get("PATH")))
+    if not program or found is None or os.path.isdir(found):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+
+
 def host_path(path: str) -> str:
     """A path as the launcher writes it for a host: ``~/x`` and relative paths are under the user's home."""
     path = os.path.expanduser(path)
@@ -135,7 +152,7 @@ class RoleProcess:
     #: Where this agent writes the CPUs it moves the role to, for the role to bind itself there
     #: (psctl.launch.cpus.bind_self); "" where it has no slot.
     cpus_file: str = ""
-    #: Where the role leaves its exit code as it ends (for an agent that adopts it); "" for a watched program.
+    #: Where the role (a watched program: its keeper) leaves its exit code as it ends, for an agent that adopts it.
     exit_file: str = ""
 
     @property
@@ -278,7 +295,8 @@ class Agent:
                     role = RoleProcess(str(record["name"]), int(record["incarnation"]), int(record["attempt"]),
                                        str(record["log"]), process=AdoptedProcess(orphan),
                                        create_time=orphan.create_time, cpus_file=str(record.get("cpus_file", "")),
-                                       exit_file=str(record.get("exit_file", "")))
+                                       exit_file=str(record.get("exit_file", "")),
+                                       watched_only=bool(record.get("watched_only", False)))
                 except (KeyError, TypeError, ValueError):
                     continue
                 if role.name in self.roles:
@@ -399,15 +417,18 @@ class Agent:
                 os.makedirs(os.path.dirname(role.log_path), mode=0o700, exist_ok=True)
                 fd = os.open(role.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
                 self._assign_cpu(command, role)
-                if not command.watched_only:  # the runtime leaves its exit code: a later agent may adopt it
-                    role.exit_file = os.path.splitext(role.log_path)[0] + ".exit"  # beside its log
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(role.exit_file)  # an earlier attempt's of the same number (a cluster of that name)
-                    command.env[EXIT_FILE_VARIABLE] = role.exit_file
-                    command.env[ADOPTION_VARIABLE] = adoption_record(
-                        name=role.name, incarnation=role.incarnation, attempt=role.attempt, argv=command.argv,
-                        log_path=role.log_path, exit_file=role.exit_file, cpus_file=role.cpus_file,
-                        heartbeats=self.heartbeat_address)
+                if command.watched_only:  # a framework's program leaves no exit code: its keeper does
+                    _check_program(command)
+                    command.argv[:] = keeper_argv(sys.executable, command.argv)
+                # the role leaves its exit code, so that a later agent may adopt it
+                role.exit_file = os.path.splitext(role.log_path)[0] + ".exit"  # beside its log
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(role.exit_file)  # an earlier attempt's of the same number (a cluster of that name)
+                command.env[EXIT_FILE_VARIABLE] = role.exit_file
+                command.env[ADOPTION_VARIABLE] = adoption_record(
+                    name=role.name, incarnation=role.incarnation, attempt=role.attempt, argv=command.argv,
+                    log_path=role.log_path, exit_file=role.exit_file, cpus_file=role.cpus_file,
+                    heartbeats=self.heartbeat_address, watched_only=command.watched_only)
                 try:
                     role.process = self.spawn(command, fd)
                 finally:

@@ -7,8 +7,9 @@ heartbeats go to): it serves heartbeats on that same port, so the roles' beats r
 hello names them, so the supervisor sees its roles still running instead of losing and restarting them (a ps
 restarted loses the steps since its last checkpoint). An adopted role is not the new agent's child: its exit
 shows by ``/proc`` when the agent looks (every ``WATCH_INTERVAL``), and its exit code is what the runtime wrote
-to its exit file as it ended (``psctl.runtime.__main__.record_exit``); where there is none, the signal its log's
-crash report names (``psctl.agent.logs``), else SIGKILL's.
+to its exit file as it ended (``psctl.runtime.__main__.record_exit``; for a framework's program, the keeper it
+runs under: ``psctl.agent.keeper``); where there is none, the signal its log's crash report names
+(``psctl.agent.logs``), else SIGKILL's.
 Only the process its agent started is adopted (its command line is the one described): a Slurm job step's task
 inherits its srun's environment and leads a group of its own, and goes with its srun. Roles it cannot adopt (no
 description, another port, or that port taken) are SIGKILLed: nothing reports on them, and they hold their
@@ -67,10 +68,12 @@ def _running(pid: int, created: float) -> bool:
 
 
 def adoption_record(*, name: str, incarnation: int, attempt: int, argv: Sequence[str], log_path: str,
-                    exit_file: str, cpus_file: str, heartbeats: str) -> str:
-    """The ``ADOPTION_VARIABLE`` value for a role this agent starts with ``argv``."""
+                    exit_file: str, cpus_file: str, heartbeats: str, watched_only: bool = False) -> str:
+    """The ``ADOPTION_VARIABLE`` value for a role this agent starts with ``argv`` (``watched_only``: a
+    framework's program, which sends no heartbeats)."""
     return json.dumps({"name": name, "incarnation": incarnation, "attempt": attempt, "argv": list(argv),
-                       "log": log_path, "exit_file": exit_file, "cpus_file": cpus_file, "heartbeats": heartbeats})
+                       "log": log_path, "exit_file": exit_file, "cpus_file": cpus_file, "heartbeats": heartbeats,
+                       "watched_only": watched_only})
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,15 @@ class AdoptedProcess:
         if self.returncode is None and _running(self.pid, self._created):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.pid, sig)
+
+
+def write_exit_file(path: str, code: int) -> None:
+    """Leave ``code`` (a signal as its negative number) in ``path``, whole or not at all (a reader never sees
+    half of it). OSError if it cannot be written."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="ascii") as f:
+        f.write(f"{code}\n")
+    os.replace(tmp, path)
 
 
 def read_exit_file(path: str) -> int | None:

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from psctl.agent.orphans import write_exit_file
 from psctl.launch.cpus import bind_self, cpu_list, settle_priority
 from psctl.runtime.cluster import ClusterConfigError, ClusterInfo, from_env
 from psctl.runtime.exits import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED
@@ -187,11 +188,8 @@ def record_exit(code: int) -> None:
     path = os.environ.get("PSCTL_EXIT_FILE")
     if not path:
         return
-    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "w", encoding="ascii") as f:
-            f.write(f"{code}\n")
-        os.replace(tmp, path)
+        write_exit_file(path, code)
     except OSError as exc:
         print(f"psctl.runtime: cannot write the exit file {path}: {exc}", file=sys.stderr)
 

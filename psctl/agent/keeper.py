@@ -1,0 +1,93 @@
+"""Keeps a framework's program's exit code for an agent that is not its parent (``python -m psctl.agent.keeper
+ARGV...``).
+
+psctl's runtime leaves its exit code in an exit file as it ends (``PSCTL_EXIT_FILE``), so that the agent that
+adopts it after its own agent died can tell "finished" from "failed" without being its parent
+(``psctl.agent.orphans``). A TensorFlow program writes none: the agent starts it under this keeper, which
+
+- leads the role's process group (the process the agent signals, watches and a later agent adopts), with the
+  program in that group as before: the signals psctl sends the group (a stop's SIGTERM, its SIGKILL) reach the
+  program, and its own children, directly and once; the keeper itself outlives them to see the program end;
+- ties the program's life to its own (``PR_SET_PDEATHSIG``): a keeper killed alone takes the program with it;
+- writes the program's exit code to the exit file as it ends (a signal as its negative number) and ends the
+  same way itself, so an agent that is its parent reads the program's own status.
+
+A signal meant for the program is sent to the role's group (as psctl does) or to the program's own pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from psctl.agent.orphans import EXIT_FILE_VARIABLE, write_exit_file
+
+#: The signals a role's group may be sent that the keeper outlives (the program gets them too, and decides).
+OUTLIVED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+_PR_SET_PDEATHSIG = 1
+
+
+def keeper_argv(python: str, argv: Sequence[str]) -> list[str]:
+    """The command line that runs ``argv`` under a keeper with interpreter ``python``."""
+    return [python, "-m", "psctl.agent.keeper", *argv]
+
+
+def _dying_with(parent: int) -> None:
+    """In the program's process, before it execs: SIGKILL once its keeper is gone (checked once set: the
+    keeper may have died before)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(128 + signal.SIGKILL)
+
+
+def run(argv: Sequence[str]) -> int:
+    """Run ``argv`` kept; returns its exit code (negative: the signal that ended it)."""
+    exit_file = os.environ.get(EXIT_FILE_VARIABLE, "")
+    env = {k: v for k, v in os.environ.items() if k != EXIT_FILE_VARIABLE}  # the keeper's to write, not its
+    me = os.getpid()
+    program = subprocess.Popen(list(argv), env=env, preexec_fn=lambda: _dying_with(me))
+    for signum in OUTLIVED:  # the group's signals are the program's: the keeper stays to see how it ends
+        signal.signal(signum, lambda _signum, _frame: None)
+    code = program.wait()
+    if exit_file:
+        try:
+            write_exit_file(exit_file, code)
+        except OSError as exc:
+            print(f"psctl.agent.keeper: cannot write the exit file {exit_file}: {exc}", file=sys.stderr)
+    return code
+
+
+def end_as(code: int) -> None:
+    """End this process as the program ended: with its exit code, or killed by its signal."""
+    if code < 0:
+        with contextlib.suppress(ValueError, OSError):  # (SIGKILL's cannot be set, nor need be)
+            signal.signal(-code, signal.SIG_DFL)
+        with contextlib.suppress(ValueError, OSError):
+            os.kill(os.getpid(), -code)
+        code = 128 - code  # (a signal that does not end a process by default: the shell's number for it)
+    sys.exit(code)
+
+
+def main(argv: Sequence[str]) -> None:
+    if not argv:
+        print("usage: python -m psctl.agent.keeper PROGRAM [ARG...]", file=sys.stderr)
+        sys.exit(2)
+    try:
+        code = run(argv)
+    except OSError as exc:  # the program could not be started: as a shell says it
+        print(f"psctl.agent.keeper: cannot start {argv[0]}: {exc.strerror or exc}", file=sys.stderr)
+        code = 127
+        with contextlib.suppress(OSError):
+            if os.environ.get(EXIT_FILE_VARIABLE):
+                write_exit_file(os.environ[EXIT_FILE_VARIABLE], code)
+    end_as(code)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
