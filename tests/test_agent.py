@@ -399,11 +399,16 @@ def test_a_role_moved_before_it_bound_itself_binds_itself_where_it_was_moved(
     assert sorted(psutil.Process(pid).cpu_affinity()) == [allowed[1]]
 
 
-def test_a_start_that_fails_is_reported_with_why(tmp_path: Path, started: list[object]) -> None:
+@pytest.mark.parametrize("watched_only", [False, True])
+def test_a_start_that_fails_is_reported_with_why(tmp_path: Path, started: list[object], watched_only: bool) -> None:
+    """Also a framework's program, which runs under a keeper: the agent finds it missing before it starts one."""
     endpoint, _agent, hello = attached(started)
-    endpoint.hub.send("h1", hello.agent_pid, start_command("ps-0", 1, tmp_path, argv=["/nonexistent/python3"]))
-    failed = endpoint.role_report("h1", "ps-0", until=lambda r: r.exited)
-    assert "cannot start /nonexistent/python3" in failed.start_error and "No such file" in failed.start_error
+    for name, program in (("ps-0", "/nonexistent/python3"), ("ps-1", "no-such-program-psctl")):
+        command = start_command(name, 1, tmp_path, argv=[program, "--flag"])
+        command.start.watched_only = watched_only
+        endpoint.hub.send("h1", hello.agent_pid, command)
+        failed = endpoint.role_report("h1", name, until=lambda r: r.exited)
+        assert failed.start_error.startswith(f"cannot start {program}: ") and "No such file" in failed.start_error
 
 
 def test_roles_outlive_their_supervisor_and_are_reported_to_the_next_one(tmp_path: Path, started: list[object]) -> None:

@@ -47,14 +47,19 @@ def _dying_with(parent: int) -> None:
 
 
 def run(argv: Sequence[str]) -> int:
-    """Run ``argv`` kept; returns its exit code (negative: the signal that ended it)."""
+    """Run ``argv`` kept; returns its exit code (negative: the signal that ended it; 127: it could not start)."""
     exit_file = os.environ.get(EXIT_FILE_VARIABLE, "")
     env = {k: v for k, v in os.environ.items() if k != EXIT_FILE_VARIABLE}  # the keeper's to write, not its
     me = os.getpid()
-    program = subprocess.Popen(list(argv), env=env, preexec_fn=lambda: _dying_with(me))
-    for signum in OUTLIVED:  # the group's signals are the program's: the keeper stays to see how it ends
-        signal.signal(signum, lambda _signum, _frame: None)
-    code = program.wait()
+    try:
+        program = subprocess.Popen(list(argv), env=env, preexec_fn=lambda: _dying_with(me))
+    except OSError as exc:  # (its agent checks first: seen here only if the program went meanwhile)
+        print(f"psctl.agent.keeper: cannot start {argv[0]}: {exc.strerror or exc}", file=sys.stderr)
+        code = 127  # as a shell says it
+    else:
+        for signum in OUTLIVED:  # the group's signals are the program's: the keeper stays to see how it ends
+            signal.signal(signum, lambda _signum, _frame: None)
+        code = program.wait()
     if exit_file:
         try:
             write_exit_file(exit_file, code)
@@ -78,15 +83,7 @@ def main(argv: Sequence[str]) -> None:
     if not argv:
         print("usage: python -m psctl.agent.keeper PROGRAM [ARG...]", file=sys.stderr)
         sys.exit(2)
-    try:
-        code = run(argv)
-    except OSError as exc:  # the program could not be started: as a shell says it
-        print(f"psctl.agent.keeper: cannot start {argv[0]}: {exc.strerror or exc}", file=sys.stderr)
-        code = 127
-        with contextlib.suppress(OSError):
-            if os.environ.get(EXIT_FILE_VARIABLE):
-                write_exit_file(os.environ[EXIT_FILE_VARIABLE], code)
-    end_as(code)
+    end_as(run(argv))
 
 
 if __name__ == "__main__":
