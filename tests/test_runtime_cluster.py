@@ -389,3 +389,19 @@ def test_a_ps_and_a_worker_started_after_a_chief_restart_refuse_the_older_chief(
     finally:
         channel.close()
         old.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGUSR1])
+def test_a_role_ended_by_another_signal_leaves_it_in_its_exit_file(
+        make_cluster: MakeCluster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sig: int) -> None:
+    """SIGTERM and SIGINT stop a role gracefully and a native crash names its signal in the log; any other signal
+    that ends it is left in its exit file as it goes, so the agent that adopted it (not its parent, no wait())
+    reports that signal instead of SIGKILL, and it still ends by that signal for a parent that waits."""
+    exit_file = tmp_path / "ps-0.exit"
+    monkeypatch.setenv("PSCTL_EXIT_FILE", str(exit_file))
+    cluster = make_cluster(mlp_training(10), num_ps=1, num_workers=0)
+    cluster.start("ps", 0)
+    cluster.wait_serving()
+    cluster.send_signal("ps", 0, sig)
+    assert cluster.wait_for_exit("ps", timeout=30) == -sig
+    assert exit_file.read_text() == f"{-sig}\n"

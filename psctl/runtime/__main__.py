@@ -131,8 +131,23 @@ def _chief(info: ClusterInfo, stop: threading.Event) -> int:
     return EXIT_OK
 
 
+#: Signals that end a process by default and that the runtime does not stop on gracefully (SIGTERM, SIGINT), nor
+#: reads from its log (a native crash's: faulthandler): each is left in the exit file on the way out, so that an
+#: agent that is not this process's parent (it adopted it) reports it, not SIGKILL.
+RECORDED_SIGNALS = (signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM, signal.SIGXCPU)
+
+
+def _record_and_end(signum: int, _frame: object) -> None:
+    """End as the signal would have, having left it in the exit file (only a file written: safe in a handler)."""
+    record_exit(-signum)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 def main() -> int:
     os.umask(0o077)  # logs, metrics, results and checkpoints are private to their owner
+    for signum in RECORDED_SIGNALS:
+        signal.signal(signum, _record_and_end)
     logging.basicConfig(
         level=logging.INFO, format=LOG_FORMAT, stream=sys.stdout, force=True
     )
