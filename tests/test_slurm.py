@@ -5,8 +5,10 @@ no process; what Slurm refuses is one line."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+import shutil
 import textwrap
 import time
 from collections.abc import Iterator
@@ -22,6 +24,7 @@ from slurmbed import SlurmBed, slurmbed_fixture
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 RUN_TIMEOUT = 180.0
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +238,46 @@ def test_a_scaled_worker_is_a_new_step_and_down_leaves_no_job_and_no_process(pen
     assert time.monotonic() - started < 30
     state = penv.state("sl-down")
     assert state["state"] == "stopped" and all(r["state"] == "stopped" for r in state["roles"]), state
+
+
+@pytest.mark.tensorflow
+def test_a_tensorflow_program_trains_through_a_slurm_job_and_its_agent_s_death_restarts_nothing(
+        penv: PsctlEnv, slurm: SlurmBed) -> None:
+    """The TF2 example (ParameterServerStrategy: chief, ps, 2 workers as psctl's TensorFlow servers) as steps of
+    one job, on fixed ports; the job's agent SIGKILLed mid-training: its successor adopts the steps' sruns (each
+    under its keeper, which leaves its exit code where the cluster's folder is shared), nothing restarts, and
+    the chief's exit 0 ends the training."""
+    if importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("tensorflow is not installed (pip install -e '.[tensorflow]')")
+    shutil.copytree(REPO / "cluster_examples" / "tensorflow", penv.tmp_path / "tensorflow")
+    spec = penv.tmp_path / "sl-tf.yaml"
+    spec.write_text(textwrap.dedent("""\
+        name: sl-tf
+        backend: slurm
+        slurm: {partition: debug, time: '00:10:00'}
+        roles:
+          chief: {port: 7500}
+          ps: {replicas: 1, port: 7510}
+          worker: {replicas: 2, port: 7520}
+        training:
+          framework: tensorflow
+          command: "python tensorflow/tf2_pss_train.py --steps 1500 --checkpoint_dir {checkpoint_dir}"
+          steps: 1500
+        supervision: {heartbeat_interval: 1s, heartbeat_timeout: 10s, startup_grace: 120s}
+        """))
+    job = up(penv, spec)
+    before = training(penv, "sl-tf", 100)
+    assert set(slurm.steps(job)) >= {"chief-0", "ps-0", "worker-0", "worker-1"}
+    cluster_id = penv.state("sl-tf")["cluster_id"]
+    agents = [p for p in penv.processes(cluster_id) if p.cmdline()[1:3] == ["-m", "psctl.agent"]]
+    assert len(agents) == 1, penv.describe(agents)
+    agents[0].kill()
+    done = finished(penv, "sl-tf")
+    assert "chief: finished at step 1500" in (penv.home / "sl-tf" / "logs" / "chief-0.1.log").read_text()
+    pids = {r["name"]: r["pid"] for r in before["roles"]}
+    for role in done["roles"]:
+        assert (role["pid"], role["attempt"], role["restarts"]) == (pids[role["name"]], 1, 0), role
+    assert wait_until(lambda: job not in slurm.jobs(), timeout=30, what="the job to leave squeue")
 
 
 @pytest.mark.parametrize(("options", "code", "message"), [

@@ -103,9 +103,6 @@ def build_spec(data: Any, source: SourceMap, *, path: Path | None, base_dir: Pat
         c.string(("setup", i), item, fix="write a shell command as a string")
         for i, item in enumerate(c.items(("setup",), top.get("setup") or [], fix="list shell commands"))
     )
-    if backend == "slurm" and training.get("framework") == "tensorflow":
-        c.fail(("backend",), "TensorFlow programs do not run through Slurm yet",
-               "use backend: ssh with the allocation's hosts, or psctl's own runtime")
     if backend == "ssh":
         _check_single_role_pools(c, roles, training)
         _check_evaluator_host(c, roles, training, top["roles"].get("evaluator") or {})
