@@ -18,6 +18,11 @@ import signal
 import threading
 from collections.abc import Callable, Iterable
 
+#: Signals that end a process by default besides SIGTERM and SIGINT (which stop a role gracefully) and a native
+#: crash's (which its log names): a role of psctl's runtime, or the keeper of a framework's program, leaves the
+#: one that ends it in its exit file, so that an agent that adopted it, not its parent, reports it.
+RECORDED_SIGNALS = (signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM, signal.SIGXCPU)
+
 
 def on_signals(signums: Iterable[int], callback: Callable[[int], None], *, name: str = "psctl-signals") -> None:
     """Run ``callback(signum)`` in a daemon thread for each of ``signums`` this process receives.

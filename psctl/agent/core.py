@@ -109,9 +109,9 @@ def _check_program(command: pb.StartRole) -> None:
     """FileNotFoundError (as ``Popen`` raises it) unless the program ``command.argv`` names can be run where it
     starts: checked here because a program under a keeper would only fail inside it, after its start."""
     program = command.argv[0] if command.argv else ""
-    if os.sep in program:
-        cwd = host_path(command.cwd) if command.cwd else os.getcwd()
-        found = os.path.join(cwd, program) if os.access(os.path.join(cwd, program), os.X_OK) else None
+    if os.sep in program:  # (relative to where it starts; an absolute path stays as it is)
+        path = os.path.join(host_path(command.cwd) if command.cwd else os.getcwd(), program)
+        found = path if os.access(path, os.X_OK) else None
     else:
         found = shutil.which(program, path=command.env.get("PATH", os.environ.get("PATH")))
     if not program or found is None or os.path.isdir(found):

@@ -26,9 +26,10 @@ import sys
 from collections.abc import Sequence
 
 from psctl.agent.orphans import EXIT_FILE_VARIABLE, write_exit_file
+from psctl.signals import RECORDED_SIGNALS
 
 #: The signals a role's group may be sent that the keeper outlives (the program gets them too, and decides).
-OUTLIVED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+OUTLIVED = (signal.SIGTERM, signal.SIGINT, *RECORDED_SIGNALS)
 _PR_SET_PDEATHSIG = 1
 
 

@@ -21,7 +21,7 @@ from psctl.launch.cpus import bind_self, cpu_list, settle_priority
 from psctl.runtime.cluster import ClusterConfigError, ClusterInfo, from_env
 from psctl.runtime.exits import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED
 from psctl.runtime.log_format import LOG_FORMAT
-from psctl.signals import on_signals
+from psctl.signals import RECORDED_SIGNALS, on_signals
 
 #: Seconds a worker stopped by SIGTERM gives the steps it is running (the supervisor sets it from
 #: supervision.preemption_grace; the SIGKILL that follows a preemption's warning ends it otherwise).
@@ -129,12 +129,6 @@ def _chief(info: ClusterInfo, stop: threading.Event) -> int:
     finally:
         chief.close()
     return EXIT_OK
-
-
-#: Signals that end a process by default and that the runtime does not stop on gracefully (SIGTERM, SIGINT), nor
-#: reads from its log (a native crash's: faulthandler): each is left in the exit file on the way out, so that an
-#: agent that is not this process's parent (it adopted it) reports it, not SIGKILL.
-RECORDED_SIGNALS = (signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM, signal.SIGXCPU)
 
 
 def _record_and_end(signum: int, _frame: object) -> None:
