@@ -23,7 +23,7 @@ from cluster_helpers import autogroup_nice, wait_until
 from psctl.agent import core
 from psctl.agent.core import Agent, RoleProcess
 from psctl.agent.exits import ExitWaiter
-from psctl.agent.orphans import find_orphans, kill_orphans
+from psctl.agent.orphans import find_orphans, find_records, kill_orphans
 from psctl.launch.cpus import CPUS_VARIABLE, YIELD_NICE, allowed_cpus
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
@@ -577,6 +577,44 @@ def test_a_new_agent_adopts_a_framework_s_programs_and_reports_how_they_end(
     program = psutil.Process(pids["worker-1"]).children()[0]  # the program itself, under its keeper
     program.terminate()
     assert endpoint.role_report("h1", "worker-1", until=lambda r: r.exited).exit_code == -signal.SIGTERM
+
+
+def test_a_new_agent_reports_the_roles_that_ended_while_no_agent_watched_them(
+        tmp_path: Path, started: list[object]) -> None:
+    """Between an agent's death and the next one's start a role can end: it is no process to adopt, but its agent
+    left its adoption record beside its log, and the next agent's hello reports it as ended, with the code its
+    exit file holds (SIGKILL's where it left none), instead of leaving it missing (the supervisor restarted it,
+    a chief that had finished training too). Records of older attempts and of other clusters are not reported."""
+    endpoint, first, hello = attached(started)
+    done = tmp_path / "done"
+    roles = {"worker-0": [*ENDS_WHEN_TOLD, str(done)], "worker-1": SLEEPER, "worker-2": SLEEPER}
+    for name, argv in roles.items():
+        endpoint.hub.send("h1", hello.agent_pid, start_command(name, 6, tmp_path, argv, env=OF_C1_ON_H1))
+    pids = {name: endpoint.role_report("h1", name, until=lambda r: r.pid > 0).pid for name in roles}
+    logs = tmp_path / "logs"
+    for name in roles:
+        wait_until(lambda name=name: "up" in (logs / f"{name}.1.log").read_text(), timeout=10, what=f"{name} up")
+    stale = logs / "worker-1.0.role"  # an older attempt's, never collected
+    stale.write_text((logs / "worker-1.1.role").read_text().replace('"attempt": 1', '"attempt": 0'))
+    other = logs / "ps-0.1.role"  # another cluster's (a cluster of another name would have its own folder)
+    other.write_text((logs / "worker-1.1.role").read_text().replace('"c1"', '"c2"').replace("worker-1", "ps-0"))
+    first.stop()  # as if it died
+    done.touch()  # worker-0 ends (exit code 0 in its exit file) while no agent watches
+    os.kill(pids["worker-2"], signal.SIGKILL)  # worker-2 too, leaving no exit file
+    for name in ("worker-0", "worker-2"):
+        wait_until(lambda name=name: not psutil.pid_exists(pids[name]) or psutil.Process(pids[name]).status()
+                   == psutil.STATUS_ZOMBIE, timeout=10, what=f"{name} to end")  # fmt: skip
+
+    second = Agent("h1", f"127.0.0.1:{endpoint.port}", cluster_id="c1", interval=0.2)
+    started.append(second)
+    second.start(find_orphans("c1", "h1"), find_records(str(logs), "c1"))
+    again = endpoint.report("h1", hello=True)
+    assert sorted((r.name, r.incarnation, r.attempt, r.exited, r.exit_code) for r in again.roles) == [
+        ("worker-0", 6, 1, True, 0), ("worker-1", 6, 1, False, 0), ("worker-2", 6, 1, True, -signal.SIGKILL)]
+    assert next(r for r in again.roles if r.name == "worker-0").log_tail == "up"
+    # collected: the ended roles' records are gone (a third agent reports nothing twice), the running one's kept
+    assert sorted(p.name for p in logs.glob("*.role")) == ["ps-0.1.role", "worker-1.1.role"]
+    assert not stale.exists()
 
 
 def test_a_new_agent_adopts_the_process_its_predecessor_started_not_one_that_inherited_its_environment(

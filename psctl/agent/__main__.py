@@ -15,8 +15,8 @@ import os
 import signal
 import sys
 
-from psctl.agent.core import Agent
-from psctl.agent.orphans import find_orphans
+from psctl.agent.core import Agent, host_path
+from psctl.agent.orphans import find_orphans, find_records
 from psctl.runtime.cluster import TlsFiles
 from psctl.signals import on_signals
 
@@ -46,7 +46,9 @@ def main() -> int:
 
     on_signals((signal.SIGTERM,), on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    agent.start(find_orphans(cluster_id, agent.host))  # adopted, or stopped
+    # adopted, or stopped; and those that ended while no agent watched them, reported as ended
+    records = find_records(host_path(str(config["logs"])), cluster_id) if config.get("logs") else []
+    agent.start(find_orphans(cluster_id, agent.host), records)
     logging.info("host %s: agent pid %d, heartbeats at %s, supervisor at %s", agent.host, os.getpid(),
                  agent.heartbeat_address, agent.supervisor)
     agent.wait()

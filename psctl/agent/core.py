@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -45,8 +45,10 @@ from psctl.agent.orphans import (
     adoptable_port,
     adoption_record,
     create_time,
+    ended_code,
     kill_orphans,
     left_to_their_roles,
+    record_path,
 )
 from psctl.launch.cpus import (
     CPUS_FILE_VARIABLE,
@@ -256,10 +258,12 @@ class Agent:
         self._cpus = ClusterCpus(cluster_id)
 
     # -- life -----------------------------------------------------------------------------------------
-    def start(self, orphans: Sequence[Orphan] = ()) -> None:
+    def start(self, orphans: Sequence[Orphan] = (), records: Sequence[dict[str, Any]] = ()) -> None:
         """Serve the roles' heartbeats and dial the supervisor. ``orphans``: roles of this cluster and host that
         an earlier agent left (it died; ``psctl.agent.orphans``): adopted where their heartbeats' port can be
-        served here, before the hello that names them; the others are SIGKILLed."""
+        served here, before the hello that names them; the others are SIGKILLed. ``records``: the adoption
+        records an earlier agent left beside its roles' logs (``find_records``): those of roles no longer running
+        are reported in the hello as ended, with their exit codes."""
         adopt_on = adoptable_port(orphans, self.heartbeat_host) if self._serve else 0
         if self._serve:
             loopback = self.heartbeat_host in ("127.0.0.1", "localhost")
@@ -277,9 +281,11 @@ class Agent:
             self._server = server
             self.heartbeat_address = f"{self.heartbeat_host}:{port}"
         adopted = self._adopt(adoptable(orphans)) if adopt_on else []
-        stopped = kill_orphans(left_to_their_roles(orphans, adopted))
+        left = left_to_their_roles(orphans, adopted)
+        stopped = kill_orphans(left)
         if stopped:
             log.warning("stopped roles an earlier agent of this host left behind: pids %s", stopped)
+        self._take_ended(records, stopped={o.role for o in left})
         for target, name in ((self._watch, "watch"), (self._link, "link")):
             thread = threading.Thread(target=target, name=f"psctl-agent-{name}-{self.host}", daemon=True)
             thread.start()
@@ -312,6 +318,30 @@ class Agent:
                 log.info("%s: attempt %d adopted, pid %d (started by an earlier agent of this host)", role.name,
                          role.attempt, orphan.pid)
         return adopted
+
+    def _take_ended(self, records: Sequence[dict[str, Any]], *, stopped: set[str]) -> None:
+        """Roles an earlier agent started that ended while no agent watched them (their records are left, their
+        processes gone): known as ended, with the code their exit files hold, as if this agent had seen them end.
+        Those it has just stopped itself are forgotten: the supervisor finds them missing, and why."""
+        with self.lock:
+            for record in records:
+                name = str(record["name"])
+                if name in self.roles:  # adopted: running
+                    continue
+                try:
+                    role = RoleProcess(name, int(record["incarnation"]), int(record["attempt"]), str(record["log"]),
+                                       cpus_file=str(record.get("cpus_file", "")),
+                                       exit_file=str(record.get("exit_file", "")),
+                                       watched_only=bool(record.get("watched_only", False)))
+                except (KeyError, TypeError, ValueError):
+                    continue
+                if name not in stopped:
+                    role.exit_code = ended_code(role.exit_file, role.log_path)
+                    role.tail = log_tail(role.log_path)
+                    self.roles[name] = role
+                    log.info("%s: attempt %d ended with %d while no agent watched it", name, role.attempt,
+                             role.exit_code)
+                _forget_files(role)
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
@@ -425,10 +455,12 @@ class Agent:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(role.exit_file)  # an earlier attempt's of the same number (a cluster of that name)
                 command.env[EXIT_FILE_VARIABLE] = role.exit_file
-                command.env[ADOPTION_VARIABLE] = adoption_record(
+                record = adoption_record(
                     name=role.name, incarnation=role.incarnation, attempt=role.attempt, argv=command.argv,
                     log_path=role.log_path, exit_file=role.exit_file, cpus_file=role.cpus_file,
-                    heartbeats=self.heartbeat_address, watched_only=command.watched_only)
+                    heartbeats=self.heartbeat_address, watched_only=command.watched_only, cluster_id=self.cluster_id)
+                command.env[ADOPTION_VARIABLE] = record
+                write_private(record_path(role.log_path), record.encode())  # for an agent after its end
                 try:
                     role.process = self.spawn(command, fd)
                 finally:
@@ -519,10 +551,7 @@ class Agent:
             return False
         role.exit_code, role.kill_at = code, None
         self._exits.forget(role.process.pid)
-        for done_with in (role.cpus_file, role.exit_file):  # a restart gets files of its own
-            if done_with:
-                with contextlib.suppress(OSError):
-                    os.remove(done_with)
+        _forget_files(role)
         role.tail = log_tail(role.log_path)
         log.info("%s: attempt %d exited with %d", role.name, role.attempt, code)
         return True
@@ -606,6 +635,15 @@ class Agent:
                 self._done.wait(10.0)  # the shutdown ends the agent
             self._done.wait(backoff)
             backoff = min(2 * backoff, MAX_RECONNECT_BACKOFF)
+
+
+def _forget_files(role: RoleProcess) -> None:
+    """Remove what the role's end no longer needs beside its log (a restart gets files of its own): its CPU
+    file, exit file and adoption record."""
+    for done_with in (role.cpus_file, role.exit_file, record_path(role.log_path)):
+        if done_with:
+            with contextlib.suppress(OSError):
+                os.remove(done_with)
 
 
 def _drain(outbox: queue.SimpleQueue[pb.AgentReport | None]) -> Iterator[pb.AgentReport]:

@@ -10,6 +10,10 @@ shows by ``/proc`` when the agent looks (every ``WATCH_INTERVAL``), and its exit
 to its exit file as it ended (``psctl.runtime.__main__.record_exit``; for a framework's program, the keeper it
 runs under: ``psctl.agent.keeper``); where there is none, the signal its log's crash report names
 (``psctl.agent.logs``), else SIGKILL's.
+A role that ended while no agent watched it (between one agent's death and the next one's start) is not a
+process any more: its agent also left its adoption record beside its log (``record_path``), removed when an agent
+collects its end, and the next agent reports each such role as ended, with its exit file's code
+(``find_records``), instead of leaving the supervisor to find it missing and restart it.
 Only the process its agent started is adopted (its command line is the one described): a Slurm job step's task
 inherits its srun's environment and leads a group of its own, and goes with its srun. Roles it cannot adopt (no
 description, another port, or that port taken) are SIGKILLed: nothing reports on them, and they hold their
@@ -35,6 +39,8 @@ HOST_VARIABLE = "PSCTL_AGENT_HOST"
 ADOPTION_VARIABLE = "PSCTL_AGENT_ROLE"
 #: Where the runtime leaves its exit code as it ends (read by an agent that is not its parent).
 EXIT_FILE_VARIABLE = "PSCTL_EXIT_FILE"
+#: A role's adoption record beside its log: ``logs/worker-0.3.role`` (see ``record_path``).
+RECORD_SUFFIX = ".role"
 
 
 @functools.cache
@@ -68,12 +74,53 @@ def _running(pid: int, created: float) -> bool:
 
 
 def adoption_record(*, name: str, incarnation: int, attempt: int, argv: Sequence[str], log_path: str,
-                    exit_file: str, cpus_file: str, heartbeats: str, watched_only: bool = False) -> str:
+                    exit_file: str, cpus_file: str, heartbeats: str, watched_only: bool = False,
+                    cluster_id: str = "") -> str:
     """The ``ADOPTION_VARIABLE`` value for a role this agent starts with ``argv`` (``watched_only``: a
-    framework's program, which sends no heartbeats)."""
+    framework's program, which sends no heartbeats), also left in ``record_path`` beside its log."""
     return json.dumps({"name": name, "incarnation": incarnation, "attempt": attempt, "argv": list(argv),
                        "log": log_path, "exit_file": exit_file, "cpus_file": cpus_file, "heartbeats": heartbeats,
-                       "watched_only": watched_only})
+                       "watched_only": watched_only, "cluster_id": cluster_id})
+
+
+def record_path(log_path: str) -> str:
+    """Where a role's adoption record lies while its end is not collected: beside its log."""
+    return os.path.splitext(log_path)[0] + RECORD_SUFFIX
+
+
+def find_records(logs_dir: str, cluster_id: str) -> list[dict[str, Any]]:
+    """The adoption records left in ``logs_dir`` for roles of this cluster whose end no agent collected: the
+    newest attempt of each role (an older attempt's record is stale, and removed)."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    try:
+        entries = sorted(n for n in os.listdir(logs_dir) if n.endswith(RECORD_SUFFIX))
+    except OSError:
+        return []
+    for entry in entries:
+        path = os.path.join(logs_dir, entry)
+        try:
+            with open(path, encoding="utf-8") as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if (isinstance(record, dict) and record.get("cluster_id") == cluster_id
+                and isinstance(record.get("name"), str) and isinstance(record.get("attempt"), int)):
+            found.append((path, record))
+    newest: dict[str, dict[str, Any]] = {}
+    for _, record in sorted(found, key=lambda item: int(item[1]["attempt"])):
+        newest[str(record["name"])] = record
+    for path, record in found:
+        if newest[str(record["name"])] is not record:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+    return list(newest.values())
+
+
+def ended_code(exit_file: str, log: str) -> int:
+    """How a role that is no longer running ended: the code in its exit file, else the signal of the crash its log
+    ends with, else SIGKILL's (-9)."""
+    code = read_exit_file(exit_file)
+    return code if code is not None else -(crash_signal(log) or signal.SIGKILL)
 
 
 @dataclass(frozen=True)
@@ -186,8 +233,7 @@ class AdoptedProcess:
         """Its exit code once it ended: the one it wrote to its exit file, else the signal of the crash its log
         ends with (a native crash), else SIGKILL's (-9)."""
         if self.returncode is None and not _running(self.pid, self._created):
-            code = read_exit_file(self._exit_file)
-            self.returncode = code if code is not None else -(crash_signal(self._log) or signal.SIGKILL)
+            self.returncode = ended_code(self._exit_file, self._log)
         return self.returncode
 
     def send_signal(self, sig: int) -> None:

@@ -288,7 +288,8 @@ class Supervisor:
         tls = asdict(member_files(place.dirs.tls_dir, agent_member(host))) if self.record.tls else None
         config = {"host": host, "supervisor": f"127.0.0.1:{supervisor_port}", "tls": tls,
                   "interval": self.spec.supervision.heartbeat_interval,
-                  "grace": self.spec.supervision.preemption_grace}
+                  "grace": self.spec.supervision.preemption_grace,
+                  "logs": str(place.dirs.logs)}  # where roles that ended while no agent watched them left records
         if len(set(self.record.slurm.get("nodes", ()))) > 1:  # roles on other nodes heartbeat to this one
             config["heartbeat_host"] = socket.gethostname()
         return {**place.base_env, "PSCTL_AGENT": json.dumps(config), "PSCTL_CLUSTER_ID": self.record.cluster_id,
