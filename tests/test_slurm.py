@@ -261,8 +261,8 @@ def test_a_tensorflow_program_trains_through_a_slurm_job_and_its_agent_s_death_r
           worker: {replicas: 2, port: 7520}
         training:
           framework: tensorflow
-          command: "python tensorflow/tf2_pss_train.py --steps 1500 --checkpoint_dir {checkpoint_dir}"
-          steps: 1500
+          command: "python tensorflow/tf2_pss_train.py --steps 1000 --checkpoint_dir {checkpoint_dir}"
+          steps: 1000
         supervision: {heartbeat_interval: 1s, heartbeat_timeout: 10s, startup_grace: 120s}
         """))
     job = up(penv, spec)
@@ -273,7 +273,7 @@ def test_a_tensorflow_program_trains_through_a_slurm_job_and_its_agent_s_death_r
     assert len(agents) == 1, penv.describe(agents)
     agents[0].kill()
     done = finished(penv, "sl-tf")
-    assert "chief: finished at step 1500" in (penv.home / "sl-tf" / "logs" / "chief-0.1.log").read_text()
+    assert "chief: finished at step 1000" in (penv.home / "sl-tf" / "logs" / "chief-0.1.log").read_text()
     pids = {r["name"]: r["pid"] for r in before["roles"]}
     for role in done["roles"]:
         assert (role["pid"], role["attempt"], role["restarts"]) == (pids[role["name"]], 1, 0), role

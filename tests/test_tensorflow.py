@@ -120,7 +120,8 @@ def test_tf2_the_agent_killed_its_successor_adopts_the_programs_and_nothing_rest
     exit code), the next agent adopts them, and training ends with no role restarted (a ps restarted would have
     cost the chief's restart from its last checkpoint), the chief's exit 0 read from its keeper's exit file."""
     tensorflow_or_skip()
-    cluster = example(psctl_env, "tf2agent", "tf2_pss.yaml", **LONGER)
+    cluster = example(psctl_env, "tf2agent", "tf2_pss.yaml", **{"--steps 300": "--steps 1000",
+                                                                  "steps: 300": "steps: 1000"})
     cluster_id = cluster.up()
     wait_until(lambda: max(steps_printed(chief_log(cluster)), default=0) >= 200, timeout=180,
                what="the chief to pass step 200", detail=cluster.describe)
@@ -131,7 +132,7 @@ def test_tf2_the_agent_killed_its_successor_adopts_the_programs_and_nothing_rest
     assert len(agents) == 1, psctl_env.describe(agents)
     sigkill(agents[0])
     cluster.wait_finished(300)
-    assert "chief: finished at step 2000" in chief_log(cluster), chief_log(cluster)[-2000:]
+    assert "chief: finished at step 1000" in chief_log(cluster), chief_log(cluster)[-2000:]
     for role in roles:  # the same processes, on their first attempt
         record = cluster.role(role)
         assert (record["pid"], record["attempt"], record["restarts"]) == (pids[role], 1, 0), cluster.describe()
