@@ -1,6 +1,6 @@
-"""The keeper a framework's program runs under (``python -m psctl.agent.keeper``), with real processes: it outlives
-the signals its group gets (the program gets each once, itself), leaves the program's exit code in the exit file
-and ends the same way, and takes the program with it when it is killed alone."""
+"""The keeper a framework's program runs under (``python -m psctl.agent.keeper``), with real processes: it passes
+each signal it gets, from its group or alone, on to the program once, leaves the program's exit code in the exit
+file and ends the same way, and takes the program with it when it is killed outright."""
 
 from __future__ import annotations
 
@@ -66,11 +66,20 @@ def test_the_role_s_group_signalled_its_program_gets_the_signal_once_and_its_exi
         kept: tuple[list[subprocess.Popen[str]], Path]) -> None:
     keepers, exit_file = kept
     keeper, program = keep(keepers, exit_file, [*COUNTS_TERMS, "3"])
-    assert os.getpgid(program) == keeper.pid  # in the role's group, as it was without a keeper
+    assert os.getpgid(program) == program != keeper.pid  # a group of its own: its signals come from the keeper
     os.killpg(keeper.pid, signal.SIGTERM)  # what an agent's stop does
     assert keeper.wait(timeout=10) == 3
     assert keeper.stdout is not None and keeper.stdout.read().split() == ["terms", "1"]
     assert exit_file.read_text() == "3\n"
+
+
+def test_the_keeper_signalled_alone_passes_the_signal_on(kept: tuple[list[subprocess.Popen[str]], Path]) -> None:
+    """``kill PID`` with the pid ``psctl status`` shows (the keeper's) reaches the program."""
+    keepers, exit_file = kept
+    keeper, _ = keep(keepers, exit_file, [*COUNTS_TERMS, "4"])
+    os.kill(keeper.pid, signal.SIGTERM)
+    assert keeper.wait(timeout=10) == 4
+    assert keeper.stdout is not None and keeper.stdout.read().split() == ["terms", "1"]
 
 
 def test_the_exit_file_is_the_keeper_s_to_write_not_its_program_s(
@@ -95,7 +104,7 @@ def test_a_program_killed_by_a_signal_ends_its_keeper_by_that_signal(
     assert exit_file.read_text() == f"{-sig}\n"  # what an agent that adopted it reads
 
 
-def test_a_keeper_killed_alone_takes_its_program_with_it(kept: tuple[list[subprocess.Popen[str]], Path]) -> None:
+def test_a_keeper_killed_outright_takes_its_program_with_it(kept: tuple[list[subprocess.Popen[str]], Path]) -> None:
     keepers, exit_file = kept
     keeper, program = keep(keepers, exit_file, SLEEPS)
     os.kill(keeper.pid, signal.SIGKILL)

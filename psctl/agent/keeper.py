@@ -5,14 +5,15 @@ psctl's runtime leaves its exit code in an exit file as it ends (``PSCTL_EXIT_FI
 adopts it after its own agent died can tell "finished" from "failed" without being its parent
 (``psctl.agent.orphans``). A TensorFlow program writes none: the agent starts it under this keeper, which
 
-- leads the role's process group (the process the agent signals, watches and a later agent adopts), with the
-  program in that group as before: the signals psctl sends the group (a stop's SIGTERM, its SIGKILL) reach the
-  program, and its own children, directly and once; the keeper itself outlives them to see the program end;
-- ties the program's life to its own (``PR_SET_PDEATHSIG``): a keeper killed alone takes the program with it;
+- leads the role's process group (the process the agent signals, watches and a later agent adopts, and the pid
+  ``psctl status`` shows) and starts the program in a process group of its own: each signal the keeper gets, from
+  its group (an agent's stop) or alone (``kill PID``), it passes on to the program's group, so the program and its
+  own children get it once;
+- ties the program's life to its own (``PR_SET_PDEATHSIG``): a keeper killed outright (SIGKILL, which it cannot
+  pass on) takes the program with it; what the program started is in its group, which ``psctl down`` finds by
+  its environment like every process of the cluster;
 - writes the program's exit code to the exit file as it ends (a signal as its negative number) and ends the
   same way itself, so an agent that is its parent reads the program's own status.
-
-A signal meant for the program is sent to the role's group (as psctl does) or to the program's own pid.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from collections.abc import Sequence
 from psctl.agent.orphans import EXIT_FILE_VARIABLE, write_exit_file
 from psctl.signals import RECORDED_SIGNALS
 
-#: The signals a role's group may be sent that the keeper outlives (the program gets them too, and decides).
-OUTLIVED = (signal.SIGTERM, signal.SIGINT, *RECORDED_SIGNALS)
+#: The signals the keeper passes on to the program's group (it outlives them itself, to see how the program ends).
+PASSED_ON = (signal.SIGTERM, signal.SIGINT, *RECORDED_SIGNALS)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -38,9 +39,10 @@ def keeper_argv(python: str, argv: Sequence[str]) -> list[str]:
     return [python, "-m", "psctl.agent.keeper", *argv]
 
 
-def _dying_with(parent: int) -> None:
-    """In the program's process, before it execs: SIGKILL once its keeper is gone (checked once set: the
-    keeper may have died before)."""
+def _in_own_group_dying_with(parent: int) -> None:
+    """In the program's process, before it execs: a process group of its own, and SIGKILL once its keeper is
+    gone (checked once set: the keeper may have died before)."""
+    os.setpgid(0, 0)
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
@@ -53,13 +55,17 @@ def run(argv: Sequence[str]) -> int:
     env = {k: v for k, v in os.environ.items() if k != EXIT_FILE_VARIABLE}  # the keeper's to write, not its
     me = os.getpid()
     try:
-        program = subprocess.Popen(list(argv), env=env, preexec_fn=lambda: _dying_with(me))
+        program = subprocess.Popen(list(argv), env=env, preexec_fn=lambda: _in_own_group_dying_with(me))
     except OSError as exc:  # (its agent checks first: seen here only if the program went meanwhile)
         print(f"psctl.agent.keeper: cannot start {argv[0]}: {exc.strerror or exc}", file=sys.stderr)
         code = 127  # as a shell says it
     else:
-        for signum in OUTLIVED:  # the group's signals are the program's: the keeper stays to see how it ends
-            signal.signal(signum, lambda _signum, _frame: None)
+        def pass_on(signum: int, _frame: object) -> None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(program.pid, signum)
+
+        for signum in PASSED_ON:
+            signal.signal(signum, pass_on)
         code = program.wait()
     if exit_file:
         try:
