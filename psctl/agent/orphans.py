@@ -93,7 +93,7 @@ def find_records(logs_dir: str, cluster_id: str) -> list[dict[str, Any]]:
     newest attempt of each role (an older attempt's record is stale, and removed)."""
     found: list[tuple[str, dict[str, Any]]] = []
     try:
-        entries = sorted(n for n in os.listdir(logs_dir) if n.endswith(RECORD_SUFFIX))
+        entries = [n for n in os.listdir(logs_dir) if n.endswith(RECORD_SUFFIX)]
     except OSError:
         return []
     for entry in entries:

@@ -369,9 +369,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return None
         started = time.perf_counter()
         try:
-            batch = self.dataset("train", request.shard).batch(position, self.batch_size)
-            ids = self.model.program.embedding_ids(batch)
-            plan = self.model.pull_plan(ids)
+            batch, ids, plan = self._input(request, position)
         except Exception:  # the data may end here, or hold bad ids: the step that needs it, if one does, says so
             return None
         answers = self.model.pull_bytes(plan)
@@ -381,6 +379,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 return None
         return _Ahead(request.params_epoch, request.shard, position, batch, ids, plan,
                       read_seconds=time.perf_counter() - started)
+
+    def _input(
+        self, request: pb.StepRequest, position: int
+    ) -> tuple[Batch, dict[str, np.ndarray], dict[int, list[Entry]]]:
+        """The batch at ``position`` of the request's data shard, its embedding ids, and what to pull for them."""
+        batch = self.dataset("train", request.shard).batch(position, self.batch_size)
+        ids = self.model.program.embedding_ids(batch)
+        return batch, ids, self.model.pull_plan(ids)
 
     def _train_pipelined(self, request: pb.StepRequest, count: int) -> list[pb.StepResponse]:
         """``count`` consecutive steps in this thread, each computed while the previous one's push is on its way
@@ -420,9 +426,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             reuse, expected = False, {}  # (its bytes came with the previous push's answer)
             pulled, steps = ahead.pulled, ahead.steps
         else:
-            batch = self.dataset("train", request.shard).batch(position, self.batch_size)
-            ids = program.embedding_ids(batch)
-            plan = self.model.pull_plan(ids)
+            batch, ids, plan = self._input(request, position)
             expected = self.model.pull_bytes(plan)
             reuse = _reusable(request, plan, expected)
             pulled, steps = self._variables(request, plan, expected, reuse)
