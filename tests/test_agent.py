@@ -4,6 +4,7 @@ replaced incarnation; keeps its roles when the supervisor goes and reports them 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -711,3 +712,42 @@ def test_a_watched_role_s_step_is_read_from_its_log_while_it_runs_and_once_after
     assert (final.exited, final.last.global_step, final.heartbeat_age) == (True, 30, 1.0)
     log_path.write_text("")  # read no more: an exited role's log is not read again at each report
     assert role.report(4.0).last.global_step == 30
+
+
+#: Starts a child that ignores SIGTERM, in its group (``group``: the role's, or its program's under a keeper) or
+#: in a session of its own (``session``), says its pid, then ends (``exits``) or ignores SIGTERM too (``hangs``).
+LEAVES_BEHIND = [sys.executable, "-c", "import signal, subprocess, sys, time\n"
+                 "child = subprocess.Popen([sys.executable, '-c', 'import signal, time\\n"
+                 "signal.signal(signal.SIGTERM, signal.SIG_IGN)\\nprint(1, flush=True)\\ntime.sleep(120)'], "
+                 "stdout=subprocess.PIPE, start_new_session=sys.argv[1] == 'session')\n"
+                 "child.stdout.readline()\nif sys.argv[2] == 'hangs': signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                 "print('child', child.pid, flush=True)\nif sys.argv[2] == 'exits': sys.exit(0)\ntime.sleep(120)\n"]
+
+
+@pytest.mark.parametrize(("child", "role", "watched_only", "code"), [
+    ("session", "hangs", False, -signal.SIGKILL),  # a child that left the role's group: the SIGKILL finds it
+    ("group", "hangs", True, -signal.SIGKILL),  # a framework's program's child, in its program's group
+    ("group", "exits", False, 0),  # what a role that ended left in its group
+])
+def test_nothing_a_role_started_outlives_it(tmp_path: Path, started: list[object], child: str, role: str,
+                                            watched_only: bool, code: int) -> None:
+    """Its group's signal misses a process below the role in a group of its own, and nothing signals the group
+    of a role that ended: the agent ends both (psctl.agent.leftovers), or they run until ``psctl down``."""
+    endpoint, _agent, hello = attached(started)
+    command = start_command("worker-0", 1, tmp_path, [*LEAVES_BEHIND, child, role])
+    command.start.watched_only = watched_only
+    endpoint.hub.send("h1", hello.agent_pid, command)
+    log = tmp_path / "logs" / "worker-0.1.log"
+    said = wait_until(lambda: re.search(r"child (\d+)", log.read_text()) if log.is_file() else None, timeout=15,
+                      what="the role's child")
+    left = psutil.Process(int(said.group(1)))
+    try:
+        if role == "hangs":
+            endpoint.hub.send("h1", hello.agent_pid, pb.AgentCommand(stop=pb.StopRole(name="worker-0",
+                                                                                      grace_seconds=0.3)))
+        assert endpoint.role_report("h1", "worker-0", until=lambda r: r.exited, timeout=15).exit_code == code
+        wait_until(lambda: not left.is_running() or left.status() == psutil.STATUS_ZOMBIE, timeout=10,
+                   what="the role's child to end with it")
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            left.kill()

@@ -123,3 +123,25 @@ def test_a_program_that_cannot_start_ends_its_keeper_with_127(kept: tuple[list[s
     assert done.returncode == 127
     assert done.stderr.strip() == f"psctl.agent.keeper: cannot start {missing}: No such file or directory"
     assert exit_file.read_text() == "127\n"
+
+
+#: Starts a child in its own group that ignores SIGTERM, says both pids, and ends with code 5.
+LEAVES_A_CHILD = [sys.executable, "-c", "import os, subprocess, sys\n"
+                  "child = subprocess.Popen([sys.executable, '-c', 'import signal, time\\n"
+                  "signal.signal(signal.SIGTERM, signal.SIG_IGN)\\nprint(1, flush=True)\\ntime.sleep(120)'], "
+                  "stdout=subprocess.PIPE)\nchild.stdout.readline()\n"
+                  "print('up', os.getpid(), flush=True)\nprint('child', child.pid, flush=True)\nsys.exit(5)\n"]
+
+
+def test_what_a_program_left_in_its_group_ends_with_it(kept: tuple[list[subprocess.Popen[str]], Path]) -> None:
+    keepers, exit_file = kept
+    keeper, _ = keep(keepers, exit_file, LEAVES_A_CHILD)
+    assert keeper.stdout is not None
+    said = keeper.stdout.readline().split()
+    assert said[0] == "child"
+    child = int(said[1])
+    with contextlib.suppress(psutil.NoSuchProcess):
+        PROGRAMS.append(psutil.Process(child))  # (killed after the test, should it outlive it)
+    assert keeper.wait(timeout=10) == 5
+    wait_until(lambda: not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE,
+               timeout=10, what="the program's child to end with it")

@@ -35,6 +35,7 @@ import grpc
 
 from psctl.agent.exits import ExitWaiter
 from psctl.agent.keeper import keeper_argv
+from psctl.agent.leftovers import end_group, exited_uncollected, kill_tree
 from psctl.agent.logs import last_step, log_tail
 from psctl.agent.orphans import (
     ADOPTION_VARIABLE,
@@ -44,12 +45,12 @@ from psctl.agent.orphans import (
     adoptable,
     adoptable_port,
     adoption_record,
-    create_time,
     ended_code,
     kill_orphans,
     left_to_their_roles,
     record_path,
 )
+from psctl.agent.procfs import create_time
 from psctl.launch.cpus import (
     CPUS_FILE_VARIABLE,
     CPUS_VARIABLE,
@@ -162,12 +163,16 @@ class RoleProcess:
         return self.process is not None and self.exit_code is None
 
     def signal(self, sig: int) -> None:
-        """Signal the role's process group (the role's own children with it)."""
+        """Signal the role's process group (the role's own children with it); SIGKILL also goes to every
+        process below the role in a group of its own (psctl.agent.leftovers)."""
         if not self.running:
             return
         assert self.process is not None
         if not isinstance(self.process, subprocess.Popen):
             self.process.send_signal(sig)
+            return
+        if sig == signal.SIGKILL:
+            kill_tree(self.process.pid)
             return
         try:
             os.killpg(self.process.pid, sig)
@@ -542,6 +547,8 @@ class Agent:
         if not role.running:
             return False
         assert role.process is not None
+        if isinstance(role.process, subprocess.Popen) and exited_uncollected(role.process.pid):
+            end_group(role.process.pid)  # what it left in its group: nothing signals that group again
         deadline = self.time() + timeout
         code = role.process.poll()
         while code is None and self.time() < deadline:

@@ -10,8 +10,9 @@ adopts it after its own agent died can tell "finished" from "failed" without bei
   its group (an agent's stop) or alone (``kill PID``), it passes on to the program's group, so the program and its
   own children get it once;
 - ties the program's life to its own (``PR_SET_PDEATHSIG``): a keeper killed outright (SIGKILL, which it cannot
-  pass on) takes the program with it; what the program started is in its group, which ``psctl down`` finds by
-  its environment like every process of the cluster;
+  pass on) takes the program with it; what the program started is killed with it by the agent, which kills
+  every process below a role it SIGKILLs (``psctl.agent.leftovers``);
+- once the program ended, SIGKILLs what it left in its group (nothing else signals that group again);
 - writes the program's exit code to the exit file as it ends (a signal as its negative number) and ends the
   same way itself, so an agent that is its parent reads the program's own status.
 """
@@ -26,6 +27,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from psctl.agent.leftovers import end_group
 from psctl.agent.orphans import EXIT_FILE_VARIABLE, write_exit_file
 from psctl.signals import RECORDED_SIGNALS
 
@@ -66,6 +68,9 @@ def run(argv: Sequence[str]) -> int:
 
         for signum in PASSED_ON:
             signal.signal(signum, pass_on)
+        with contextlib.suppress(ChildProcessError):  # its end, left uncollected: its pid still names its group
+            os.waitid(os.P_PID, program.pid, os.WEXITED | os.WNOWAIT)
+        end_group(program.pid)  # what it left there (a child that outlived a SIGTERM, one never waited for)
         code = program.wait()
     if exit_file:
         try:

@@ -23,7 +23,6 @@ ports.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import signal
@@ -31,7 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from psctl.agent.leftovers import kill_tree
 from psctl.agent.logs import crash_signal
+from psctl.agent.procfs import create_time, still_running
 
 #: Roles of the cluster started by an agent of this host carry this variable (its name in the cluster).
 HOST_VARIABLE = "PSCTL_AGENT_HOST"
@@ -41,36 +42,6 @@ ADOPTION_VARIABLE = "PSCTL_AGENT_ROLE"
 EXIT_FILE_VARIABLE = "PSCTL_EXIT_FILE"
 #: A role's adoption record beside its log: ``logs/worker-0.3.role`` (see ``record_path``).
 RECORD_SUFFIX = ".role"
-
-
-@functools.cache
-def _boot_time() -> float:
-    with open("/proc/stat", "rb") as f:
-        return next(float(line.split()[1]) for line in f if line.startswith(b"btime"))
-
-
-def _state_and_start(pid: int) -> tuple[str, float] | None:
-    """The process's state letter and start time (as psutil's ``create_time``: boot time + start ticks /
-    CLK_TCK), from one read of ``/proc/PID/stat``; None if it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-        fields = stat[stat.rindex(")") + 2:].split()
-        return fields[0], _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
-def create_time(pid: int) -> float:
-    """The process's start time as psutil reports it; 0.0 if unknown."""
-    found = _state_and_start(pid)
-    return found[1] if found is not None else 0.0
-
-
-def _running(pid: int, created: float) -> bool:
-    """The process ``pid`` started at ``created`` still runs (not a zombie, not a later process of that pid)."""
-    found = _state_and_start(pid)
-    return found is not None and found[0] not in ("Z", "X") and abs(found[1] - created) < 0.05
 
 
 def adoption_record(*, name: str, incarnation: int, attempt: int, argv: Sequence[str], log_path: str,
@@ -211,10 +182,9 @@ def kill_orphans(orphans: Sequence[Orphan]) -> list[int]:
     """SIGKILL the orphans' process groups (those still the processes found); returns their pids."""
     killed = []
     for orphan in orphans:
-        if _running(orphan.pid, orphan.create_time):
-            with contextlib.suppress(OSError):
-                os.killpg(orphan.pid, signal.SIGKILL)
-                killed.append(orphan.pid)
+        if still_running(orphan.pid, orphan.create_time):
+            kill_tree(orphan.pid)
+            killed.append(orphan.pid)
     return killed
 
 
@@ -232,13 +202,18 @@ class AdoptedProcess:
     def poll(self) -> int | None:
         """Its exit code once it ended: the one it wrote to its exit file, else the signal of the crash its log
         ends with (a native crash), else SIGKILL's (-9)."""
-        if self.returncode is None and not _running(self.pid, self._created):
+        if self.returncode is None and not still_running(self.pid, self._created):
             self.returncode = ended_code(self._exit_file, self._log)
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        """Signal its process group (it leads one, as every role does)."""
-        if self.returncode is None and _running(self.pid, self._created):
+        """Signal its process group (it leads one, as every role does); SIGKILL also every process below it
+        (psctl.agent.leftovers). What is left in its group once it ended is not: not being its parent, this
+        agent cannot see its end before its pid, and so its group's id, may be another process's."""
+        if self.returncode is None and still_running(self.pid, self._created):
+            if sig == signal.SIGKILL:
+                kill_tree(self.pid)
+                return
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.pid, sig)
 
