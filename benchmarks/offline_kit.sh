@@ -11,7 +11,7 @@
 # at the wheels' versions and without them; without TensorFlow's C++ headers and libclang, which only builds use) as tf.tar.xz cut into parts of at most --part-mib MiB, for carriers that limit what one
 # transfer holds. Carry .kit/ to the same place in the checkout there, parts in any number of transfers.
 # unpack makes .kit/venv (seeing the host's own packages, so what it has already is not installed again),
-# installs the wheels and psctl (editable) into it, and joins and unpacks the parts into .kit/tf; then:
+# installs the wheels into it and puts this checkout on its path (psctl), and joins and unpacks the parts into .kit/tf; then:
 #
 #   PYTHONPATH=$PWD/.kit/tf .kit/venv/bin/python -m benchmarks.vs_tensorflow --threads auto
 set -euo pipefail
@@ -68,7 +68,9 @@ unpack)
     "$python" -m venv --system-site-packages "$KIT/venv"
     # the pinned versions, from the carried wheels only (the host's own copies of other versions are shadowed)
     "$KIT/venv/bin/pip" install -q --no-index --find-links "$KIT/wheels" "$KIT"/wheels/*.whl
-    "$KIT/venv/bin/pip" install -q --no-index --no-deps --no-build-isolation -e .
+    # psctl from this checkout (a path file: an editable install would need a newer setuptools than a host has)
+    "$KIT/venv/bin/python" -c "import os, site; print(os.getcwd(), file=open(os.path.join(site.getsitepackages()[0], \
+'psctl-checkout.pth'), 'w'))"
     if compgen -G "$KIT/tf.tar.xz.part*" >/dev/null; then
         rm -rf "$KIT/tf" && mkdir -p "$KIT/tf"
         cat "$KIT"/tf.tar.xz.part* | xz -d | tar -C "$KIT/tf" -xf -
