@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 from collections import defaultdict
+from collections.abc import Sequence
 
 
 @functools.cache
@@ -18,14 +19,24 @@ def _boot_time() -> float:
         return next(float(line.split()[1]) for line in f if line.startswith(b"btime"))
 
 
+def _fields(stat: bytes) -> list[bytes]:
+    """The fields of a ``/proc/PID/stat`` after the command name (which may hold spaces and parentheses):
+    state, parent pid, ..., start ticks at index 19."""
+    return stat[stat.rindex(b")") + 2:].split()
+
+
+def _start_time(fields: Sequence[bytes]) -> float:
+    """The start time a process's stat fields give, as psutil's ``create_time``: boot time + ticks / CLK_TCK."""
+    return _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
 def _state_and_start(pid: int) -> tuple[str, float] | None:
-    """The process's state letter and start time (as psutil's ``create_time``: boot time + start ticks /
-    CLK_TCK), from one read of ``/proc/PID/stat``; None if it cannot be read."""
+    """The process's state letter and start time, from one read of ``/proc/PID/stat``; None if it cannot be
+    read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-        fields = stat[stat.rindex(")") + 2:].split()
-        return fields[0], _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+            fields = _fields(f.read())
+        return fields[0].decode(errors="replace"), _start_time(fields)
     except (OSError, ValueError, IndexError, StopIteration):
         return None
 
@@ -42,19 +53,18 @@ def still_running(pid: int, created: float) -> bool:
     return found is not None and found[0] not in ("Z", "X") and abs(found[1] - created) < 0.05
 
 
-def _children() -> dict[int, list[int]]:
-    """Every process's children, by parent pid, from one pass over ``/proc``."""
-    children: dict[int, list[int]] = defaultdict(list)
+def _children() -> dict[int, list[tuple[int, float]]]:
+    """Every process's children with their start times, by parent pid, from one read of each process's stat."""
+    children: dict[int, list[tuple[int, float]]] = defaultdict(list)
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
             with open(f"/proc/{entry.name}/stat", "rb") as f:
-                stat = f.read()
-            parent = int(stat[stat.rindex(b")") + 2:].split()[1])
-        except (OSError, ValueError, IndexError):
+                fields = _fields(f.read())
+            children[int(fields[1])].append((int(entry.name), _start_time(fields)))
+        except (OSError, ValueError, IndexError, StopIteration):
             continue  # (it ended meanwhile)
-        children[parent].append(int(entry.name))
     return children
 
 
@@ -64,8 +74,8 @@ def descendants(pid: int) -> dict[int, float]:
     found: dict[int, float] = {}
     below = list(children.get(pid, ()))
     while below:
-        child = below.pop()
+        child, started = below.pop()
         if child not in found:
-            found[child] = create_time(child)
+            found[child] = started
             below.extend(children.get(child, ()))
     return found
