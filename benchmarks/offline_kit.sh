@@ -7,11 +7,13 @@
 #
 # pack writes .kit/ (ignored by git): wheels/ with psctl's dependencies at this environment's versions (the
 # versions the figures here were taken with), built for that Python; with --tensorflow also TensorFlow's
-# site-packages (tensorflow-cpu and keras with the packages they need, resolved with numpy, protobuf and grpcio
-# at the wheels' versions and without them; without TensorFlow's C++ headers and libclang, which only builds use) as tf.tar.xz cut into parts of at most --part-mib MiB, for carriers that limit what one
-# transfer holds. Carry .kit/ to the same place in the checkout there, parts in any number of transfers.
+# site-packages (tensorflow-cpu and keras with what they need, resolved with numpy, protobuf and grpcio at the
+# wheels' versions and then left out, as are TensorFlow's C++ headers and libclang, which only builds use) as
+# tf.tar.xz cut into parts of at most --part-mib MiB, for carriers that limit what one transfer holds. Carry
+# .kit/ to the same place in the checkout there, the parts in any number of transfers.
 # unpack makes .kit/venv (seeing the host's own packages, so what it has already is not installed again),
-# installs the wheels into it and puts this checkout on its path (psctl), and joins and unpacks the parts into .kit/tf; then:
+# installs the wheels into it, puts this checkout on its path (psctl), and joins and unpacks the parts into
+# .kit/tf; then:
 #
 #   PYTHONPATH=$PWD/.kit/tf .kit/venv/bin/python -m benchmarks.vs_tensorflow --threads auto
 set -euo pipefail
