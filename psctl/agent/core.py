@@ -39,7 +39,6 @@ from psctl.agent.leftovers import end_group, exited_uncollected, kill_tree
 from psctl.agent.logs import last_step, log_tail
 from psctl.agent.orphans import (
     ADOPTION_VARIABLE,
-    EXIT_FILE_VARIABLE,
     AdoptedProcess,
     Orphan,
     adoptable,
@@ -65,6 +64,7 @@ from psctl.launch.cpus import (
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.cluster import TlsFiles
+from psctl.runtime.exits import EXIT_FILE_VARIABLE
 from psctl.runtime.rpc import make_channel, make_server
 
 log = logging.getLogger("psctl.agent")
@@ -157,6 +157,14 @@ class RoleProcess:
     cpus_file: str = ""
     #: Where the role (a watched program: its keeper) leaves its exit code as it ends, for an agent that adopts it.
     exit_file: str = ""
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], **known: Any) -> RoleProcess:
+        """The role an earlier agent described in its adoption record (``adoption_record``), with what else is
+        ``known`` of it; KeyError, TypeError or ValueError if the record lacks or garbles a field."""
+        return cls(str(record["name"]), int(record["incarnation"]), int(record["attempt"]), str(record["log"]),
+                   cpus_file=str(record.get("cpus_file", "")), exit_file=str(record.get("exit_file", "")),
+                   watched_only=bool(record.get("watched_only", False)), **known)
 
     @property
     def running(self) -> bool:
@@ -303,11 +311,8 @@ class Agent:
             for orphan in orphans:
                 record = orphan.record or {}
                 try:
-                    role = RoleProcess(str(record["name"]), int(record["incarnation"]), int(record["attempt"]),
-                                       str(record["log"]), process=AdoptedProcess(orphan),
-                                       create_time=orphan.create_time, cpus_file=str(record.get("cpus_file", "")),
-                                       exit_file=str(record.get("exit_file", "")),
-                                       watched_only=bool(record.get("watched_only", False)))
+                    role = RoleProcess.from_record(record, process=AdoptedProcess(orphan),
+                                                   create_time=orphan.create_time)
                 except (KeyError, TypeError, ValueError):
                     continue
                 if role.name in self.roles:
@@ -330,15 +335,12 @@ class Agent:
         Those it has just stopped itself are forgotten: the supervisor finds them missing, and why."""
         with self.lock:
             for record in records:
-                name = str(record["name"])
-                if name in self.roles:  # adopted: running
-                    continue
                 try:
-                    role = RoleProcess(name, int(record["incarnation"]), int(record["attempt"]), str(record["log"]),
-                                       cpus_file=str(record.get("cpus_file", "")),
-                                       exit_file=str(record.get("exit_file", "")),
-                                       watched_only=bool(record.get("watched_only", False)))
+                    role = RoleProcess.from_record(record)
                 except (KeyError, TypeError, ValueError):
+                    continue
+                name = role.name
+                if name in self.roles:  # adopted: running
                     continue
                 if name not in stopped:
                     role.exit_code = ended_code(role.exit_file, role.log_path)

@@ -28,7 +28,7 @@ import sys
 from collections.abc import Sequence
 
 from psctl.agent.leftovers import end_group
-from psctl.agent.orphans import EXIT_FILE_VARIABLE, write_exit_file
+from psctl.runtime.exits import EXIT_FILE_VARIABLE, write_exit_file
 from psctl.signals import RECORDED_SIGNALS
 
 #: The signals the keeper passes on to the program's group (it outlives them itself, to see how the program ends).

@@ -33,13 +33,12 @@ from typing import Any
 from psctl.agent.leftovers import kill_tree
 from psctl.agent.logs import crash_signal
 from psctl.agent.procfs import create_time, still_running
+from psctl.runtime.exits import read_exit_file
 
 #: Roles of the cluster started by an agent of this host carry this variable (its name in the cluster).
 HOST_VARIABLE = "PSCTL_AGENT_HOST"
 #: What a later agent needs to adopt a role, as JSON in the role's environment (see ``adoption_record``).
 ADOPTION_VARIABLE = "PSCTL_AGENT_ROLE"
-#: Where the runtime leaves its exit code as it ends (read by an agent that is not its parent).
-EXIT_FILE_VARIABLE = "PSCTL_EXIT_FILE"
 #: A role's adoption record beside its log: ``logs/worker-0.3.role`` (see ``record_path``).
 RECORD_SUFFIX = ".role"
 
@@ -216,23 +215,3 @@ class AdoptedProcess:
                 return
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.pid, sig)
-
-
-def write_exit_file(path: str, code: int) -> None:
-    """Leave ``code`` (a signal as its negative number) in ``path``, whole or not at all (a reader never sees
-    half of it). OSError if it cannot be written."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="ascii") as f:
-        f.write(f"{code}\n")
-    os.replace(tmp, path)
-
-
-def read_exit_file(path: str) -> int | None:
-    """The exit code a role wrote as it ended (None: it wrote none)."""
-    if not path:
-        return None
-    try:
-        with open(path, encoding="ascii") as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None

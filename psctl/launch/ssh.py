@@ -37,6 +37,7 @@ from psctl.errors import LaunchError, PsctlError
 from psctl.launch import hosts
 from psctl.launch.base import ProcessHandle, Runner, sh_path
 from psctl.launch.local import UNKNOWN_EXIT
+from psctl.runtime.exits import EXIT_FILE_VARIABLE
 from psctl.spec.model import HostSpec
 
 log = logging.getLogger("psctl.ssh")
@@ -191,8 +192,8 @@ class SSHRunner(Runner):
             log_text = "~/" + log_text  # relative to the remote home, as read_file reads it, not to ``cwd``
         log = sh_path(log_text)
         # A role is not our child here, so its exit code cannot be waited for: it leaves it in this file.
-        exit_file = str(env.get("PSCTL_EXIT_FILE") or posixpath.splitext(log_text)[0] + ".exit")
-        env = {**env, "PSCTL_EXIT_FILE": exit_file}
+        exit_file = str(env.get(EXIT_FILE_VARIABLE) or posixpath.splitext(log_text)[0] + ".exit")
+        env = {**env, EXIT_FILE_VARIABLE: exit_file}
         assign = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
         command = " ".join(shlex.quote(a) for a in argv)
         script = (

@@ -16,10 +16,17 @@ import threading
 import time
 from collections.abc import Sequence
 
-from psctl.agent.orphans import write_exit_file
 from psctl.launch.cpus import bind_self, cpu_list, settle_priority
 from psctl.runtime.cluster import ClusterConfigError, ClusterInfo, from_env
-from psctl.runtime.exits import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED
+from psctl.runtime.exits import (
+    EXIT_CONFIG,
+    EXIT_FAILURE,
+    EXIT_FILE_VARIABLE,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_TRAINING_FAILED,
+    write_exit_file,
+)
 from psctl.runtime.log_format import LOG_FORMAT
 from psctl.signals import RECORDED_SIGNALS, on_signals
 
@@ -194,7 +201,7 @@ def main() -> int:
 def record_exit(code: int) -> None:
     """Leave the exit code where ``PSCTL_EXIT_FILE`` says: a launcher that is not this process's parent (over
     SSH) cannot wait() for it, and must tell "finished" (0) from "bad config" (2) from "killed" (no file)."""
-    path = os.environ.get("PSCTL_EXIT_FILE")
+    path = os.environ.get(EXIT_FILE_VARIABLE)
     if not path:
         return
     try:
