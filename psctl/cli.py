@@ -24,7 +24,7 @@ from psctl.errors import PsctlError, TrainingFailed, UsageError
 from psctl.home import ClusterDir, list_clusters
 from psctl.render import host_table, plan_table, progress_line, status_dict, status_view
 from psctl.runtime.metrics import metrics_text
-from psctl.supervisor.state import ClusterRecord, ClusterState, load_state
+from psctl.supervisor.state import ClusterRecord, ClusterState, DamagedState, load_state
 from psctl.top import snapshot, top_view
 
 console = Console()
@@ -296,13 +296,22 @@ def plot(names: tuple[str, ...], out: str) -> None:
 def list_command(as_json: bool) -> None:
     """List the clusters psctl knows (under PSCTL_HOME), with each one's result: the runs of a sweep side by
     side."""
-    records = [load_state(cdir.state_file) for cdir in list_clusters()]
+    records: list[ClusterRecord] = []
+    damaged: list[DamagedState] = []  # listed too, not a reason to list nothing
+    for cdir in list_clusters():
+        try:
+            records.append(load_state(cdir.state_file))
+        except DamagedState as exc:
+            damaged.append(exc)
+        except FileNotFoundError:
+            continue  # (purged meanwhile)
     if as_json:
         click.echo(json.dumps([
             {"name": r.name, "state": r.state.value, "stale": observe.is_stale(r), "roles": len(r.roles),
              "steps": r.steps, "updated_at": r.updated_at, "spec_path": r.spec_path,
              "spec_overrides": r.spec_overrides, "result": r.result}
-            for r in records], indent=1))
+            for r in records] + [{"name": d.path.parent.name, "state": "damaged", "error": d.format_message()}
+                                 for d in damaged], indent=1))
         return
     table = Table(box=None)
     for col in ("name", "state", "roles", "steps", "updated"):
@@ -314,10 +323,15 @@ def list_command(as_json: bool) -> None:
         table.add_row(record.name, record.state.value + ("*" if is_stale else ""), str(len(record.roles)),
                       str(record.steps), time.strftime("%m-%d %H:%M", time.localtime(record.updated_at)),
                       metrics_text(metrics) if metrics else "-")  # (80 columns: a mark, a footnote for stale)
+    for unread in damaged:
+        table.add_row(unread.path.parent.name, "damaged", "-", "-", "-", "-")
     console.print(table)
     if any(stale):
         console.print("* stale: its supervisor is not running; `psctl supervise NAME` takes it up again",
                       markup=False, soft_wrap=True)
+    for unread in damaged:
+        err_console.print(f"[yellow]warning:[/yellow] {escape(unread.format_message())}", highlight=False,
+                          soft_wrap=True)
 
 
 @cli.command()

@@ -14,7 +14,7 @@ from click.shell_completion import CompletionItem
 
 from psctl import observe
 from psctl.home import ClusterDir, list_clusters
-from psctl.supervisor.state import ClusterRecord, load_state
+from psctl.supervisor.state import ClusterRecord, DamagedState, load_state
 
 
 def _records() -> list[tuple[ClusterDir, ClusterRecord]]:
@@ -22,8 +22,8 @@ def _records() -> list[tuple[ClusterDir, ClusterRecord]]:
     for cdir in list_clusters():
         try:
             found.append((cdir, load_state(cdir.state_file)))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # (a state file being rewritten, or of another version: leave it out)
+        except (OSError, DamagedState):
+            continue  # (a state file removed meanwhile, or damaged: leave it out)
     return found
 
 
@@ -50,7 +50,7 @@ def _the_cluster(ctx: click.Context) -> ClusterRecord | None:
     try:
         cdir = observe.resolve_cluster(ctx.params.get("name"))
         return load_state(cdir.state_file)
-    except (click.ClickException, OSError, ValueError, KeyError, TypeError):
+    except (click.ClickException, OSError):  # (DamagedState is a ClickException)
         return None
 
 

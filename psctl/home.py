@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Generic, TypeVar
 
+from psctl.errors import UsageError
+
 P = TypeVar("P", bound=PurePath)
 
 
@@ -97,8 +99,12 @@ class ClusterDir(RoleFolders[Path]):
 
     def create(self) -> None:
         for path in (self.root, self.logs, self.run_dir):
-            path.mkdir(parents=True, exist_ok=True)
-            path.chmod(0o700)
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                path.chmod(0o700)
+            except OSError as exc:  # PSCTL_HOME a file, read-only, not ours
+                raise UsageError(f"cannot create {path}: {exc.strerror or exc}",
+                                 hint=f"set PSCTL_HOME (now {psctl_home()}) to a folder you can write") from exc
 
 
 def list_clusters() -> list[ClusterDir]:

@@ -23,7 +23,7 @@ from psctl.errors import ClusterNotFound, UsageError
 from psctl.home import ClusterDir, list_clusters
 from psctl.launch.hostset import Placement, host_runners, placements
 from psctl.runtime.log_format import LOG_TIME
-from psctl.supervisor.state import ClusterRecord, RoleRecord, load_state
+from psctl.supervisor.state import ClusterRecord, DamagedState, RoleRecord, load_state
 
 
 def supervisor_alive(record: ClusterRecord) -> bool:
@@ -61,11 +61,20 @@ def resolve_cluster(name: str | None) -> ClusterDir:
         raise ClusterNotFound("no cluster found; start one with `psctl up SPEC`")
     if len(clusters) == 1:
         return clusters[0]
-    active = [c for c in clusters if not load_state(c.state_file).state.terminal]
+    active = [c for c in clusters if _unfinished(c)]
     if len(active) == 1:
         return active[0]
     names = ", ".join(c.name for c in (active or clusters))
     raise UsageError(f"several clusters exist ({names}); name the one you mean")
+
+
+def _unfinished(cdir: ClusterDir) -> bool:
+    """Whether a cluster has not ended; a damaged one counts (what it is doing is unknown), so that a command
+    without a name does not pick another cluster in its place."""
+    try:
+        return not load_state(cdir.state_file).state.terminal
+    except DamagedState:
+        return True
 
 
 def resolve_clusters(names: Sequence[str]) -> list[ClusterDir]:

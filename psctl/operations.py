@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, cast
 
+import psutil
+
 from psctl.errors import LaunchError, PsctlError, UsageError
 from psctl.home import ClusterDir
 from psctl.launch.base import ProcessHandle, Runner, on_their_hosts, stop_on_hosts
@@ -43,6 +45,7 @@ from psctl.supervisor.agents import agent_member
 from psctl.supervisor.state import (
     ClusterRecord,
     ClusterState,
+    DamagedState,
     RoleState,
     keep_spec,
     load_state,
@@ -314,7 +317,12 @@ class TeardownReport:
 def tear_down(cdir: ClusterDir, *, grace: float = 5.0, purge: bool = False) -> TeardownReport:
     """Stop the supervisor and every process of the cluster on every host; verify none is left. Safe to
     repeat. A host that cannot be reached is an error naming it (run ``down`` again once it is back)."""
-    record = load_state(cdir.state_file)
+    try:
+        record = load_state(cdir.state_file)
+    except DamagedState:
+        if not purge:
+            raise
+        return _purge_damaged(cdir, grace=grace)
     runners = host_runners(record.hosts)
     try:
         return _tear_down(cdir, record, runners, grace=grace, purge=purge)
@@ -407,10 +415,48 @@ def _tear_down(
         remote = [cast("SSHRunner", r) for name, r in runners.items() if name != LOCAL_HOST]
         roots = {name: HostDir(PurePosixPath(raw["root"])) for name, raw in record.hosts.items()}
         check_results(run_on_all(remote, lambda r: remove_files(r, roots[r.host])))
-        for path in cdir.root.iterdir():
-            if path.name != "checkpoints":
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-        if not any(cdir.root.iterdir()):
-            cdir.root.rmdir()
+        _remove_cluster_folder(cdir)
     return TeardownReport(stopped=len(live) + stopped_by_supervisor, unanswered_spares=spares)
 
+
+def _remove_cluster_folder(cdir: ClusterDir) -> None:
+    """The cluster's folder here, but its checkpoints (training results: they stay)."""
+    for path in cdir.root.iterdir():
+        if path.name != "checkpoints":
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if not any(cdir.root.iterdir()):
+        cdir.root.rmdir()
+
+
+def _purge_damaged(cdir: ClusterDir, *, grace: float) -> TeardownReport:
+    """``down --purge`` of a cluster whose state cannot be read. Its record (hosts, pids, cluster id) is lost,
+    so its processes on this machine are found by the files they hold open in its folder (the supervisor's
+    log, the agent's and the roles' logs, which their children inherit) and each is stopped; its other hosts,
+    if it had any, are not known here."""
+    found = _holding_files_in(cdir.root)
+    for proc in found:
+        with contextlib.suppress(psutil.NoSuchProcess):  # (psutil refuses a pid reused since it was found)
+            proc.terminate()
+    _, alive = psutil.wait_procs(found, timeout=grace)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    _, alive = psutil.wait_procs(alive, timeout=5.0)
+    if alive:
+        pids = ", ".join(str(p.pid) for p in alive)
+        raise LaunchError(f"processes of cluster {cdir.name!r} survived SIGKILL: {pids}; its folder is kept")
+    _remove_cluster_folder(cdir)
+    return TeardownReport(stopped=len(found))
+
+
+def _holding_files_in(folder: Path) -> list[psutil.Process]:
+    """Every process here, but this one, with a file open under ``folder``."""
+    inside = f"{folder.resolve()}{os.sep}"
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        with contextlib.suppress(psutil.Error):
+            if any(f.path.startswith(inside) for f in proc.open_files()):
+                found.append(proc)
+    return found

@@ -485,3 +485,55 @@ def test_down_of_several_clusters_stops_each_ones_processes_and_a_misspelt_name_
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+@pytest.mark.parametrize("damage", ["{not json", "[]", '{"roles": [{"name": 3}]}', "\udcff"])
+def test_a_damaged_state_file_is_named_in_one_line_listed_and_purged_with_what_of_it_runs(
+    psctl_env, damage: str
+) -> None:
+    """A state file cut short (a full disk) or edited by hand: every command that reads it says which file and
+    how to clear it, in one line; `ls` and a bare `status` still work for the other clusters; `down --purge`
+    stops the processes here that hold files in its folder (its record, with their pids, is lost) and removes
+    it, its checkpoints kept."""
+    recorded_cluster("good", {"chief-0": 1})
+    broken = ClusterDir.named("broken")
+    broken.logs.mkdir(parents=True)
+    broken.checkpoints.mkdir()
+    (broken.checkpoints / "ckpt-1.npz").write_bytes(b"kept")
+    broken.state_file.write_bytes(damage.encode("utf-8", errors="surrogateescape"))
+    for args in (["status", "broken"], ["logs", "chief-0", "broken"], ["down", "broken"], ["top", "broken"]):
+        line = assert_one_line_error(invoke(*args), 1, f"{broken.state_file}: the state of cluster 'broken' "
+                                                       "cannot be read (")
+        assert line.endswith("(`psctl down --purge broken` stops what of it runs on this machine and removes "
+                             "it)"), line
+    listed = check_ok(invoke("ls"))
+    assert [line.split()[:2] for line in listed.stdout.splitlines()[1:]] == [["good", "succeeded"],
+                                                                             ["broken", "damaged"]]
+    assert listed.stderr.startswith(f"warning: {broken.state_file}: the state"), listed.stderr
+    assert [(c["name"], c["state"]) for c in json.loads(check_ok(invoke("ls", "--json")).stdout)] == [
+        ("good", "succeeded"), ("broken", "damaged")]
+    # a bare command: the damaged cluster may be running, so it is not passed over for the finished one
+    assert_one_line_error(invoke("status"), 1, f"{broken.state_file}: the state of cluster 'broken'")
+
+    with open(broken.logs / "chief-0.1.log", "ab") as log:  # a role of it, still writing its log
+        role = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], stdout=log,
+                                start_new_session=True)
+    try:
+        done = check_ok(invoke("down", "broken", "--purge", "--grace", "2"))
+        assert "cluster 'broken': stopped 1 process(es); no process of it is left" in flat(done.stdout)
+        assert role.wait(timeout=10) is not None
+        assert sorted(p.name for p in broken.root.rglob("*")) == ["checkpoints", "ckpt-1.npz"]
+        assert check_ok(invoke("status", "good"))
+    finally:
+        if role.poll() is None:
+            role.kill()
+            role.wait()
+
+
+def test_up_says_in_one_line_that_psctl_home_cannot_hold_a_cluster(psctl_env, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = psctl_env.write_spec("homeless", ps=1, workers=1)
+    home = psctl_env.tmp_path / "a-file"
+    home.write_text("")
+    monkeypatch.setenv("PSCTL_HOME", str(home))
+    line = assert_one_line_error(invoke("up", str(spec), "--detach"), EXIT_USAGE, f"cannot create {home}/homeless")
+    assert line.endswith(f"(set PSCTL_HOME (now {home}) to a folder you can write)"), line

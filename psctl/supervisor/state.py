@@ -23,6 +23,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from psctl.errors import PsctlError
 from psctl.runtime.atomic import write_json_atomic, write_text_atomic
 from psctl.spec.model import ClusterSpec
 from psctl.spec.plan import Plan, endpoint
@@ -233,6 +234,24 @@ def save_state(path: Path, record: ClusterRecord) -> None:
     write_json_atomic(path, record.to_dict(), compact=True)
 
 
+class DamagedState(PsctlError):
+    """A cluster's state file that is not a record psctl wrote (cut short by a full disk, edited by hand)."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        self.path = path
+        name = path.parent.name
+        super().__init__(f"{path}: the state of cluster {name!r} cannot be read ({why})",
+                         hint=f"`psctl down --purge {name}` stops what of it runs on this machine and removes it")
+
+
 def load_state(path: Path) -> ClusterRecord:
-    with open(path, encoding="utf-8") as f:
-        return ClusterRecord.from_dict(json.load(f))
+    """The record at ``path``; :class:`DamagedState` where the file is not one (a missing file raises
+    FileNotFoundError, for callers that wait for it)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+        if not isinstance(raw, dict):
+            raise TypeError(f"a JSON {type(raw).__name__}, not an object")
+        return ClusterRecord.from_dict(raw)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:  # (bad JSON, UTF-8 or fields: ValueErrors)
+        raise DamagedState(path, str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
