@@ -26,6 +26,7 @@ from psctl.launch.hostset import RemoteHost, host_runners, ssh_runner
 from psctl.launch.local import LocalRunner
 from psctl.launch.remote import (
     RUNTIME_MODULES,
+    SETUP_TIMEOUT,
     TENSORFLOW_MODULES,
     HostDir,
     HostReport,
@@ -143,6 +144,29 @@ def prepare_hosts(
         raise
 
 
+def run_setup_here(spec: ClusterSpec, cdir: ClusterDir) -> None:
+    """``setup:`` for a cluster on this machine, as each SSH host runs it: every command once, in the folder the
+    roles start in (the spec's), before anything starts; their output goes to ``logs/setup.log``."""
+    folder = spec.path.parent if spec.path else cdir.root
+    log_path = cdir.logs / "setup.log"
+    for i, command in enumerate(spec.setup):
+        with open(log_path, "ab") as log:
+            os.chmod(log_path, 0o600)
+            log.write(f"$ {command}\n".encode())
+            log.flush()
+            try:
+                code = subprocess.run(command, shell=True, cwd=folder, stdin=subprocess.DEVNULL, stdout=log,
+                                      stderr=subprocess.STDOUT, timeout=SETUP_TIMEOUT).returncode
+            except subprocess.TimeoutExpired:
+                raise LaunchError(f"setup[{i}] `{command}` did not finish within {SETUP_TIMEOUT:.0f}s; "
+                                  f"fix the command under setup: (its output: {log_path})") from None
+        if code != 0:
+            said = log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+            last = said[-1] if said and not said[-1].startswith("$ ") else f"exit code {code}"
+            raise LaunchError(f"setup[{i}] `{command}` failed (exit {code}): {last}; fix the command under "
+                              f"setup: (its output: {log_path})")
+
+
 def bring_up(
     spec: ClusterSpec, plan: Plan, *, wait_started: float = 30.0, warn: Callable[[str], None] | None = None
 ) -> ClusterDir:
@@ -220,6 +244,8 @@ def _start(
         cdir.clear_last_run()
     record = new_cluster_folder(cdir, spec, plan)
     try:
+        if spec.backend == "local":
+            run_setup_here(spec, cdir)
         record.hosts = prepare_hosts(spec, plan, cdir, runners, reports)
     except PsctlError:
         shutil.rmtree(cdir.tls_dir, ignore_errors=True)

@@ -108,12 +108,30 @@ def gone(proc: psutil.Process) -> bool:
 
 
 # -- (a) ----------------------------------------------------------------------------------------------------
+def test_a_failed_setup_command_stops_up_in_one_line_before_anything_starts(psctl_env) -> None:
+    spec = psctl_env.write_spec("setupfail", ps=1, workers=1)
+    spec.write_text(spec.read_text()
+                    + "setup: ['echo first >> ran', 'echo no such wheel >&2; exit 3', 'echo x >> ran']\n")
+    failed = psctl_env.run("up", str(spec), "--detach")
+    assert failed.returncode == 1, (failed.stdout, failed.stderr)
+    log = psctl_env.home / "setupfail" / "logs" / "setup.log"
+    assert failed.stderr.strip() == (f"error: setup[1] `echo no such wheel >&2; exit 3` failed (exit 3): no such "
+                                     f"wheel; fix the command under setup: (its output: {log})"), failed.stderr
+    assert (spec.parent / "ran").read_text() == "first\n"  # the commands after it did not run
+    assert psctl_env.processes() == []  # nothing started: no supervisor, agent or role
+
+
 def test_up_attached_trains_to_the_end(psctl_env) -> None:
     steps = 300
     spec = psctl_env.write_spec("att", steps=steps, ps=1, workers=2)
+    # setup: runs here too, once, in the spec's folder, before anything starts
+    spec.write_text(spec.read_text() + "setup: ['echo ready > setup-marker', 'test -s setup-marker']\n")
     done = psctl_env.run("up", str(spec), timeout=180)
     assert done.returncode == 0, (done.stdout, done.stderr, cluster_logs(psctl_env, "att"))
     assert "Traceback" not in done.stdout + done.stderr
+    assert (spec.parent / "setup-marker").read_text() == "ready\n"
+    assert (psctl_env.home / "att" / "logs" / "setup.log").read_text().splitlines() == [
+        "$ echo ready > setup-marker", "$ test -s setup-marker"]
 
     status = status_json(psctl_env, "att")
     psctl_env.cluster_ids.add(status["cluster_id"])

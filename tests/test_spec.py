@@ -701,6 +701,17 @@ MISTAKES = [
         "cluster.yaml:3: setup[1]: expected a string, got a mapping; write a shell command as a string",
     ),
     (
+        "setup: for a Slurm job, which would not run it",
+        """\
+        backend: slurm
+        roles: {chief: {port: 7001}, ps: {port: 7002}, worker: {port: 7003}}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        setup: [module load cuda]
+        """,
+        "cluster.yaml:4: setup: a Slurm job runs no setup: commands on its nodes; run them before `psctl up` where "
+        "the nodes see their result (a shared folder), or remove setup:",
+    ),
+    (
         "a built-in program misspelt (the chief failed at start)",
         """        roles: {chief: {}, ps: {}, worker: {}}
         training: {program: psctl.models.mlpp, data: {name: digits}, steps: 10}

@@ -103,6 +103,10 @@ def build_spec(data: Any, source: SourceMap, *, path: Path | None, base_dir: Pat
         c.string(("setup", i), item, fix="write a shell command as a string")
         for i, item in enumerate(c.items(("setup",), top.get("setup") or [], fix="list shell commands"))
     )
+    if setup and backend == "slurm":  # (run on each SSH host, or here for a local cluster)
+        c.fail(("setup",), "a Slurm job runs no setup: commands on its nodes",
+               "run them before `psctl up` where the nodes see their result (a shared folder), or remove setup:",
+               key=True)
     if backend == "ssh":
         _check_single_role_pools(c, roles, training)
         _check_evaluator_host(c, roles, training, top["roles"].get("evaluator") or {})
