@@ -701,6 +701,32 @@ MISTAKES = [
         "cluster.yaml:3: setup[1]: expected a string, got a mapping; write a shell command as a string",
     ),
     (
+        "a built-in program's arg out of range (its roles would fail as they build the model)",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training: {program: psctl.models.mlp, args: {hidden_units: [64, 0]}, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:2: training.args.hidden_units: expected a positive integer or a list of them, got a list; "
+        "write e.g. hidden_units: 64",
+    ),
+    (
+        "a built-in program's arg of the wrong type",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training: {program: psctl.models.wide_embedding, args: {dim: "16"}, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:2: training.args.dim: expected a positive integer, got '16'; write e.g. dim: 64",
+    ),
+    (
+        "a local cluster's data file missing (its roles would fail as they start)",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training: {program: psctl.models.mlp, data: {path: data/train.npz}, steps: 10}
+        """,
+        "cluster.yaml:2: training.data.path: 'data/train.npz' does not exist (looked for {dir}/data/train.npz); "
+        "give a path relative to the spec's folder",
+    ),
+    (
         "setup: for a Slurm job, which would not run it",
         """\
         backend: slurm

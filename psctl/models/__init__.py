@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from psctl.runtime.builtin_programs import BUILTIN_PROGRAMS
+from psctl.runtime.builtin_programs import BUILTIN_PROGRAMS, arg_expected
 from psctl.runtime.program import EmbeddingRows, Params
 
 
@@ -33,8 +33,9 @@ def resolve_args(program: str, args: Mapping[str, Any], defaults: Mapping[str, i
         value = args.get(key, default)
         if value is None:
             raise ValueError(f"{program} needs args.{key}: it cannot be inferred from the data config")
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"args.{key} for {program} must be a positive integer, got {value!r}")
+        expected = arg_expected(program, key, value)
+        if expected is not None:
+            raise ValueError(f"args.{key} for {program} must be {expected}, got {value!r}")
         resolved[key] = int(value)
     return resolved
 

@@ -15,6 +15,7 @@ import numpy as np
 from psctl.models import compute_dtype, dense, resolve_args
 from psctl.models.data import ArrayDataset, data_shape, load_dataset
 from psctl.models.softmax import classification_metrics, features, labels, softmax_cross_entropy
+from psctl.runtime.builtin_programs import arg_expected
 from psctl.runtime.program import Batch, Grads, LowRankGrad, Params, Program, VariableDef
 
 NAME = "psctl.models.mlp"
@@ -29,12 +30,10 @@ def build(args: dict[str, Any], data: dict[str, Any], seed: int) -> Program:
 
 
 def _hidden_units(value: Any) -> tuple[int, ...]:
-    layers = value if isinstance(value, (list, tuple)) else [value]
-    if not layers or any(isinstance(h, bool) or not isinstance(h, (int, np.integer)) or h < 1 for h in layers):
-        raise ValueError(
-            f"args.hidden_units for {NAME} must be a positive integer or a list of them, got {value!r}"
-        )
-    return tuple(int(h) for h in layers)
+    expected = arg_expected(NAME, "hidden_units", value)
+    if expected is not None:
+        raise ValueError(f"args.hidden_units for {NAME} must be {expected}, got {value!r}")
+    return tuple(int(h) for h in (value if isinstance(value, (list, tuple)) else [value]))
 
 
 def _layer_names(depth: int) -> list[str]:

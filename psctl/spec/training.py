@@ -14,12 +14,12 @@ import importlib.util
 import math
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from psctl.home import psctl_home
-from psctl.runtime.builtin_programs import BUILTIN_PREFIX, BUILTIN_PROGRAMS
+from psctl.runtime.builtin_programs import BUILTIN_PREFIX, BUILTIN_PROGRAMS, arg_expected
 from psctl.runtime.call_size import AUTO
 from psctl.runtime.data_config import DataConfigError, parse_data_config
 from psctl.runtime.optimizer_params import LEARNING_RATE, OPTIMIZER_PARAMS, Param, optimizer_config
@@ -74,6 +74,9 @@ def normalise_training(
     for key in out["args"] if valid_args else ():
         if key not in valid_args:
             c.fail((*T, "args", key), f"{program} takes no arg {show(key)}", suggestion(key, valid_args), key=True)
+        expected = arg_expected(program, key, out["args"][key])
+        if expected is not None:
+            c.fail((*T, "args", key), f"expected {expected}, got {show(out['args'][key])}", f"write e.g. {key}: 64")
     out["data"] = _data(c, t.get("data"), base_dir, allowed_paths, builtin=program in BUILTIN_PROGRAMS)
     out["batch_size"] = _int(c, t, "batch_size", 100, minimum=1, example="100")
     out["optimizer"] = _optimizer(c, t.get("optimizer"))
@@ -163,6 +166,18 @@ def check_confined(
         f"{what} {resolved} is outside the spec's folder ({base_dir})",
         f"move it there, or allow its folder with security: {{allowed_paths: [{resolved.parent}]}}",
     )
+
+
+def check_local_data(c: Checker, training: Mapping[str, Any], written: object) -> None:
+    """A built-in program's data file (``written``: as the spec gives it), on a cluster whose roles all run on
+    this machine: it must exist before they start, as they read it first thing."""
+    path = (training.get("data") or {}).get("path")
+    if path is None or training.get("program") not in BUILTIN_PROGRAMS:
+        return
+    resolved = Path(path).expanduser()
+    if not resolved.exists():
+        c.fail((*T, "data", "path"), f"{show(written)} does not exist (looked for {resolved})",
+               "give a path relative to the spec's folder")
 
 
 def check_local_program(c: Checker, program: str, base_dir: Path, *, pythonpath: Sequence[str] = ()) -> None:
