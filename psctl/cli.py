@@ -8,7 +8,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 from rich.console import Console
@@ -32,7 +32,8 @@ err_console = Console(stderr=True)
 
 
 class PsctlGroup(click.Group):
-    """Turns PsctlError into one line on stderr and its exit code; tracebacks only with --debug."""
+    """Turns PsctlError, and a command's usage error (an unknown option, a value out of range), into one line on
+    stderr and its exit code; tracebacks only with --debug."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -42,6 +43,26 @@ class PsctlGroup(click.Group):
                 traceback.print_exc()
             print_error(exc.format_message())
             ctx.exit(exc.exit_code)
+        except click.UsageError as exc:  # (click's own form is four lines: usage, a hint, a blank, the error)
+            print_usage_error(exc, ctx)
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as exc:  # psctl's own options (`psctl --bogus`)
+            print_usage_error(exc, exc.ctx)
+
+
+def print_usage_error(exc: click.UsageError, ctx: click.Context | None) -> NoReturn:
+    """A usage error in one line, with where to read the command's usage; exit 2."""
+    context = exc.ctx or ctx
+    where = context.command_path if context is not None else "psctl"
+    if isinstance(exc, click.NoSuchOption) and exc.option_name == "--debug":  # psctl's, given after a command
+        print_error(f"--debug is psctl's option: give it before the command (psctl --debug {where.split()[-1]} ...)")
+        sys.exit(exc.exit_code)
+    print_error(f"{exc.format_message().rstrip('.')} (see `{where} --help`)")
+    sys.exit(exc.exit_code)
 
 
 def print_error(message: str) -> None:
@@ -252,7 +273,8 @@ def status(name: str | None, as_json: bool) -> None:
 @cli.command()
 @click.argument("name", required=False, shell_complete=completion.cluster_names)
 @click.option("--json", "as_json", is_flag=True, help="Print one snapshot as JSON and exit.")
-@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds between refreshes.")
+@click.option("--interval", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="Seconds between refreshes.")
 def top(name: str | None, as_json: bool, interval: float) -> None:
     """A live view of where each role's time goes: steps/s, step time, pull/compute/push/wait, requests/s,
     CPU and memory; stragglers and hot parameter servers flagged. Ctrl-C leaves it."""
@@ -337,9 +359,9 @@ def list_command(as_json: bool) -> None:
 @cli.command()
 @click.argument("role", required=False, shell_complete=completion.role_names)
 @click.argument("name", required=False, shell_complete=completion.cluster_names)
-@click.option("--tail", "-n", "tail", type=int, default=0, help="Only the last N lines (0: all).")
+@click.option("--tail", "-n", "tail", type=click.IntRange(min=0), default=0, help="Only the last N lines (0: all).")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines, across restarts of the role.")
-@click.option("--attempt", type=int, default=None, help="An earlier attempt's log (1 is the first).")
+@click.option("--attempt", type=click.IntRange(min=1), default=None, help="An earlier attempt's log (1 is the first).")
 @click.option("--all", "all_roles", is_flag=True,
               help="Every role's latest log, merged in time order, each line prefixed with its role.")
 def logs(role: str | None, name: str | None, tail: int, follow: bool, attempt: int | None, all_roles: bool) -> None:
@@ -433,7 +455,8 @@ def scale(name: str, targets: tuple[str, ...]) -> None:
 
 @cli.command()
 @click.argument("names", nargs=-1, metavar="[NAME]...", shell_complete=completion.cluster_names)
-@click.option("--grace", type=float, default=5.0, show_default=True, help="Seconds between SIGTERM and SIGKILL.")
+@click.option("--grace", type=click.FloatRange(min=0), default=5.0, show_default=True,
+              help="Seconds between SIGTERM and SIGKILL.")
 @click.option("--purge", is_flag=True, help="Also delete the cluster's logs and state.")
 def down(names: tuple[str, ...], grace: float, purge: bool) -> None:
     """Stop every process of a cluster (of each one named: the runs of a sweep) and verify that none is left."""
@@ -462,7 +485,7 @@ def down(names: tuple[str, ...], grace: float, purge: bool) -> None:
 
 @cli.command()
 @click.argument("name", required=False, shell_complete=completion.cluster_names)
-@click.option("--tail", "-n", "tail", type=int, default=20, show_default=True)
+@click.option("--tail", "-n", "tail", type=click.IntRange(min=0), default=20, show_default=True)
 def events(name: str | None, tail: int) -> None:
     """Show the cluster's recent role state changes, with their reasons."""
     cdir = observe.resolve_cluster(name)

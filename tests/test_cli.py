@@ -31,7 +31,7 @@ def flat(text: str) -> str:
 
 
 def invoke(*args: str) -> Result:
-    return CliRunner().invoke(cli, list(args))
+    return CliRunner().invoke(cli, list(args), prog_name="psctl")
 
 
 def check_ok(result: Result) -> Result:
@@ -537,3 +537,23 @@ def test_up_says_in_one_line_that_psctl_home_cannot_hold_a_cluster(psctl_env, mo
     monkeypatch.setenv("PSCTL_HOME", str(home))
     line = assert_one_line_error(invoke("up", str(spec), "--detach"), EXIT_USAGE, f"cannot create {home}/homeless")
     assert line.endswith(f"(set PSCTL_HOME (now {home}) to a folder you can write)"), line
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["logs", "chief-0", "--tail", "-1"], "Invalid value for '--tail' / '-n': -1 is not in the range x>=0 "
+                                          "(see `psctl logs --help`)"),
+    (["logs", "chief-0", "--attempt", "0"], "Invalid value for '--attempt': 0 is not in the range x>=1"),
+    (["events", "-n", "-1"], "Invalid value for '--tail' / '-n': -1 is not in the range x>=0"),
+    (["down", "--grace", "-5"], "Invalid value for '--grace': -5.0 is not in the range x>=0 "
+                                "(see `psctl down --help`)"),
+    (["top", "--interval", "0"], "Invalid value for '--interval': 0.0 is not in the range x>0"),
+    (["up", "--bogus", "x.yaml"], "No such option '--bogus' (see `psctl up --help`)"),
+    (["validate"], "Missing argument 'SPEC' (see `psctl validate --help`)"),
+    (["nosuch"], "No such command 'nosuch' (see `psctl --help`)"),
+    (["--bogus", "ls"], "No such option '--bogus' (see `psctl --help`)"),
+    (["validate", "x.yaml", "--debug"], "--debug is psctl's option: give it before the command (psctl --debug "
+                                        "validate ...)"),
+])
+def test_a_usage_error_is_one_line_with_exit_code_2(psctl_env, args: list[str], expected: str) -> None:
+    """Click's own form is four lines (usage, a hint, a blank line, the error); psctl's is one, like its others."""
+    assert_one_line_error(invoke(*args), EXIT_USAGE, expected)
