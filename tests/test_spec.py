@@ -20,6 +20,7 @@ from psctl.runtime.builtin_programs import BUILTIN_PROGRAMS
 from psctl.runtime.optimizer_params import OPTIMIZER_PARAMS
 from psctl.runtime.optimizers import make_optimizer
 from psctl.spec import (
+    MAX_SPEC_BYTES,
     ClusterSpec,
     HostSpec,
     RestartPolicy,
@@ -817,6 +818,11 @@ def test_unreadable_spec_files(tmp_path: Path) -> None:
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(b"name: \xff\xfe\n")
     assert str(spec_error(binary)) == f"{binary}: cannot read the spec: not UTF-8 text (byte 6)"
+    # a device that never ends, or a huge file: refused after 4 MiB, not read whole into memory
+    assert str(spec_error("/dev/zero")) == "/dev/zero: not a cluster spec: larger than 4 MiB; give the spec's YAML file"
+    huge = tmp_path / "huge.yaml"
+    huge.write_bytes(b"# padding\n" * (MAX_SPEC_BYTES // 10 + 1))
+    assert str(spec_error(huge)).endswith("not a cluster spec: larger than 4 MiB; give the spec's YAML file")
 
 
 def test_valid_spec_is_normalised_with_defaults(tmp_path: Path) -> None:

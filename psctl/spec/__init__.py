@@ -42,12 +42,21 @@ __all__ = [
 ]
 
 
+#: A spec is a few KB; one for a thousand hosts some hundreds. Beyond this it is not one (``/dev/zero``).
+MAX_SPEC_BYTES = 4 * 2**20
+
+
 def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> ClusterSpec:
     """Read and validate the spec file at ``path`` with ``overrides`` (``--set`` arguments, see
     ``psctl.spec.overrides``) applied; messages name the file as the user wrote it."""
     shown = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)  # bounded: a device or a runaway file is refused, not read whole
+        if len(raw) > MAX_SPEC_BYTES:
+            raise SpecError(f"{shown}: not a cluster spec: larger than {MAX_SPEC_BYTES // 2**20} MiB; give the "
+                            "spec's YAML file")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise SpecError(f"{shown}: cannot read the spec: not UTF-8 text (byte {e.start})") from None
     except OSError as e:
