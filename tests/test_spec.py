@@ -1248,6 +1248,11 @@ def test_set_overrides_replace_values_create_left_out_mappings_and_the_last_one_
     ("training.steps=-5", "--set training.steps=-5: training.steps: expected an integer >= 1, got -5; write a "
                           "whole number such as 1000"),
     ("training.stepz=5", "--set training.stepz=5: training.stepz: unknown key; did you mean 'steps'?"),
+    # a misspelt key inside the path: the --set made it, not the file's line above it
+    ("roles.worker.restrat.policy=never", "--set roles.worker.restrat.policy=never: roles.worker.restrat: unknown "
+                                          "key; did you mean 'restart'?"),
+    ("roles.workers.replicas=3", "--set roles.workers.replicas=3: roles.workers: unknown key; did you mean "
+                                 "'worker'?"),
     # a fix the file would write as "key: value" is given as the --set to write
     ("name=Bad_Name", "--set name=Bad_Name: name: 'Bad_Name' is not valid: lowercase letters, digits and dashes, at "
                       "most 63, not starting with a dash; write e.g. --set name=digits"),

@@ -93,6 +93,10 @@ class SourceMap:
             written = self.overrides.get(path[:n])
             if written is not None:
                 return f"--set {written}"
+        if path and path not in self.key_lines:  # a key the file lacks, made by a --set of a path below it
+            made = next((text for over, text in self.overrides.items() if over[:len(path)] == path), None)
+            if made is not None:
+                return f"--set {made}"
         return f"{self.filename}:{self.line(path, key=key)}"
 
     def error(
