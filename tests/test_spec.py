@@ -702,6 +702,26 @@ MISTAKES = [
         "cluster.yaml:3: setup[1]: expected a string, got a mapping; write a shell command as a string",
     ),
     (
+        "a host listed twice in a pool",
+        """\
+        hosts: [{name: a, address: 10.0.0.11}, {name: b, address: 10.0.0.12}]
+        roles: {chief: {host: a, port: 7001}, ps: {hosts: [a], port: 7002}, worker: {hosts: [a, b, a], port: 7000}}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:2: roles.worker.hosts[2]: host 'a' is listed twice (also roles.worker.hosts[0]); list each "
+        "host of the pool once",
+    ),
+    (
+        "an IPv4 address out of range (it would be looked up as a host name)",
+        """\
+        hosts: [{name: a, address: 10.0.0.256}]
+        roles: {chief: {host: a, port: 7001}, ps: {hosts: [a], port: 7002}, worker: {hosts: [a], port: 7000}}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:1: hosts[0].address: '10.0.0.256' is not an IPv4 address (each part 0-255); write e.g. "
+        "address: 10.0.0.11",
+    ),
+    (
         "a built-in program's arg out of range (its roles would fail as they build the model)",
         """\
         roles: {chief: {}, ps: {}, worker: {}}

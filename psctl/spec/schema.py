@@ -8,6 +8,7 @@ name every field involved.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 from dataclasses import replace
@@ -17,7 +18,7 @@ from typing import Any
 from psctl.launch.cpus import CPU_BINDINGS
 from psctl.spec.checks import Checker, seconds_text, show, suggestion
 from psctl.spec.framework import check_command
-from psctl.spec.loader import KeyPath, SourceMap
+from psctl.spec.loader import KeyPath, SourceMap, dotted
 from psctl.spec.model import (
     ROLE_NAMES,
     ClusterSpec,
@@ -55,6 +56,16 @@ RESERVED_ENV = re.compile(r"PSCTL_.*|TF_CONFIG")
 _NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _ADDRESS = re.compile(r"[A-Za-z0-9:][A-Za-z0-9_.:%-]{0,252}")
+#: Four dot-separated numbers: meant as an IPv4 address, never a host name (a DNS name's last label is no number).
+_DOTTED_QUAD = re.compile(r"\d+\.\d+\.\d+\.\d+")
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PORT_FIX = "use a port number such as 7000"
 
@@ -267,6 +278,9 @@ def _hosts(c: Checker, value: object) -> tuple[HostSpec, ...]:
             rule="an IP address or hostname",
             fix="write e.g. address: 10.0.0.11",
         )
+        if _DOTTED_QUAD.fullmatch(address) and not _is_ip(address):
+            c.fail((*p, "address"), f"{show(address)} is not an IPv4 address (each part 0-255)",
+                   "write e.g. address: 10.0.0.11")
         hosts.append(
             HostSpec(
                 name=name,
@@ -450,7 +464,12 @@ def _pool(c: Checker, p: KeyPath, d: dict[str, Any], hosts: tuple[HostSpec, ...]
     else:
         refs = []
     names = [h.name for h in hosts]
-    for path, name in refs:
+    listed: dict[str, int] = {}
+    for i, (path, name) in enumerate(refs):
+        if name in listed:
+            c.fail(path, f"host {name!r} is listed twice (also {dotted((*p, 'hosts', listed[name]))})",
+                   "list each host of the pool once")
+        listed[name] = i
         if not names:
             c.fail(
                 path,
