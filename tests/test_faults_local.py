@@ -335,6 +335,32 @@ def test_a_restarted_supervisor_adopts_the_running_roles_and_training_ends_exact
     assert cluster.progress() == steps
 
 
+def test_a_supervisor_stopped_longer_than_the_heartbeat_timeout_restarts_nothing(cluster_factory: MakeCluster) -> None:
+    """SIGSTOP of the supervisor (a paused VM, swap, an overloaded launch machine) for longer than the heartbeat
+    timeout, while its roles train on and beat to their agent: on SIGCONT it takes in what they sent meanwhile
+    and restarts nothing (it used to find every role silent and restart them all, or fail the cluster)."""
+    steps = 10000
+    cluster = cluster_factory("stopsup", steps)
+    cluster.up()
+    cluster.wait_progress(300)
+    supervisor = psutil.Process(cluster.state()["supervisor_pid"])
+    stopped_at = time.monotonic()
+    supervisor.suspend()
+    try:
+        at_stop = cluster.progress()
+        wait_until(lambda: time.monotonic() - stopped_at > HEARTBEAT_TIMEOUT + 1.5
+                   and cluster.progress() > at_stop, timeout=60, what="training to go on with the supervisor stopped",
+                   detail=cluster.describe)
+    finally:
+        supervisor.resume()
+    cluster.wait_finished()
+    assert_finished_with_exactly(cluster, steps)
+    for role in ("chief-0", "ps-0", "ps-1", "worker-0", "worker-1"):
+        assert cluster.role(role)["attempt"] == 1, cluster.describe()
+    assert not [e for e in cluster.events() if e["to"] in ("lost", "restarting", "unreachable")], cluster.describe()
+    assert "this supervisor did not run for" in (cluster.root / "supervisor.log").read_text()
+
+
 def test_sigkill_of_the_agent_its_successor_adopts_the_roles_and_training_ends_exactly(
         cluster_factory: MakeCluster, psctl_env: PsctlEnv) -> None:
     """The host's agent dies mid-training; the supervisor starts another, which takes over the roles the first

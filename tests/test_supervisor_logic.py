@@ -368,3 +368,25 @@ def test_a_tensorflow_chief_restarts_with_a_lost_ps_once_the_ps_runs_again(tmp_p
     assert (RoleState.STARTING, RoleState.RESTARTING) in order  # the ps started, the chief still waited
     assert all(chief_state == RoleState.RESTARTING for ps_state, chief_state in order if ps_state != RoleState.RUNNING)
     assert (c.role("ps-0").state, chief.state, chief.attempt) == (RoleState.RUNNING, RoleState.RUNNING, 2)
+
+
+def test_a_stalled_supervisor_judges_silence_from_its_resumption_not_from_before(c: FakeCluster) -> None:
+    """The supervisor stopped for 15 s (SIGSTOP, a paused VM) while its roles went on and beat to their agent:
+    its first pass after, before it has taken in what the agents sent meanwhile, restarts nothing; a role
+    that is silent from then on is still lost one heartbeat timeout later."""
+    running(c)
+    c.now += 15.0  # the supervisor did not run; the roles did
+    for p in c.processes["localhost"].values():
+        p.beat = c.now
+    resumed = policy.decide(c.state, [policy.SupervisorStalled(15.0)], c.now)  # the reports are still on their way
+    c.act(resumed)
+    assert set(c.states().values()) == {RoleState.RUNNING}, c.events()
+    assert not [a for a in resumed if isinstance(a, (policy.StopRole, policy.StartRole))]
+    c.step(0.2)  # the reports come in
+    assert set(c.states().values()) == {RoleState.RUNNING}
+    assert all(r.attempt == 1 for r in c.record.roles)
+    c.step(4.0, silent=("worker-1",))  # silent for 4 s of the timeout's 5 after the stall: not yet
+    assert c.role("worker-1").state == RoleState.RUNNING
+    c.step(1.5, silent=("worker-1",))
+    assert c.role("worker-1").state == RoleState.RESTARTING
+    assert any(e.to == "lost" and e.reason.startswith("no heartbeat for 5.5s") for e in c.events("worker-1"))

@@ -58,6 +58,9 @@ AGENT_STARTERS = 16
 #: at most a sixth of the loop's time, and of the GIL it shares with the thread that reads the agents' streams.
 MIN_PASS_GAP = 0.02
 EARLY_PASS_WORK = 5.0
+#: A pass this long after the last one (they are a poll interval apart, 0.1 s, plus the pass's own work) means
+#: this process did not run meanwhile (SIGSTOP, a paused VM, swap, a starved CPU): see policy.SupervisorStalled.
+SUPERVISOR_STALL = 3.0
 
 
 class Supervisor:
@@ -194,8 +197,13 @@ class Supervisor:
                 if pause > 0:
                     time.sleep(pause)
         self._wake.clear()  # (before taking the inbox: a change that lands after it wakes the next pass)
-        self._last_pass = time.monotonic()
+        previous, self._last_pass = self._last_pass, time.monotonic()
         out: list[Observation] = []
+        if previous != float("-inf") and self._last_pass - previous > SUPERVISOR_STALL:
+            stalled = self._last_pass - previous
+            log.warning("this supervisor did not run for %.1fs (stopped, paused or starved of CPU): silence is "
+                        "counted from now", stalled)
+            out.append(policy.SupervisorStalled(stalled))
         with contextlib.suppress(queue.Empty):
             while True:
                 out.append(self.inbox.get_nowait())

@@ -101,6 +101,14 @@ class AgentAlive:
 
 
 @dataclass(frozen=True)
+class SupervisorStalled:
+    """The supervisor itself did not run for ``seconds`` (stopped, its VM paused, swapped out, starved of CPU):
+    what its agents sent meanwhile is still on its way in, so silence is counted from now, not from before."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
 class StopRequested:
     grace: float
     reason: str = "stopped by psctl down"
@@ -128,7 +136,7 @@ class ScaleRequested:
     slots: tuple[Slot, ...] = ()
 
 
-Observation = Report | Detached | AgentStartFailed | AgentAlive | StopRequested | ScaleRequested
+Observation = Report | Detached | AgentStartFailed | AgentAlive | StopRequested | ScaleRequested | SupervisorStalled
 
 
 # -- actions: what the shell must do ---------------------------------------------------------------------
@@ -249,6 +257,9 @@ class PolicyState:
     rng: random.Random = field(default_factory=random.Random)
     #: The grace of the stops that end the cluster (``psctl down --grace``).
     stop_grace: float = 5.0
+    #: Since when silence counts: the end of the supervisor's own last stall (see SupervisorStalled), during
+    #: which it heard nothing whoever spoke (see _Decision.silent_since).
+    heard_from: float = float("-inf")
 
     def __post_init__(self) -> None:
         sup = self.spec.supervision
@@ -454,6 +465,8 @@ class _Decision:
             self.finish(ClusterState.STOPPED, observation.reason, grace=observation.grace)
         elif isinstance(observation, ScaleRequested):
             self.scale(observation)
+        elif isinstance(observation, SupervisorStalled):
+            self.s.heard_from = self.now
 
     def detach(self, host: str, reason: str) -> None:
         h = self.s.hosts[host]
@@ -596,12 +609,13 @@ class _Decision:
     def look_at_hosts(self) -> None:
         timeout = self.sup.heartbeat_timeout
         for name, h in self.s.hosts.items():
-            if h.attached and h.last_report is not None and self.now - h.last_report > timeout:
+            if h.attached and h.last_report is not None and self.now - self.silent_since(h.last_report) > timeout:
                 self.detach(name, f"agent silent for {self.now - h.last_report:.1f}s (host down or cut off)")
             if not h.attached and (h.agent_asked_at is None or self.now - h.agent_asked_at >= AGENT_RETRY):
                 h.agent_asked_at = self.now
                 # one that runs but never dials in (it cannot find this supervisor) is replaced
-                replace = h.awaited_since is not None and self.now - h.awaited_since > self.sup.startup_grace
+                replace = (h.awaited_since is not None
+                           and self.now - self.silent_since(h.awaited_since) > self.sup.startup_grace)
                 if replace:
                     h.awaited_since = None
                 self.actions.append(StartAgent(name, replace=replace))
@@ -624,7 +638,7 @@ class _Decision:
         if role.state == R.LOST:
             return
         if live.last_heartbeat is None:
-            if self.now - live.started > self.sup.startup_grace:
+            if self.now - self.silent_since(live.started) > self.sup.startup_grace:
                 self.on_lost(role, f"no heartbeat within the start-up grace of {self.sup.startup_grace:.0f}s")
             return
         if role.state == R.STARTING:
@@ -635,11 +649,16 @@ class _Decision:
             policy.max_backoff_seconds, 1.0
         ):
             live.failures_in_a_row = 0
-        silent = self.now - max(live.last_heartbeat, live.vouched_at or 0.0)
-        if silent > self.sup.heartbeat_timeout:
-            self.on_lost(role, f"no heartbeat for {silent:.1f}s (hung or cut off)")
+        heard = max(live.last_heartbeat, live.vouched_at or 0.0)
+        if self.now - self.silent_since(heard) > self.sup.heartbeat_timeout:
+            self.on_lost(role, f"no heartbeat for {self.now - heard:.1f}s (hung or cut off)")
         else:
             self.check_stall(role, live)
+
+    def silent_since(self, heard: float) -> float:
+        """When a silence that began at ``heard`` counts from: then, or the end of the supervisor's own last
+        stall if later (a role or agent is not judged by time the supervisor did not run)."""
+        return max(heard, self.s.heard_from)
 
     def check_stall(self, role: RoleRecord, live: RoleLive) -> None:
         """A worker or chief whose heartbeats go on but whose step stopped moving, while other workers' steps
@@ -653,7 +672,7 @@ class _Decision:
             if role.state == R.STALLED:
                 self.transition(role, R.RUNNING, "progressing again")
             return
-        if role.state != R.RUNNING or self.now - live.progressed_at <= self.sup.stall_timeout:
+        if role.state != R.RUNNING or self.now - self.silent_since(live.progressed_at) <= self.sup.stall_timeout:
             return
         others = [self.s.roles[r.name] for r in members(self.record, "worker") if r.name != role.name]
         if any(o.progressed_at > live.progressed_at for o in others):
