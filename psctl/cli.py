@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -20,7 +21,7 @@ from rich.table import Table
 # numpy, certificates, the agents' gRPC): the read-only ones (status, logs, top, ls) need psctl.observe only, and
 # start in ~0.13 s instead of ~0.3 (tests/test_cli.py holds them to it).
 from psctl import __version__, completion, observe
-from psctl.errors import PsctlError, TrainingFailed, UsageError
+from psctl.errors import EXIT_INTERRUPTED, PsctlError, TrainingFailed, UsageError
 from psctl.home import ClusterDir, list_clusters
 from psctl.render import host_table, plan_table, progress_line, status_dict, status_view
 from psctl.runtime.metrics import metrics_text
@@ -136,10 +137,20 @@ def up(spec: str, detach: bool, dry_run: bool, overrides: tuple[str, ...]) -> No
         console.print(plan_table(plan))
         console.print(f"dry run: nothing started ({len(plan.instances)} roles planned)")
         return
-    cdir = operations.bring_up(
-        cluster_spec, plan, warn=lambda line: err_console.print(f"[yellow]warning:[/yellow] {escape(line)}")
-    )
     name = cluster_spec.name
+    try:
+        cdir = operations.bring_up(
+            cluster_spec, plan, warn=lambda line: err_console.print(f"[yellow]warning:[/yellow] {escape(line)}")
+        )
+    except KeyboardInterrupt:  # before it runs, Ctrl-C abandons the start; once it runs, it detaches (below)
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a second Ctrl-C must not cut the stop short)
+        try:
+            stopped = operations.abandon_start(name)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        err_console.print(f"interrupted while starting: cluster {name!r} stopped ({stopped} process(es)); "
+                          "nothing of it is left running", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(EXIT_INTERRUPTED)
     if detach:
         console.print(f"cluster {name!r} is starting; watch it with `psctl status {name}`", markup=False)
         return

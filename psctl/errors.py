@@ -14,6 +14,7 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2  # usage and spec errors, like click's own usage errors
 EXIT_TRAINING_FAILED = 3
 EXIT_NOT_FOUND = 4
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
 
 class PsctlError(click.ClickException):

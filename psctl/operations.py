@@ -333,6 +333,15 @@ def resupervise(cdir: ClusterDir, *, wait_started: float = 30.0) -> ClusterRecor
                       f"see {cdir.supervisor_log}")
 
 
+def abandon_start(name: str) -> int:
+    """``up`` interrupted before the cluster ran: whatever of it had started is stopped (a half-started cluster
+    is not left running behind a command that said it stopped); the processes stopped."""
+    cdir = ClusterDir.named(name)
+    if not cdir.state_file.is_file():  # interrupted before anything was started
+        return 0
+    return tear_down(cdir).stopped
+
+
 @dataclass(frozen=True)
 class TeardownReport:
     stopped: int

@@ -121,6 +121,35 @@ def test_a_failed_setup_command_stops_up_in_one_line_before_anything_starts(psct
     assert psctl_env.processes() == []  # nothing started: no supervisor, agent or role
 
 
+# in-process, the supervisor is this process's child, whose Popen `up` drops as it returns (psctl's own process
+# exits then): Python warns of a child still running, which here is the point
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_ctrl_c_before_the_cluster_runs_stops_what_had_started(psctl_env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C during an attached `up`'s start (here: just as it returns, the supervisor running and every role
+    started) abandons the start: nothing is left running, and it says so (it printed "Aborted!" and left the
+    cluster training). Once the cluster runs, Ctrl-C detaches instead."""
+    from click.testing import CliRunner
+
+    from psctl import operations
+    from psctl.cli import cli
+
+    spec = psctl_env.write_spec("intr", steps=100000, ps=1, workers=1)
+    started = operations.bring_up
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        started(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(operations, "bring_up", interrupted)
+    result = CliRunner().invoke(cli, ["up", str(spec)], prog_name="psctl")
+    assert result.exit_code == 130, (result.stdout, result.stderr, result.exception)
+    said = flat(result.stderr)
+    assert re.fullmatch(r"interrupted while starting: cluster 'intr' stopped \([1-9]\d* process\(es\)\); nothing "
+                        r"of it is left running", said), said
+    assert psctl_env.processes() == []
+    assert psctl_env.state("intr")["state"] == "stopped"
+
+
 def test_up_attached_trains_to_the_end(psctl_env) -> None:
     steps = 300
     spec = psctl_env.write_spec("att", steps=steps, ps=1, workers=2)
