@@ -526,7 +526,11 @@ def export(name: str | None, checkpoint: str | None, out: str) -> None:
         cdir = observe.resolve_cluster(name)
         record = load_state(cdir.state_file)
     where, snapshot = find_snapshot(cdir, record, checkpoint)
-    written = export_arrays(snapshot, out)
+    try:
+        written = export_arrays(snapshot, out)
+    except OSError as exc:
+        raise PsctlError(f"cannot write {out}: {exc.strerror or exc}",
+                         hint="give --out a path in a folder you can write") from exc
     shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in snapshot.variables.items())
     click.echo(f"exported {where} (global step {snapshot.global_step}) to {written}: {shapes}")
 

@@ -269,6 +269,11 @@ def test_export_writes_the_newest_checkpoints_variables(psctl_env) -> None:
     typo = check(psctl_env.run("export", "exp", "--checkpoint", "h9:/ckpts", "-o", str(out)), 2)
     assert ("--checkpoint h9:/ckpts: 'h9' is not a host of cluster 'exp' (its hosts: none: it runs on this "
             "machine); give HOST:PATH with one of them, or a local folder") in flat(typo.stderr), typo.stderr
+    a_file = psctl_env.tmp_path / "a-file"
+    a_file.write_text("")
+    unwritable = check(psctl_env.run("export", "exp", "-o", str(a_file / "model.npz")), 1)
+    assert flat(unwritable.stderr) == (f"error: cannot write {a_file}/model.npz: File exists (give --out a path in a "
+                                       "folder you can write)"), unwritable.stderr
 
 
 def test_export_while_training_reads_the_spec_checkpoint_folder(psctl_env) -> None:

@@ -354,9 +354,13 @@ def export_arrays(snapshot: Snapshot, out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.savez(f, **snapshot.variables)  # type: ignore[arg-type]
-    os.replace(tmp, out)
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **snapshot.variables)  # type: ignore[arg-type]
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # (a disk that filled up keeps no half-written file)
+        raise
     return out
 
 
