@@ -534,3 +534,16 @@ def test_killed_worker_is_restarted_and_training_finishes(psctl_env) -> None:
 
     check(psctl_env.run("down"))
     assert psctl_env.processes(final["cluster_id"]) == []
+
+
+def test_sigterm_to_the_supervisor_stops_the_cluster_and_says_so(psctl_env) -> None:
+    """Someone's `kill` of the supervisor stops the cluster cleanly; its reason says so (it said `psctl down`)."""
+    up_detached(psctl_env, "termsup", steps=100000, ps=1, workers=1)
+    state = wait_cluster(psctl_env, "termsup", lambda s: s["state"] == "running", timeout=60, what="running")
+    pid = state["supervisor_pid"]
+    psutil.Process(pid).terminate()
+    stopped = wait_cluster(psctl_env, "termsup", lambda s: s["state"] == "stopped", timeout=60, what="stopped")
+    reason = f"stopped by SIGTERM to the supervisor (pid {pid})"
+    assert stopped["reason"] == reason, stopped
+    assert {r["reason"] for r in stopped["roles"]} == {reason}, stopped["roles"]
+    wait_until(lambda: psctl_env.processes() == [], timeout=20, what="the supervisor and the agent to exit")

@@ -46,6 +46,8 @@ def main(argv: list[str]) -> int:
             supervisor.stop_reason = "stopped by Slurm (preempted, requeued, cancelled or out of time)"
             supervisor.default_grace = spec.supervision.preemption_grace
             supervisor.finish_wait = SLURM_FINISH_WAIT
+        elif not cdir.stop_request.exists():  # (psctl down leaves its request before it signals)
+            supervisor.stop_reason = f"stopped by {signal.Signals(signum).name} to the supervisor (pid {os.getpid()})"
         supervisor.request_stop()
 
     on_signals((signal.SIGTERM,), on_term)
