@@ -19,8 +19,9 @@ from pathlib import Path
 
 import psutil
 
-from psctl.errors import ClusterNotFound, UsageError
+from psctl.errors import ClusterNotFound, PsctlError, UsageError
 from psctl.home import ClusterDir, list_clusters
+from psctl.launch.base import ProcessHandle
 from psctl.launch.hostset import Placement, host_runners, placements
 from psctl.runtime.log_format import LOG_TIME
 from psctl.supervisor.state import ClusterRecord, DamagedState, RoleRecord, load_state
@@ -145,6 +146,16 @@ class RoleLog:
         except FileNotFoundError:
             return None
 
+    def still_running(self) -> bool:
+        """Whether the role's latest process still runs, asked of its host (for when no supervisor says)."""
+        rec = self.record
+        if rec.pid is None:
+            return False
+        try:
+            return self.places[rec.host].runner.poll(ProcessHandle(rec.host, rec.pid, rec.create_time)) is None
+        except (PsctlError, OSError, KeyError):
+            return False
+
     def close(self) -> None:
         for place in self.places.values():
             place.runner.close()
@@ -231,6 +242,9 @@ def _last_lines(data: bytes, n: int) -> list[str]:
     return lines[-n:] if n > 0 else lines
 
 
+#: ``logs -f`` of a cluster without a supervisor asks this often whether the role's process still runs.
+FOLLOW_ASK_EVERY = 2.0
+
 #: ``logs --tail`` reads this much of the log's end first, and four times more while lines are missing.
 TAIL_CHUNK = 64 << 10
 
@@ -265,6 +279,7 @@ def follow(
         end = log.read_end(attempt, 0)  # its size: nothing of it is read
         offset = end[1] if end is not None else 0
     pending = ""
+    asked = float("-inf")
     while True:
         data = log.read(attempt, offset)
         if data:
@@ -283,7 +298,15 @@ def follow(
             offset = 0
             yield f"--- {log.role}: attempt {attempt} ---"
             continue
-        if record.state.terminal or is_stale(record):
+        # no supervisor to say when it ends (stale): the role's process says, asked now and then (over SSH
+        # that is a command on its host)
+        unsupervised = not record.state.terminal and is_stale(record)
+        if unsupervised and time.monotonic() - asked >= FOLLOW_ASK_EVERY:
+            asked = time.monotonic()
+            unsupervised_done = not log.still_running()
+        else:
+            unsupervised_done = False
+        if record.state.terminal or unsupervised_done:
             if pending:
                 yield pending
             return

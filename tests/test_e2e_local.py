@@ -477,6 +477,13 @@ def test_logs_follow_prints_new_lines_until_the_cluster_ends(psctl_env) -> None:
         assert follower.poll() is None, "logs -f exited while the cluster runs"
         written = (psctl_env.home / "fol" / "logs" / "chief-0.1.log").read_text(encoding="utf-8").splitlines()
         assert all(line in written for line in seen), (seen, written)
+        # Its supervisor killed (the cluster stale), the chief trains on: -f follows while the chief's process runs.
+        supervisor = psutil.Process(psctl_env.state("fol")["supervisor_pid"])
+        supervisor.kill()
+        supervisor.wait(timeout=10)
+        seen.clear()
+        wait_until(two_step_lines, timeout=30, interval=0.1, what="two more 'step' lines without a supervisor",
+                   detail=lambda: f"seen: {seen}\n{cluster_logs(psctl_env, 'fol')}")
         # When the cluster ends, -f prints what is left and exits by itself.
         check(psctl_env.run("down", "fol", "--grace", "2"))
         follower.wait(timeout=15)
