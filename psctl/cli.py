@@ -145,11 +145,11 @@ def up(spec: str, detach: bool, dry_run: bool, overrides: tuple[str, ...]) -> No
     except KeyboardInterrupt:  # before it runs, Ctrl-C abandons the start; once it runs, it detaches (below)
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a second Ctrl-C must not cut the stop short)
         try:
-            stopped = operations.abandon_start(name)
+            operations.abandon_start(name)
         finally:
             signal.signal(signal.SIGINT, previous)
-        err_console.print(f"interrupted while starting: cluster {name!r} stopped ({stopped} process(es)); "
-                          "nothing of it is left running", markup=False, highlight=False, soft_wrap=True)
+        err_console.print(f"interrupted while starting: cluster {name!r} stopped; nothing of it is left running",
+                          markup=False, highlight=False, soft_wrap=True)
         sys.exit(EXIT_INTERRUPTED)
     if detach:
         console.print(f"cluster {name!r} is starting; watch it with `psctl status {name}`", markup=False)

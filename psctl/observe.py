@@ -298,15 +298,11 @@ def follow(
             offset = 0
             yield f"--- {log.role}: attempt {attempt} ---"
             continue
-        # no supervisor to say when it ends (stale): the role's process says, asked now and then (over SSH
-        # that is a command on its host)
-        unsupervised = not record.state.terminal and is_stale(record)
-        if unsupervised and time.monotonic() - asked >= FOLLOW_ASK_EVERY:
-            asked = time.monotonic()
-            unsupervised_done = not log.still_running()
-        else:
-            unsupervised_done = False
-        if record.state.terminal or unsupervised_done:
+        ended = record.state.terminal
+        if not ended and is_stale(record) and time.monotonic() - asked >= FOLLOW_ASK_EVERY:
+            asked = time.monotonic()  # no supervisor to say when it ends: its process says (over SSH, a command)
+            ended = not log.still_running()
+        if ended:
             if pending:
                 yield pending
             return

@@ -333,13 +333,12 @@ def resupervise(cdir: ClusterDir, *, wait_started: float = 30.0) -> ClusterRecor
                       f"see {cdir.supervisor_log}")
 
 
-def abandon_start(name: str) -> int:
+def abandon_start(name: str) -> None:
     """``up`` interrupted before the cluster ran: whatever of it had started is stopped (a half-started cluster
-    is not left running behind a command that said it stopped); the processes stopped."""
+    is not left running behind a command that said it stopped)."""
     cdir = ClusterDir.named(name)
-    if not cdir.state_file.is_file():  # interrupted before anything was started
-        return 0
-    return tear_down(cdir).stopped
+    if cdir.state_file.is_file():  # (none: interrupted before anything was started)
+        tear_down(cdir)
 
 
 @dataclass(frozen=True)
