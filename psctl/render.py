@@ -148,7 +148,8 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
     for role in record.roles:
         if role.role == "evaluator" and role.metrics:
             shown = metrics_text(dict(sorted(role.metrics.items())), skip=(CPU_METRIC,))
-            header.append(f"\nevaluator: global step {role.global_step}: {shown}")
+            if shown:  # (its heartbeats carry its CPU before any evaluation)
+                header.append(f"\nevaluator: global step {role.global_step}: {shown}")
     if record.result:
         metrics = record.result.get("metrics", {})
         shown = metrics_text(metrics)

@@ -297,6 +297,9 @@ def test_status_shows_the_evaluators_latest_result(psctl_env) -> None:
     cdir = recorded_cluster("ev", {"chief-0": 1, "ps-0": 1, "worker-0": 1, "evaluator-0": 1})
     record = load_state(cdir.state_file)
     evaluator = record.role("evaluator-0")
+    evaluator.metrics = {"cpu": 0.01}  # before its first evaluation: no line that ends at a colon
+    save_state(cdir.state_file, record)
+    assert "evaluator:" not in check_ok(invoke("status", "ev")).stdout
     # (its heartbeat adds the CPU it used, for psctl top: not an evaluation metric)
     evaluator.global_step, evaluator.metrics = 300, {"accuracy": 0.9721, "loss": 0.0912, "cpu": 0.1186}
     save_state(cdir.state_file, record)

@@ -146,6 +146,8 @@ def test_a_permanent_exit_code_is_not_restarted_and_a_failed_ps_fails_the_cluste
     assert c.record.state == ClusterState.FAILED
     assert all(r.state.terminal for r in c.record.roles)
     assert c.running() == set(), "a failed cluster left processes running"
+    # the others were stopped because the cluster failed, and say so (not "cluster finished")
+    assert c.role("worker-0").reason == f"the cluster failed: {c.record.reason}", c.role("worker-0").reason
 
 
 def test_a_process_of_a_replaced_incarnation_is_stopped_when_its_agent_reports_it(c: FakeCluster) -> None:

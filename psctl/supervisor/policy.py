@@ -918,7 +918,8 @@ class _Decision:
         if self.record.state.terminal or self.s.finishing:
             return
         self.s.finishing, self.s.stop_grace = True, grace
-        why = reason if how == ClusterState.STOPPED else "cluster finished"
+        why = {ClusterState.STOPPED: reason, ClusterState.FAILED: f"the cluster failed: {reason}"}.get(
+            how, "cluster finished")
         for role in self.record.roles:
             if not role.state.terminal:
                 self.actions.append(StopRole(role.name, role.host, role.incarnation, grace))
