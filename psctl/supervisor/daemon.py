@@ -201,8 +201,8 @@ class Supervisor:
         out: list[Observation] = []
         if previous != float("-inf") and self._last_pass - previous > SUPERVISOR_STALL:
             stalled = self._last_pass - previous
-            log.warning("this supervisor did not run for %.1fs (stopped, paused or starved of CPU): silence is "
-                        "counted from now", stalled)
+            log.warning("no pass of this supervisor for %.1fs (it was stopped, paused, starved of CPU or blocked): "
+                        "silence is counted from now", stalled)
             out.append(policy.SupervisorStalled(stalled))
         with contextlib.suppress(queue.Empty):
             while True:
