@@ -1303,3 +1303,16 @@ def test_a_bad_set_is_one_line_naming_it(tmp_path: Path, override: str, message:
     bad = write(tmp_path, VALID.replace("steps: 2000", "steps: -1"), "bad.yaml")
     with pytest.raises(SpecError, match=rf"^{bad}:10: training.steps: expected an integer >= 1"):
         load_spec(bad, ["roles.worker.replicas=1"])
+
+
+def test_a_pair_broken_by_a_set_is_placed_at_the_set(tmp_path: Path) -> None:
+    """The file's timeout was fine until a --set of the interval: the error names that --set, not the file."""
+    path = write(tmp_path, VALID + "supervision: {heartbeat_interval: 1s, heartbeat_timeout: 10s}\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(path, ["supervision.heartbeat_interval=20s"])
+    assert str(info.value) == ("--set supervision.heartbeat_interval=20s: supervision.heartbeat_timeout: 10s must be "
+                               "longer than supervision.heartbeat_interval (20s); allow a few missed heartbeats, e.g. "
+                               "5 times the interval")
+    with pytest.raises(SpecError) as info:  # the timeout set there: the error names that --set
+        load_spec(path, ["supervision.heartbeat_timeout=1s"])
+    assert str(info.value).startswith("--set supervision.heartbeat_timeout=1s: supervision.heartbeat_timeout: 1s")

@@ -99,6 +99,10 @@ class SourceMap:
                 return f"--set {made}"
         return f"{self.filename}:{self.line(path, key=key)}"
 
+    def set_on_command_line(self, path: KeyPath) -> bool:
+        """Whether ``path``'s value came from a ``--set`` (or from inside one)."""
+        return self.where(path).startswith("--set ")
+
     def error(
         self, path: KeyPath, what: str, fix: str, *, key: bool = False, line: int | None = None,
         at: KeyPath | None = None,

@@ -590,10 +590,14 @@ def _supervision(c: Checker, value: object) -> SupervisionSpec:
     interval = c.duration((*p, "heartbeat_interval"), d.get("heartbeat_interval", 1.0))
     timeout = c.duration((*p, "heartbeat_timeout"), d.get("heartbeat_timeout", max(5.0, 5 * interval)))
     if timeout <= interval:
+        # placed where the value that broke the pair came from: a --set of the interval, not the file's timeout
+        moved = c.source.set_on_command_line((*p, "heartbeat_interval"))
         c.fail(
             (*p, "heartbeat_timeout"),
             f"{seconds_text(timeout)} must be longer than supervision.heartbeat_interval ({seconds_text(interval)})",
             "allow a few missed heartbeats, e.g. 5 times the interval",
+            at=(*p, "heartbeat_interval") if moved and not c.source.set_on_command_line((*p, "heartbeat_timeout"))
+            else None,
         )
     return SupervisionSpec(
         heartbeat_interval=interval,
