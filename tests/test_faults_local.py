@@ -390,6 +390,35 @@ def test_sigkill_of_the_agent_its_successor_adopts_the_roles_and_training_ends_e
     assert not RESTORED.findall(cluster.log("chief-0"))  # no ps was restored from a checkpoint
 
 
+def test_a_hung_agent_is_replaced_by_one_that_adopts_its_roles_and_nothing_restarts(
+        cluster_factory: MakeCluster, psctl_env: PsctlEnv) -> None:
+    """This machine's agent hangs (SIGSTOP here) while its roles train on: at half the heartbeat timeout the
+    supervisor kills it and starts another, which adopts the roles (it used to find every role silent at the
+    timeout and restart them all, the ps falling back to their checkpoints)."""
+    steps = 6000
+    cluster = cluster_factory("agenthang", steps)
+    cluster_id = cluster.up()
+    cluster.wait_progress(300)
+    roles = ("chief-0", "ps-0", "ps-1", "worker-0", "worker-1")
+    pids = {role: cluster.process(role).pid for role in roles}
+    agents = [p for p in psctl_env.processes(cluster_id) if "psctl.agent" in " ".join(p.cmdline())]
+    assert len(agents) == 1, psctl_env.describe(agents)
+    agents[0].suspend()
+    try:
+        wait_until(lambda: gone(agents[0]), timeout=HEARTBEAT_TIMEOUT + 10, what="the hung agent to be killed",
+                   detail=cluster.describe)
+    finally:
+        with contextlib.suppress(psutil.Error):
+            agents[0].resume()
+    cluster.wait_finished()
+    assert_finished_with_exactly(cluster, steps)
+    for role in roles:  # the same processes, on their first attempt
+        record = cluster.role(role)
+        assert (record["pid"], record["attempt"], record["restarts"]) == (pids[role], 1, 0), cluster.describe()
+    assert not [e for e in cluster.events() if e["to"] in ("lost", "restarting")], cluster.describe()
+    assert not RESTORED.findall(cluster.log("chief-0"))  # no ps was restored from a checkpoint
+
+
 def test_sigterm_of_a_worker_with_grace_hands_its_work_back_and_nothing_is_recomputed(psctl_env: PsctlEnv) -> None:
     steps = 10_000  # training must outlast the drain and the restart's backoff (2,000 took ~3 s at 700 steps/s)
     text = spec_text("preempt", steps).replace(

@@ -392,3 +392,22 @@ def test_a_stalled_supervisor_judges_silence_from_its_resumption_not_from_before
     c.step(1.5, silent=("worker-1",))
     assert c.role("worker-1").state == RoleState.RESTARTING
     assert any(e.to == "lost" and e.reason.startswith("no heartbeat for 5.5s") for e in c.events("worker-1"))
+
+
+def test_a_silent_agent_on_this_machine_is_replaced_before_its_roles_count_as_silent(c: FakeCluster) -> None:
+    """This machine is not cut off from itself: an agent of it that goes silent hangs (or was stopped). At half
+    the heartbeat timeout another is started in its place (it adopts the roles and vouches for them), once per
+    AGENT_RETRY; the roles are not judged lost meanwhile."""
+    running(c)
+    c.cut.add("localhost")  # its agent says nothing (its roles beat to it all the same: they are not cut)
+    assert not [a for a in c.step(2.0) if isinstance(a, policy.StartAgent)]  # 2 s of the 5 s timeout: not yet
+    replaced = [a for a in c.step(1.0) if isinstance(a, policy.StartAgent)]
+    assert replaced == [policy.StartAgent("localhost", replace=True)]
+    assert not [a for a in c.step(1.0) if isinstance(a, policy.StartAgent)]  # asked once per AGENT_RETRY
+    assert set(c.states().values()) == {RoleState.RUNNING}
+    c.cut.clear()
+    c.hello.add("localhost")  # the new agent dials in with its hello, adopting every role
+    c.step(0.5)
+    c.step(2.0)  # past the old agent's timeout: nothing was lost or restarted
+    assert set(c.states().values()) == {RoleState.RUNNING}
+    assert all(r.attempt == 1 for r in c.record.roles)

@@ -312,7 +312,8 @@ class Supervisor:
             if known.get("pid"):  # (a restarted supervisor's first look finds the agents it adopts this way)
                 handle = ProcessHandle(host, int(known["pid"]), known.get("create_time"))
                 if replace:
-                    log.warning("host %s: agent pid %d never dialled in; starting another", host, handle.pid)
+                    log.warning("host %s: agent pid %d never dialled in, or went silent; starting another", host,
+                                handle.pid)
                     place.runner.signal_group(handle, signal.SIGKILL)
                 elif place.runner.poll(handle) is None:
                     self.inbox.put(policy.AgentAlive(host))

@@ -609,8 +609,16 @@ class _Decision:
     def look_at_hosts(self) -> None:
         timeout = self.sup.heartbeat_timeout
         for name, h in self.s.hosts.items():
-            if h.attached and h.last_report is not None and self.now - self.silent_since(h.last_report) > timeout:
-                self.detach(name, f"agent silent for {self.now - h.last_report:.1f}s (host down or cut off)")
+            if h.attached and h.last_report is not None:
+                silent = self.now - self.silent_since(h.last_report)
+                if (not h.remote and silent > timeout / 2
+                        and (h.agent_asked_at is None or self.now - h.agent_asked_at >= AGENT_RETRY)):
+                    # this machine's agent is not cut off: it hangs (or is stopped). Another replaces it and adopts
+                    # its roles, vouching for them, before their silence (they beat to it) counts against them.
+                    h.agent_asked_at = self.now
+                    self.actions.append(StartAgent(name, replace=True))
+                if silent > timeout:
+                    self.detach(name, f"agent silent for {self.now - h.last_report:.1f}s (host down or cut off)")
             if not h.attached and (h.agent_asked_at is None or self.now - h.agent_asked_at >= AGENT_RETRY):
                 h.agent_asked_at = self.now
                 # one that runs but never dials in (it cannot find this supervisor) is replaced
