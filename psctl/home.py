@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Generic, TypeVar
@@ -75,6 +77,11 @@ class ClusterDir(RoleFolders[Path]):
         return self.root / "events.jsonl"
 
     @property
+    def supervisor_lock(self) -> Path:
+        """Held (flock) by the cluster's supervisor while it runs: see take_supervision."""
+        return self.root / "supervisor.lock"
+
+    @property
     def stop_request(self) -> Path:
         """``psctl down`` leaves the grace it asks for here before it signals the supervisor."""
         return self.root / "stop-request.json"
@@ -112,3 +119,37 @@ def list_clusters() -> list[ClusterDir]:
     if not home.is_dir():
         return []
     return sorted((ClusterDir(p) for p in home.iterdir() if (p / "state.json").is_file()), key=lambda c: c.name)
+
+
+def take_supervision(cdir: ClusterDir, *, wait: float = 0.0) -> int | None:
+    """An exclusive lock on the cluster's supervisor lock file, for its supervisor to hold while it runs (the
+    open descriptor; the kernel drops the lock when the process ends, SIGKILL included), or None where another
+    process holds it for ``wait`` seconds: a second supervisor started for the cluster (`psctl supervise` beside
+    `up`'s, or two at once) must step aside, or both would run its roles. (A supervisor waits a little: a command
+    asking whether one runs holds the lock for an instant.) A file system without locks gives -1: unguarded."""
+    fd = os.open(cdir.supervisor_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.05)
+        except OSError:  # (ENOLCK, say, on a network file system without locks)
+            os.close(fd)
+            return -1
+
+
+def supervised(cdir: ClusterDir) -> bool:
+    """Whether a supervisor of the cluster holds its lock now (it runs, or is starting)."""
+    if not cdir.supervisor_lock.exists():
+        return False
+    fd = take_supervision(cdir)
+    if fd is None:
+        return True
+    if fd >= 0:
+        os.close(fd)
+    return False

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import psutil
 
 from psctl.errors import LaunchError, PsctlError, UsageError
-from psctl.home import ClusterDir
+from psctl.home import ClusterDir, supervised
 from psctl.launch.base import ProcessHandle, Runner, on_their_hosts, stop_on_hosts
 from psctl.launch.fanout import HostsError, check_results, run_on_all
 from psctl.launch.hostset import RemoteHost, host_runners, ssh_runner
@@ -214,7 +214,7 @@ def refuse_if_up(spec: ClusterSpec) -> None:
     if not cdir.state_file.is_file():
         return
     old = load_state(cdir.state_file)
-    alive = supervisor_alive(old)
+    alive = supervisor_alive(old) or supervised(cdir)
     if not old.state.terminal and (alive or LocalRunner().cluster_processes(old.cluster_id)):
         again = "" if alive else f"supervise it again with `psctl supervise {spec.name}`, "
         raise UsageError(
@@ -318,9 +318,8 @@ def resupervise(cdir: ClusterDir, *, wait_started: float = 30.0) -> ClusterRecor
     if record.state.terminal:
         raise UsageError(f"cluster {cdir.name!r} has {record.state.value}; nothing to supervise",
                          hint=f"start it again with `psctl up {record.spec_path or 'SPEC'}`")
-    if supervisor_alive(record):
-        raise UsageError(f"cluster {cdir.name!r} is supervised already (pid {record.supervisor_pid})",
-                         hint=f"see `psctl status {cdir.name}`")
+    if supervisor_alive(record) or supervised(cdir):  # (one that is starting holds the lock, pid not yet written)
+        raise UsageError(f"cluster {cdir.name!r} is supervised already", hint=f"see `psctl status {cdir.name}`")
     old_pid = record.supervisor_pid
     spawn_supervisor(cdir, record)
     deadline = time.monotonic() + wait_started

@@ -361,6 +361,35 @@ def test_a_supervisor_stopped_longer_than_the_heartbeat_timeout_restarts_nothing
     assert "no pass of this supervisor for" in (cluster.root / "supervisor.log").read_text()
 
 
+def test_two_supervise_at_once_start_one_supervisor_and_nothing_restarts(
+        cluster_factory: MakeCluster, psctl_env: PsctlEnv) -> None:
+    """Two `psctl supervise` at the same moment (or one beside `up`'s own supervisor, still starting): one
+    supervisor runs the cluster, the other steps aside (both used to run: the one without the agent found every
+    role silent and restarted them all, even after the cluster had finished)."""
+    steps = 6000
+    cluster = cluster_factory("twosup", steps)
+    cluster_id = cluster.up()
+    cluster.wait_progress(300)
+    roles = ("chief-0", "ps-0", "ps-1", "worker-0", "worker-1")
+    pids = {role: cluster.process(role).pid for role in roles}
+    sigkill(psutil.Process(cluster.state()["supervisor_pid"]))
+    both = [psctl_env.popen("supervise", cluster.name, "--detach") for _ in range(2)]
+    said = [(command.communicate(timeout=60), command.returncode) for command in both]
+    # each either saw the other's supervisor (refused: supervised already) or started one; one of them did
+    assert sorted(code for _, code in said)[0] == 0 and {code for _, code in said} <= {0, 2}, said
+
+    def supervisors() -> list[psutil.Process]:
+        return [p for p in psctl_env.processes(cluster_id) if "psctl.supervisor" in " ".join(p.cmdline())]
+
+    wait_until(lambda: len(supervisors()) == 1, timeout=30, what="one supervisor", detail=cluster.describe)
+    cluster.wait_finished()
+    assert_finished_with_exactly(cluster, steps)
+    for role in roles:
+        record = cluster.role(role)
+        assert (record["pid"], record["attempt"], record["restarts"]) == (pids[role], 1, 0), cluster.describe()
+    assert not [e for e in cluster.events() if e["to"] in ("lost", "restarting")], cluster.describe()
+
+
 def test_sigkill_of_the_agent_its_successor_adopts_the_roles_and_training_ends_exactly(
         cluster_factory: MakeCluster, psctl_env: PsctlEnv) -> None:
     """The host's agent dies mid-training; the supervisor starts another, which takes over the roles the first

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from psctl.home import ClusterDir
+from psctl.home import ClusterDir, take_supervision
 from psctl.launch.hostset import host_runners, placements
 from psctl.runtime.log_format import LOG_FORMAT
 from psctl.signals import on_signals
@@ -26,6 +26,12 @@ def main(argv: list[str]) -> int:
     os.umask(0o077)  # logs, metrics, results and checkpoints are private to their owner
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stdout)
     cdir = ClusterDir(Path(argv[1]))
+    held = take_supervision(cdir, wait=2.0)  # (held until this process ends)
+    if held is None:
+        logging.error("another supervisor of this cluster runs (it holds %s): this one exits", cdir.supervisor_lock)
+        return 1
+    if held < 0:
+        logging.warning("%s cannot be locked here: nothing keeps a second supervisor out", cdir.supervisor_lock)
     record = load_state(cdir.state_file)
     spec = cluster_spec(cdir.spec_file, record)
     if record.backend == "slurm":  # in the cluster's job: its nodes, and a requeue's fresh start
