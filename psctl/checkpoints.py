@@ -32,8 +32,11 @@ if TYPE_CHECKING:
 
 
 def split_location(text: str, hosts: Mapping[str, object]) -> tuple[str, str]:
-    """``host:path`` (host one of ``hosts``) as (host, path); anything else is a path here."""
+    """``host:path`` (host one of ``hosts``, or ``localhost``: this machine, as `psctl status` names it) as (host,
+    path); anything else is a path here."""
     host, sep, path = text.partition(":")
+    if sep and host == LOCAL_HOST and LOCAL_HOST not in hosts:
+        return LOCAL_HOST, path
     return (host, path) if sep and host in hosts else (LOCAL_HOST, text)
 
 
@@ -61,7 +64,7 @@ def find_snapshot(cdir: ClusterDir | None, record: ClusterRecord | None, locatio
         host, folder = checkpoint_folder(cdir, record)
     elif record is not None:
         host, folder = split_location(location, record.hosts)
-        if host == LOCAL_HOST and not Path(location).expanduser().exists():
+        if host == LOCAL_HOST and folder == location and not Path(location).expanduser().exists():
             named = location.partition(":")[0]
             hosts = ", ".join(sorted(record.hosts)) or "none: it runs on this machine"
             raise UsageError(f"--checkpoint {location}: {named!r} is not a host of cluster {record.name!r} "

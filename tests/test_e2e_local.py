@@ -262,6 +262,9 @@ def test_export_writes_the_newest_checkpoints_variables(psctl_env) -> None:
     with np.load(out) as arrays:
         shapes = {k: arrays[k].shape for k in arrays.files}
     assert shapes == {"hid/kernel": (64, 32), "hid/bias": (32,), "sm/kernel": (32, 10), "sm/bias": (10,)}
+    # this machine's folder named as `psctl status` names the host
+    here = check(psctl_env.run("export", "exp", "--checkpoint", f"localhost:{newest}", "-o", str(out)))
+    assert here.stdout.startswith(f"exported {newest} (global step 200)"), here.stdout
     missing = check(psctl_env.run("export", "exp", "--checkpoint", str(psctl_env.tmp_path), "-o", str(out)), 4)
     assert f"no valid checkpoint in {psctl_env.tmp_path}" in flat(missing.stderr)
     typo = check(psctl_env.run("export", "exp", "--checkpoint", "h9:/ckpts", "-o", str(out)), 2)

@@ -1316,3 +1316,12 @@ def test_a_pair_broken_by_a_set_is_placed_at_the_set(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as info:  # the timeout set there: the error names that --set
         load_spec(path, ["supervision.heartbeat_timeout=1s"])
     assert str(info.value).startswith("--set supervision.heartbeat_timeout=1s: supervision.heartbeat_timeout: 1s")
+
+
+def test_replicas_set_past_the_file_s_bound_is_placed_at_the_set(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID.replace("worker: {replicas: 3", "worker: {max_replicas: 4, replicas: 3"))
+    assert "max_replicas: 4, replicas: 3" in path.read_text()
+    with pytest.raises(SpecError) as info:
+        load_spec(path, ["roles.worker.replicas=9"])
+    assert str(info.value) == ("--set roles.worker.replicas=9: roles.worker.max_replicas: 4 is fewer than replicas "
+                               "(9); write at least 9, or lower replicas")

@@ -60,6 +60,13 @@ _ADDRESS = re.compile(r"[A-Za-z0-9:][A-Za-z0-9_.:%-]{0,252}")
 _DOTTED_QUAD = re.compile(r"\d+\.\d+\.\d+\.\d+")
 
 
+def _set_of(c: Checker, other: KeyPath, path: KeyPath) -> KeyPath | None:
+    """Where an error about ``path`` that ``other`` (the other value of a pair) broke is placed: at ``other``
+    where a --set gave it and not ``path`` (the file's value was fine until then), else at ``path`` (None)."""
+    set_here = c.source.set_on_command_line
+    return other if set_here(other) and not set_here(path) else None
+
+
 def _is_ip(text: str) -> bool:
     try:
         ipaddress.ip_address(text)
@@ -439,10 +446,12 @@ def _bounds(c: Checker, p: KeyPath, role: str, d: dict[str, Any], replicas: int)
                          fix=f"write a whole number between replicas ({replicas}) and {MAX_REPLICAS}")
         if high < replicas:
             c.fail((*p, "max_replicas"), f"{high} is fewer than replicas ({replicas})",
-                   f"write at least {replicas}, or lower replicas")
+                   f"write at least {replicas}, or lower replicas",
+                   at=_set_of(c, (*p, "replicas"), (*p, "max_replicas")))
     if low > replicas:
         c.fail((*p, "min_replicas"), f"{low} is more than replicas ({replicas})",
-               f"write at most {replicas}, or raise replicas")
+               f"write at most {replicas}, or raise replicas",
+               at=_set_of(c, (*p, "replicas"), (*p, "min_replicas")))
     return low, high
 
 
@@ -590,14 +599,11 @@ def _supervision(c: Checker, value: object) -> SupervisionSpec:
     interval = c.duration((*p, "heartbeat_interval"), d.get("heartbeat_interval", 1.0))
     timeout = c.duration((*p, "heartbeat_timeout"), d.get("heartbeat_timeout", max(5.0, 5 * interval)))
     if timeout <= interval:
-        # placed where the value that broke the pair came from: a --set of the interval, not the file's timeout
-        moved = c.source.set_on_command_line((*p, "heartbeat_interval"))
         c.fail(
             (*p, "heartbeat_timeout"),
             f"{seconds_text(timeout)} must be longer than supervision.heartbeat_interval ({seconds_text(interval)})",
             "allow a few missed heartbeats, e.g. 5 times the interval",
-            at=(*p, "heartbeat_interval") if moved and not c.source.set_on_command_line((*p, "heartbeat_timeout"))
-            else None,
+            at=_set_of(c, (*p, "heartbeat_interval"), (*p, "heartbeat_timeout")),
         )
     return SupervisionSpec(
         heartbeat_interval=interval,
