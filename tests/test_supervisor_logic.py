@@ -411,3 +411,18 @@ def test_a_silent_agent_on_this_machine_is_replaced_before_its_roles_count_as_si
     c.step(2.0)  # past the old agent's timeout: nothing was lost or restarted
     assert set(c.states().values()) == {RoleState.RUNNING}
     assert all(r.attempt == 1 for r in c.record.roles)
+
+
+def test_a_role_that_ended_unwatched_shows_no_metrics_of_an_older_step_as_its_last(c: FakeCluster) -> None:
+    """A role that ended while no agent watched it is reported by the next agent with the step its exit file
+    left, but no heartbeat: the metrics of an older heartbeat are not shown as that step's (status showed an
+    evaluator's older evaluation beside its last step, after `psctl supervise`)."""
+    running(c)
+    chief = c.process("chief-0")
+    chief.metrics, chief.global_step = {"accuracy": 0.90}, 100
+    c.step(1)
+    assert (c.role("chief-0").metrics, c.role("chief-0").global_step) == ({"accuracy": 0.90}, 100)
+    chief.metrics, chief.global_step, chief.beat, chief.exit_code = {}, 300, None, 0  # no last heartbeat
+    c.step(0.5)
+    assert c.role("chief-0").state == RoleState.SUCCEEDED
+    assert (c.role("chief-0").metrics, c.role("chief-0").global_step) == ({}, 300)

@@ -556,7 +556,10 @@ class _Decision:
         if rr.exited:
             # what it reported last still counts: its final heartbeat (an evaluator's last evaluation), or a watched
             # program's step, read from its final lines at exit
+            before = live.last_heartbeat
             self.take_heartbeat(role, live, rr, at)
+            if live.last_heartbeat == before and rr.last.global_step > role.global_step:
+                role.metrics = dict(rr.last.metrics)  # (those it has are of an older step: not shown as this one's)
             role.global_step = max(role.global_step, rr.last.global_step)
             role.exit_code = rr.exit_code
             self.on_exit(role, rr.exit_code, rr.log_tail)
