@@ -34,6 +34,7 @@ from psctl.launch.remote import (
     prepare_host,
     psctl_bundle,
     remove_files,
+    setup_failed,
     staged_files,
     tar_gz,
 )
@@ -163,8 +164,7 @@ def run_setup_here(spec: ClusterSpec, cdir: ClusterDir) -> None:
         if code != 0:
             said = log_path.read_text(encoding="utf-8", errors="replace").splitlines()
             last = said[-1] if said and not said[-1].startswith("$ ") else f"exit code {code}"
-            raise LaunchError(f"setup[{i}] `{command}` failed (exit {code}): {last}; fix the command under "
-                              f"setup: (its output: {log_path})")
+            raise LaunchError(f"{setup_failed(i, command, code, last)} (its output: {log_path})")
 
 
 def bring_up(
@@ -467,7 +467,7 @@ def _purge_damaged(cdir: ClusterDir, *, grace: float) -> TeardownReport:
     log, the agent's and the roles' logs, which their children inherit) and each is stopped; its other hosts,
     if it had any, are not known here."""
     found = _holding_files_in(cdir.root)
-    for proc in found:
+    for proc in found:  # (each process, not its group as `down` signals roles: these need not lead one)
         with contextlib.suppress(psutil.NoSuchProcess):  # (psutil refuses a pid reused since it was found)
             proc.terminate()
     _, alive = psutil.wait_procs(found, timeout=grace)

@@ -116,6 +116,23 @@ def assert_finished_with_exactly(cluster: Cluster, steps: int) -> dict[str, Any]
     return result
 
 
+#: Every role of spec_text's cluster.
+ROLES = ("chief-0", "ps-0", "ps-1", "worker-0", "worker-1")
+
+
+def assert_none_restarted(cluster: Cluster, pids: dict[str, int]) -> None:
+    """Every role ended as the process it was (``pids``), on its first attempt, and none was ever lost."""
+    for role in ROLES:
+        record = cluster.role(role)
+        assert (record["pid"], record["attempt"], record["restarts"]) == (pids[role], 1, 0), cluster.describe()
+    assert not [e for e in cluster.events() if e["to"] in ("lost", "restarting")], cluster.describe()
+
+
+def processes_of(psctl_env: PsctlEnv, cluster_id: str, module: str) -> list[psutil.Process]:
+    """The cluster's processes running ``module`` (``psctl.agent``, ``psctl.supervisor``)."""
+    return [p for p in psctl_env.processes(cluster_id) if module in " ".join(p.cmdline())]
+
+
 MakeCluster = Callable[..., Cluster]
 
 
@@ -309,8 +326,7 @@ def test_a_restarted_supervisor_adopts_the_running_roles_and_training_ends_exact
     cluster = cluster_factory("adopt", steps)
     cluster.up()
     cluster.wait_progress(300)
-    roles = ("chief-0", "ps-0", "ps-1", "worker-0", "worker-1")
-    pids = {role: cluster.process(role).pid for role in roles}
+    pids = {role: cluster.process(role).pid for role in ROLES}
     sigkill(psutil.Process(cluster.state()["supervisor_pid"]))
 
     # training goes on without a supervisor: its roles do not depend on it
@@ -328,10 +344,7 @@ def test_a_restarted_supervisor_adopts_the_running_roles_and_training_ends_exact
     assert "adopted" in done.stdout
     cluster.wait_finished()
     assert_finished_with_exactly(cluster, steps)
-    for role in roles:  # adopted as they ran: same process, first attempt, never restarted
-        record = cluster.role(role)
-        assert (record["pid"], record["attempt"], record["restarts"]) == (pids[role], 1, 0), cluster.describe()
-    assert not [e for e in cluster.events() if e["to"] in ("lost", "restarting")], cluster.describe()
+    assert_none_restarted(cluster, pids)  # adopted as they ran
     assert cluster.progress() == steps
 
 
@@ -355,7 +368,7 @@ def test_a_supervisor_stopped_longer_than_the_heartbeat_timeout_restarts_nothing
         supervisor.resume()
     cluster.wait_finished()
     assert_finished_with_exactly(cluster, steps)
-    for role in ("chief-0", "ps-0", "ps-1", "worker-0", "worker-1"):
+    for role in ROLES:
         assert cluster.role(role)["attempt"] == 1, cluster.describe()
     assert not [e for e in cluster.events() if e["to"] in ("lost", "restarting", "unreachable")], cluster.describe()
     assert "no pass of this supervisor for" in (cluster.root / "supervisor.log").read_text()
@@ -370,24 +383,17 @@ def test_two_supervise_at_once_start_one_supervisor_and_nothing_restarts(
     cluster = cluster_factory("twosup", steps)
     cluster_id = cluster.up()
     cluster.wait_progress(300)
-    roles = ("chief-0", "ps-0", "ps-1", "worker-0", "worker-1")
-    pids = {role: cluster.process(role).pid for role in roles}
+    pids = {role: cluster.process(role).pid for role in ROLES}
     sigkill(psutil.Process(cluster.state()["supervisor_pid"]))
     both = [psctl_env.popen("supervise", cluster.name, "--detach") for _ in range(2)]
     said = [(command.communicate(timeout=60), command.returncode) for command in both]
     # each either saw the other's supervisor (refused: supervised already) or started one; one of them did
     assert sorted(code for _, code in said)[0] == 0 and {code for _, code in said} <= {0, 2}, said
-
-    def supervisors() -> list[psutil.Process]:
-        return [p for p in psctl_env.processes(cluster_id) if "psctl.supervisor" in " ".join(p.cmdline())]
-
-    wait_until(lambda: len(supervisors()) == 1, timeout=30, what="one supervisor", detail=cluster.describe)
+    wait_until(lambda: len(processes_of(psctl_env, cluster_id, "psctl.supervisor")) == 1, timeout=30,
+               what="one supervisor", detail=cluster.describe)
     cluster.wait_finished()
     assert_finished_with_exactly(cluster, steps)
-    for role in roles:
-        record = cluster.role(role)
-        assert (record["pid"], record["attempt"], record["restarts"]) == (pids[role], 1, 0), cluster.describe()
-    assert not [e for e in cluster.events() if e["to"] in ("lost", "restarting")], cluster.describe()
+    assert_none_restarted(cluster, pids)
 
 
 def test_sigkill_of_the_agent_its_successor_adopts_the_roles_and_training_ends_exactly(
@@ -399,23 +405,19 @@ def test_sigkill_of_the_agent_its_successor_adopts_the_roles_and_training_ends_e
     cluster = cluster_factory("agentkill", steps)
     cluster_id = cluster.up()
     cluster.wait_progress(300)
-    roles = ("chief-0", "ps-0", "ps-1", "worker-0", "worker-1")
-    pids = {role: cluster.process(role).pid for role in roles}
-    agents = [p for p in psctl_env.processes(cluster_id) if "psctl.agent" in " ".join(p.cmdline())]
+    pids = {role: cluster.process(role).pid for role in ROLES}
+    agents = processes_of(psctl_env, cluster_id, "psctl.agent")
     assert len(agents) == 1, psctl_env.describe(agents)
     sigkill(agents[0])
 
     def successor() -> psutil.Process | None:
-        found = [p for p in psctl_env.processes(cluster_id) if "psctl.agent" in " ".join(p.cmdline())]
+        found = processes_of(psctl_env, cluster_id, "psctl.agent")
         return found[0] if found and found[0].pid != agents[0].pid else None
 
     wait_until(successor, timeout=30, what="a new agent", detail=cluster.describe)
     cluster.wait_finished()
     assert_finished_with_exactly(cluster, steps)
-    for role in roles:  # the same processes, on their first attempt, ended by the new agent's word
-        record = cluster.role(role)
-        assert (record["pid"], record["attempt"], record["restarts"]) == (pids[role], 1, 0), cluster.describe()
-    assert not [e for e in cluster.events() if e["to"] in ("lost", "restarting")], cluster.describe()
+    assert_none_restarted(cluster, pids)  # ended by the new agent's word
     assert not RESTORED.findall(cluster.log("chief-0"))  # no ps was restored from a checkpoint
 
 
@@ -428,9 +430,8 @@ def test_a_hung_agent_is_replaced_by_one_that_adopts_its_roles_and_nothing_resta
     cluster = cluster_factory("agenthang", steps)
     cluster_id = cluster.up()
     cluster.wait_progress(300)
-    roles = ("chief-0", "ps-0", "ps-1", "worker-0", "worker-1")
-    pids = {role: cluster.process(role).pid for role in roles}
-    agents = [p for p in psctl_env.processes(cluster_id) if "psctl.agent" in " ".join(p.cmdline())]
+    pids = {role: cluster.process(role).pid for role in ROLES}
+    agents = processes_of(psctl_env, cluster_id, "psctl.agent")
     assert len(agents) == 1, psctl_env.describe(agents)
     agents[0].suspend()
     try:
@@ -441,10 +442,7 @@ def test_a_hung_agent_is_replaced_by_one_that_adopts_its_roles_and_nothing_resta
             agents[0].resume()
     cluster.wait_finished()
     assert_finished_with_exactly(cluster, steps)
-    for role in roles:  # the same processes, on their first attempt
-        record = cluster.role(role)
-        assert (record["pid"], record["attempt"], record["restarts"]) == (pids[role], 1, 0), cluster.describe()
-    assert not [e for e in cluster.events() if e["to"] in ("lost", "restarting")], cluster.describe()
+    assert_none_restarted(cluster, pids)
     assert not RESTORED.findall(cluster.log("chief-0"))  # no ps was restored from a checkpoint
 
 

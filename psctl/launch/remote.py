@@ -307,9 +307,14 @@ def prepare_host(
         code, out, err = runner.run(f"cd {sh_path(hostdir.files)} && {command}", timeout=SETUP_TIMEOUT)
         if code != 0:
             last = (err.strip() or out.strip() or f"exit code {code}").splitlines()[-1]
-            raise LaunchError(f"host {runner.host}: setup[{i}] `{command}` failed (exit {code}): {last}; "
-                              "fix the command under setup:")
+            raise LaunchError(f"host {runner.host}: {setup_failed(i, command, code, last)}")
     return pythonpath
+
+
+def setup_failed(index: int, command: str, code: int, last: str) -> str:
+    """What ``setup:`` command ``index`` failing says, on a host or on this machine: ``last``, its output's last
+    line."""
+    return f"setup[{index}] `{command}` failed (exit {code}): {last}; fix the command under setup:"
 
 
 def remove_files(runner: SSHRunner, hostdir: HostDir, *, keep_checkpoints: bool = True) -> None:
