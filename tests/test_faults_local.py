@@ -133,6 +133,25 @@ def processes_of(psctl_env: PsctlEnv, cluster_id: str, module: str) -> list[psut
     return [p for p in psctl_env.processes(cluster_id) if module in " ".join(p.cmdline())]
 
 
+def training_with_its_agent(cluster: Cluster, psctl_env: PsctlEnv) -> tuple[str, dict[str, int], psutil.Process]:
+    """The cluster up and 300 steps in: its id, every role's pid, and its (this machine's) one agent."""
+    cluster_id = cluster.up()
+    cluster.wait_progress(300)
+    pids = {role: cluster.process(role).pid for role in ROLES}
+    agents = processes_of(psctl_env, cluster_id, "psctl.agent")
+    assert len(agents) == 1, psctl_env.describe(agents)
+    return cluster_id, pids, agents[0]
+
+
+def assert_adopted_to_the_end(cluster: Cluster, pids: dict[str, int]) -> None:
+    """Training ends at exactly its steps with every role the process it was (its agent's successor adopted it)
+    and no ps restored from a checkpoint."""
+    cluster.wait_finished()
+    assert_finished_with_exactly(cluster, cluster.steps)
+    assert_none_restarted(cluster, pids)
+    assert not RESTORED.findall(cluster.log("chief-0"))
+
+
 MakeCluster = Callable[..., Cluster]
 
 
@@ -401,24 +420,16 @@ def test_sigkill_of_the_agent_its_successor_adopts_the_roles_and_training_ends_e
     """The host's agent dies mid-training; the supervisor starts another, which takes over the roles the first
     left running: nothing is restarted, no ps falls back to its last checkpoint (it used to cost every role a
     restart and the ps the steps since their last checkpoint)."""
-    steps = 6000
-    cluster = cluster_factory("agentkill", steps)
-    cluster_id = cluster.up()
-    cluster.wait_progress(300)
-    pids = {role: cluster.process(role).pid for role in ROLES}
-    agents = processes_of(psctl_env, cluster_id, "psctl.agent")
-    assert len(agents) == 1, psctl_env.describe(agents)
-    sigkill(agents[0])
+    cluster = cluster_factory("agentkill", 6000)
+    cluster_id, pids, agent = training_with_its_agent(cluster, psctl_env)
+    sigkill(agent)
 
     def successor() -> psutil.Process | None:
         found = processes_of(psctl_env, cluster_id, "psctl.agent")
-        return found[0] if found and found[0].pid != agents[0].pid else None
+        return found[0] if found and found[0].pid != agent.pid else None
 
     wait_until(successor, timeout=30, what="a new agent", detail=cluster.describe)
-    cluster.wait_finished()
-    assert_finished_with_exactly(cluster, steps)
-    assert_none_restarted(cluster, pids)  # ended by the new agent's word
-    assert not RESTORED.findall(cluster.log("chief-0"))  # no ps was restored from a checkpoint
+    assert_adopted_to_the_end(cluster, pids)  # ended by the new agent's word
 
 
 def test_a_hung_agent_is_replaced_by_one_that_adopts_its_roles_and_nothing_restarts(
@@ -426,24 +437,16 @@ def test_a_hung_agent_is_replaced_by_one_that_adopts_its_roles_and_nothing_resta
     """This machine's agent hangs (SIGSTOP here) while its roles train on: at half the heartbeat timeout the
     supervisor kills it and starts another, which adopts the roles (it used to find every role silent at the
     timeout and restart them all, the ps falling back to their checkpoints)."""
-    steps = 6000
-    cluster = cluster_factory("agenthang", steps)
-    cluster_id = cluster.up()
-    cluster.wait_progress(300)
-    pids = {role: cluster.process(role).pid for role in ROLES}
-    agents = processes_of(psctl_env, cluster_id, "psctl.agent")
-    assert len(agents) == 1, psctl_env.describe(agents)
-    agents[0].suspend()
+    cluster = cluster_factory("agenthang", 6000)
+    _, pids, agent = training_with_its_agent(cluster, psctl_env)
+    agent.suspend()
     try:
-        wait_until(lambda: gone(agents[0]), timeout=HEARTBEAT_TIMEOUT + 10, what="the hung agent to be killed",
+        wait_until(lambda: gone(agent), timeout=HEARTBEAT_TIMEOUT + 10, what="the hung agent to be killed",
                    detail=cluster.describe)
     finally:
         with contextlib.suppress(psutil.Error):
-            agents[0].resume()
-    cluster.wait_finished()
-    assert_finished_with_exactly(cluster, steps)
-    assert_none_restarted(cluster, pids)
-    assert not RESTORED.findall(cluster.log("chief-0"))  # no ps was restored from a checkpoint
+            agent.resume()
+    assert_adopted_to_the_end(cluster, pids)
 
 
 def test_sigterm_of_a_worker_with_grace_hands_its_work_back_and_nothing_is_recomputed(psctl_env: PsctlEnv) -> None:
