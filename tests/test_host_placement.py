@@ -173,6 +173,21 @@ def test_preemptions_do_not_bench_a_host(c: FakeCluster) -> None:
     assert [(e.was, e.to) for e in c.events("host h2")] == [("starting", "reachable")]
 
 
+def test_an_ssh_host_s_silent_agent_is_replaced_and_a_host_that_does_not_answer_is_detached_at_the_timeout(
+        c: FakeCluster) -> None:
+    """A host's agent silent for half the heartbeat timeout may hang on a host that answers: another is started
+    over SSH in its place (it adopts the roles). Where the host does not answer that either (down, cut off), it is
+    detached at the timeout as before, and its roles are lost."""
+    c.cut.add("h2")
+    assert not [a for a in c.step(2.0) if isinstance(a, policy.StartAgent)]  # 2 s of the 5 s timeout: not yet
+    assert [a for a in c.step(1.0) if isinstance(a, policy.StartAgent)] == [policy.StartAgent("h2", replace=True)]
+    c.step(0.5, observations=[policy.AgentStartFailed("h2", "cannot connect to 10.9.0.2:22: timed out")])
+    assert c.role("worker-1").state == RoleState.RUNNING  # (on h2: not judged before the timeout)
+    c.step(2.0)  # 5.5 s
+    assert c.role("worker-1").state != RoleState.RUNNING
+    assert [e.to for e in c.events("host h2")][-1] == "unreachable"
+
+
 def test_a_ps_with_a_pool_moves_and_the_chief_and_workers_are_told(tmp_path: Path) -> None:
     c = FakeCluster(SPEC.replace("ps: {host: h3, port: 7010}", "ps: {hosts: [h3, h1], port: 7010}"), tmp_path)
     c.step()

@@ -671,10 +671,14 @@ def test_a_new_supervisor_adopts_the_roles_on_the_hosts_and_training_ends_exactl
     assert later and min(r["global_step"] for r in later) < steps, later[:3]
 
 
-def test_an_agent_killed_on_a_host_is_replaced_and_its_successor_adopts_the_host_s_roles(remote: Remote) -> None:
-    """h2's agent is SIGKILLed mid-training: the supervisor starts another over SSH, which adopts the ps and the
-    worker the first left running there (their heartbeats' port, their exit files): nothing restarted, no ps
-    restored from a checkpoint, exact step count."""
+@pytest.mark.parametrize("signal_name", ["KILL", "STOP"])
+def test_an_agent_killed_or_hung_on_a_host_is_replaced_and_its_successor_adopts_the_host_s_roles(
+        remote: Remote, signal_name: str) -> None:
+    """h2's agent is SIGKILLed (or hangs: SIGSTOP) mid-training: the supervisor starts another over SSH (for the
+    hung one at half the heartbeat timeout, killing it first), which adopts the ps and the worker the first left
+    running there (their heartbeats' port, their exit files): nothing restarted, no ps restored from a
+    checkpoint, exact step count. (A hung agent on a host used to be taken for a lost host: its roles were
+    restarted at the timeout.)"""
     steps = 12000
     spec, _ = write_spec(remote.bed, remote.folder, remote.name, steps=steps)
     remote.psctl("up", str(spec), "--detach")
@@ -685,11 +689,11 @@ def test_an_agent_killed_on_a_host_is_replaced_and_its_successor_adopts_the_host
     assert {name for name, (host, _) in pids.items() if host == "h2"} >= {"ps-0"}, pids
     agents = [line.split()[0] for line in remote.processes("h2", cluster_id) if "psctl.agent" in line]
     assert len(agents) == 1, remote.processes("h2", cluster_id)
-    remote.bed.exec("h2", f"kill -9 {agents[0]}", check=True)
+    remote.bed.exec("h2", f"kill -{signal_name} {agents[0]}", check=True)
 
     def successor() -> bool:
         found = [line.split()[0] for line in remote.processes("h2", cluster_id) if "psctl.agent" in line]
-        return bool(found) and found != agents
+        return found != agents and agents[0] not in found and bool(found)
 
     wait_until(successor, timeout=60, what="a new agent on h2", detail=remote.supervisor_log)
     final = wait_until(lambda: (s := remote.status())["state"] in ("succeeded", "failed") and s, timeout=240,

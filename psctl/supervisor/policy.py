@@ -614,10 +614,10 @@ class _Decision:
         for name, h in self.s.hosts.items():
             if h.attached and h.last_report is not None:
                 silent = self.now - self.silent_since(h.last_report)
-                if (not h.remote and silent > timeout / 2
-                        and (h.agent_asked_at is None or self.now - h.agent_asked_at >= AGENT_RETRY)):
-                    # this machine's agent is not cut off: it hangs (or is stopped). Another replaces it and adopts
-                    # its roles, vouching for them, before their silence (they beat to it) counts against them.
+                if silent > timeout / 2 and (h.agent_asked_at is None or self.now - h.agent_asked_at >= AGENT_RETRY):
+                    # An agent that hangs (or is stopped) on a host that answers: another replaces it and adopts its
+                    # roles, vouching for them, before their silence (they beat to it) counts against them. A host
+                    # that is down or cut off does not answer the attempt either, and is detached at the timeout.
                     h.agent_asked_at = self.now
                     self.actions.append(StartAgent(name, replace=True))
                 if silent > timeout:
