@@ -92,6 +92,12 @@ class ClusterDir(RoleFolders[Path]):
         return self.root / "slurm-job-id"
 
     @property
+    def scale_lock(self) -> Path:
+        """Held (flock) by a ``psctl scale`` from its check until the supervisor has carried the change out: two
+        at once would each read the replicas before the other's change."""
+        return self.root / "scale.lock"
+
+    @property
     def scale_request(self) -> Path:
         """``psctl scale`` leaves its request here for the supervisor (which takes it within 0.1 s)."""
         return self.root / "scale-request.json"
@@ -121,13 +127,11 @@ def list_clusters() -> list[ClusterDir]:
     return sorted((ClusterDir(p) for p in home.iterdir() if (p / "state.json").is_file()), key=lambda c: c.name)
 
 
-def take_supervision(cdir: ClusterDir, *, wait: float = 0.0) -> int | None:
-    """An exclusive lock on the cluster's supervisor lock file, for its supervisor to hold while it runs (the
-    open descriptor; the kernel drops the lock when the process ends, SIGKILL included), or None where another
-    process holds it for ``wait`` seconds: a second supervisor started for the cluster (`psctl supervise` beside
-    `up`'s, or two at once) must step aside, or both would run its roles. (A supervisor waits a little: a command
-    asking whether one runs holds the lock for an instant.) A file system without locks gives -1: unguarded."""
-    fd = os.open(cdir.supervisor_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+def exclusive_lock(path: Path, *, wait: float = 0.0) -> int | None:
+    """An exclusive flock on ``path`` (made 0600 if missing): the open descriptor, held until it is closed or the
+    process ends (SIGKILL included: the kernel drops it), or None where another process holds it for ``wait``
+    seconds. A file system without locks gives -1: unguarded."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     deadline = time.monotonic() + wait
     while True:
         try:
@@ -143,6 +147,19 @@ def take_supervision(cdir: ClusterDir, *, wait: float = 0.0) -> int | None:
             return -1
 
 
+def release(fd: int | None) -> None:
+    """Drop a lock :func:`exclusive_lock` gave (None and -1 hold nothing)."""
+    if fd is not None and fd >= 0:
+        os.close(fd)
+
+
+def take_supervision(cdir: ClusterDir, *, wait: float = 0.0) -> int | None:
+    """The cluster's supervisor lock, for its supervisor to hold while it runs: a second supervisor started for
+    the cluster (`psctl supervise` beside `up`'s, or two at once) gets None and must step aside, or both would run
+    its roles. (A supervisor waits a little: a command asking whether one runs holds the lock for an instant.)"""
+    return exclusive_lock(cdir.supervisor_lock, wait=wait)
+
+
 def supervised(cdir: ClusterDir) -> bool:
     """Whether a supervisor of the cluster holds its lock now (it runs, or is starting)."""
     if not cdir.supervisor_lock.exists():
@@ -150,6 +167,5 @@ def supervised(cdir: ClusterDir) -> bool:
     fd = take_supervision(cdir)
     if fd is None:
         return True
-    if fd >= 0:
-        os.close(fd)
+    release(fd)
     return False

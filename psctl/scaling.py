@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from psctl.errors import PsctlError, UsageError
-from psctl.home import ClusterDir
+from psctl.home import ClusterDir, exclusive_lock, release
 from psctl.observe import supervisor_alive
 from psctl.runtime.atomic import write_json_atomic
 from psctl.spec import ClusterSpec
@@ -84,7 +84,20 @@ def check_request(spec: ClusterSpec, record: ClusterRecord, wanted: Mapping[str,
 
 
 def scale(cdir: ClusterDir, wanted: Mapping[str, int], *, timeout: float = 30.0) -> list[Change]:
-    """Ask the supervisor for ``wanted`` replicas and wait (bounded) until its record shows them."""
+    """Ask the supervisor for ``wanted`` replicas and wait (bounded) until its record shows them. One scale of a
+    cluster at a time: a second waits (within ``timeout``) for the first to be carried out, then starts from
+    the replicas it left."""
+    held = exclusive_lock(cdir.scale_lock, wait=timeout)
+    if held is None:
+        raise PsctlError(f"another `psctl scale {cdir.name}` is still waiting for its change after {timeout:.0f}s",
+                         hint=f"see `psctl events {cdir.name}`; try again once it has finished")
+    try:
+        return _scale_holding_the_lock(cdir, wanted, timeout)
+    finally:
+        release(held)
+
+
+def _scale_holding_the_lock(cdir: ClusterDir, wanted: Mapping[str, int], timeout: float) -> list[Change]:
     record = load_state(cdir.state_file)
     spec = cluster_spec(cdir.spec_file, record)
     check_request(spec, record, wanted)
@@ -96,7 +109,8 @@ def scale(cdir: ClusterDir, wanted: Mapping[str, int], *, timeout: float = 30.0)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         record = load_state(cdir.state_file)
-        if all(len(members(record, role)) == n for role, n in wanted.items()):
+        taken = not cdir.scale_request.exists()  # (the next scale must not find this one's request)
+        if taken and all(len(members(record, role)) == n for role, n in wanted.items()):
             return [Change(role, before[role], n) for role, n in wanted.items()]
         if record.state.terminal:
             break

@@ -53,6 +53,20 @@ def scale(penv: PsctlEnv, cluster: SupervisedCluster, *targets: str) -> str:
     return done.stdout
 
 
+def scale_at_once(penv: PsctlEnv, cluster: SupervisedCluster, *targets: str) -> list[str]:
+    """One `psctl scale` per target, all started together: their outputs (each must succeed)."""
+    scales = [penv.popen("scale", cluster.name, target) for target in targets]
+    try:
+        outputs = [p.communicate(timeout=60) for p in scales]
+    finally:
+        for p in scales:
+            p.kill()
+            p.wait()
+    for p, (out, err) in zip(scales, outputs, strict=True):
+        assert p.returncode == 0, f"{out}\n{err}\n{cluster.describe()}"
+    return [out for out, _ in outputs]
+
+
 def assert_every_batch_once(cluster: SupervisedCluster, steps: int) -> dict[str, Any]:
     cluster.wait_finished(RUN_TIMEOUT)
     result = cluster.result()
@@ -83,7 +97,11 @@ def test_workers_scaled_2_to_4_to_1_while_training_take_every_batch_exactly_once
     cluster.up()
     wait_until(lambda: cluster.progress() >= 300, timeout=120, what="global step 300", detail=cluster.describe)
 
-    assert "worker 2 -> 4" in scale(psctl_env, cluster, "worker=4")
+    # two at once: one is carried out, the other waits for it and finds nothing left to change (without the
+    # scale lock both read 2 workers, or the second found the first's request and refused)
+    outputs = sorted(scale_at_once(psctl_env, cluster, "worker=4", "worker=4"))
+    assert "worker 2 -> 4" in outputs[0] and "worker unchanged" in outputs[1], outputs
+
     def training(name: str) -> bool:
         return bool(cluster.role(name)["state"] == "running" and cluster.role(name)["local_step"] > 0)
 
