@@ -23,7 +23,7 @@ from rich.table import Table
 from psctl import __version__, completion, observe
 from psctl.errors import EXIT_INTERRUPTED, PsctlError, TrainingFailed, UsageError
 from psctl.home import ClusterDir, list_clusters
-from psctl.render import host_table, plan_table, progress_line, status_dict, status_view
+from psctl.render import host_table, plan_table, progress_line, result_of, status_dict, status_view
 from psctl.runtime.metrics import metrics_text
 from psctl.supervisor.state import ClusterRecord, ClusterState, DamagedState, load_state
 from psctl.top import snapshot, top_view
@@ -330,10 +330,12 @@ def list_command(as_json: bool) -> None:
     """List the clusters psctl knows (under PSCTL_HOME), with each one's result: the runs of a sweep side by
     side."""
     records: list[ClusterRecord] = []
+    results: list[dict[str, Any] | None] = []
     damaged: list[DamagedState] = []  # listed too, not a reason to list nothing
     for cdir in list_clusters():
         try:
             records.append(load_state(cdir.state_file))
+            results.append(result_of(cdir, records[-1]))
         except DamagedState as exc:
             damaged.append(exc)
         except FileNotFoundError:
@@ -342,17 +344,18 @@ def list_command(as_json: bool) -> None:
         click.echo(json.dumps([
             {"name": r.name, "state": r.state.value, "stale": observe.is_stale(r), "roles": len(r.roles),
              "steps": r.steps, "updated_at": r.updated_at, "spec_path": r.spec_path,
-             "spec_overrides": r.spec_overrides, "result": r.result}
-            for r in records] + [{"name": d.path.parent.name, "state": "damaged", "error": d.format_message()}
-                                 for d in damaged], indent=1))
+             "spec_overrides": r.spec_overrides, "result": result}
+            for r, result in zip(records, results, strict=True)]
+            + [{"name": d.path.parent.name, "state": "damaged", "error": d.format_message()} for d in damaged],
+            indent=1))
         return
     table = Table(box=None)
     for col in ("name", "state", "roles", "steps", "updated"):
         table.add_column(col, no_wrap=True)
     table.add_column("result (test split)")
     stale = [observe.is_stale(record) for record in records]
-    for record, is_stale in zip(records, stale, strict=True):
-        metrics = (record.result or {}).get("metrics")
+    for record, result, is_stale in zip(records, results, stale, strict=True):
+        metrics = (result or {}).get("metrics")
         table.add_row(record.name, record.state.value + ("*" if is_stale else ""), str(len(record.roles)),
                       str(record.steps), time.strftime("%m-%d %H:%M", time.localtime(record.updated_at)),
                       metrics_text(metrics) if metrics else "-")  # (80 columns: a mark, a footnote for stale)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -74,6 +75,18 @@ def progress(cdir: ClusterDir, record: ClusterRecord | None = None) -> dict[str,
     return {"global_step": chief.global_step} if chief is not None and chief.global_step else {}
 
 
+def result_of(cdir: ClusterDir, record: ClusterRecord) -> dict[str, Any] | None:
+    """The cluster's result as its supervisor recorded it; where the supervisor died before it could (a stale
+    cluster), as the chief left it on this machine (``run/result.json``: a new ``up`` clears the folder)."""
+    if record.result is not None:
+        return record.result
+    try:
+        found = json.loads((cdir.run_dir / "result.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
 def progress_line(cdir: ClusterDir, record: ClusterRecord) -> str:
     """One plain line of progress, for output that is not a terminal."""
     prog = progress(cdir, record)
@@ -81,7 +94,7 @@ def progress_line(cdir: ClusterDir, record: ClusterRecord) -> str:
     for role in record.roles:
         counts[role.state.value] = counts.get(role.state.value, 0) + 1
     roles = ", ".join(f"{n} {state}" for state, n in counts.items())
-    line = f"{record.name}: {record.state.value}; step {prog.get('global_step', 0)}/{record.steps}"
+    line = f"{record.name}: {record.state.value}; step {newest_global_step(record, prog)}/{record.steps}"
     if prog.get("loss") is not None:
         # the newest training batch's loss (the final line's is the test split's, not comparable)
         line += f", train loss {metric_text(prog['loss'])}, {prog.get('steps_per_sec', 0):.1f} steps/s"
@@ -96,11 +109,12 @@ def status_dict(cdir: ClusterDir, record: ClusterRecord, *, stale: bool) -> dict
 
         data["slurm"] = {**record.slurm, "job_id": job_id(record)}
     data["progress"] = progress(cdir, record)
+    data["result"] = result_of(cdir, record)
     data["logs"] = str(cdir.logs)
     return data
 
 
-def _role_row(role: RoleRecord, now: float) -> list[Any]:
+def _role_row(role: RoleRecord, now: float, global_step: int) -> list[Any]:
     alive = not role.state.terminal and role.state != RoleState.RESTARTING
     return [
         role.name,
@@ -110,22 +124,29 @@ def _role_row(role: RoleRecord, now: float) -> list[Any]:
         f"{role.attempt}/{role.restarts}",
         _age(role.started_at, now) if alive else "-",
         _age(role.last_heartbeat, now) if alive else "-",
-        _step_cell(role),
+        _step_cell(role, global_step),
     ]
 
 
-def _step_cell(role: RoleRecord) -> str:
-    """A worker's own steps, the global step the chief or evaluator is at; a ps runs no steps (``psctl top``
-    shows its requests per second)."""
+def _step_cell(role: RoleRecord, global_step: int) -> str:
+    """A worker's own steps, the cluster's global step for the chief (as the header shows it), the global step
+    of the checkpoint an evaluator is at; a ps runs no steps (``psctl top`` shows its requests per second)."""
     if not role.last_heartbeat or role.role == "ps":
         return "-"
-    return str(role.local_step if role.role == "worker" else role.global_step)
+    return str({"worker": role.local_step, "chief": global_step}.get(role.role, role.global_step))
+
+
+def newest_global_step(record: ClusterRecord, prog: dict[str, Any]) -> int:
+    """The newest global step known: the chief's metrics and its heartbeats are written at their own times, and
+    either may be the later one."""
+    chief = max((r.global_step for r in record.roles if r.role == "chief"), default=0)
+    return max(int(prog.get("global_step", 0)), chief)
 
 
 def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: float | None = None) -> Group:
     now = time.time() if now is None else now
     prog = progress(cdir, record)
-    step = prog.get("global_step", 0)
+    step = newest_global_step(record, prog)
     header = Text()
     header.append(f"cluster {record.name} ", style="bold")
     header.append(record.state.value, style="bold red" if record.state.value == "failed" else "bold")
@@ -150,12 +171,12 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
             shown = metrics_text(dict(sorted(role.metrics.items())), skip=(CPU_METRIC,))
             if shown:  # (its heartbeats carry its CPU before any evaluation)
                 header.append(f"\nevaluator: global step {role.global_step}: {shown}")
-    if record.result:
-        metrics = record.result.get("metrics", {})
-        shown = metrics_text(metrics)
+    result = result_of(cdir, record)
+    if result:
+        shown = metrics_text(result.get("metrics", {}))
         header.append(f"\nresult (test split): {shown}")
-        if record.result.get("checkpoint"):
-            header.append(f"  checkpoint {record.result['checkpoint']}")
+        if result.get("checkpoint"):
+            header.append(f"  checkpoint {result['checkpoint']}")
     if record.reason and record.state.terminal:
         header.append(f"\nreason: {record.reason}")
     if not record.state.terminal:
@@ -163,7 +184,7 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
             header.append(f"\nhost {host}: {problem}", style="yellow")
     table = Table(box=None, pad_edge=False)
     where = "node" if record.backend == "slurm" else "host"
-    rows = [_role_row(role, now) for role in record.roles]
+    rows = [_role_row(role, now, step) for role in record.roles]
     # What a reader acts on (``psctl logs worker-12``, ``ssh host``, a role's state and step) is never cut
     # short: a narrow console shortens the other columns; attempts and restarts head two lines (cells "1/0").
     kept = {"role", where, "state", "step"}

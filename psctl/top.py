@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from psctl.runtime.metrics import CPU_METRIC
-from psctl.supervisor.state import ClusterRecord, RoleRecord
+from psctl.supervisor.state import ClusterRecord, RoleRecord, RoleState
 
 STRAGGLER = 0.5  # a worker below this fraction of the workers' median steps/s
 HOT = 1.5  # a PS above this multiple of the PS' median requests/s or CPU
@@ -39,12 +39,19 @@ OTHER_COLUMNS = {"role": ALWAYS, "host": 50, "state": ALWAYS, "global step": 90,
 _LEFT = ("role", "host", "state", "flag")
 
 
+#: The states whose heartbeat figures are current: a role stopped, lost or ended shows its steps, not the rates
+#: and CPU of its last heartbeat as if it still ran.
+_LIVE = frozenset({RoleState.RUNNING, RoleState.STALLED})
+
+
 def _row(role: RoleRecord) -> dict[str, Any]:
-    m = role.metrics
+    live = role.state in _LIVE
+    m = role.metrics if live else {}
     row: dict[str, Any] = {
         "role": role.name, "kind": role.role, "host": role.host, "state": role.state.value,
-        "steps_per_s": role.steps_per_sec or 0.0, "global_step": role.global_step, "local_step": role.local_step,
-        "cpu": m.get(CPU_METRIC), "rss_mb": role.rss_bytes / 1e6 if role.rss_bytes else None,
+        "steps_per_s": (role.steps_per_sec or 0.0) if live else None, "global_step": role.global_step,
+        "local_step": role.local_step, "cpu": m.get(CPU_METRIC),
+        "rss_mb": role.rss_bytes / 1e6 if live and role.rss_bytes else None,
     }
     if role.role == "worker":
         row["steps_per_s"] = m.get("steps_per_s", row["steps_per_s"])
@@ -65,12 +72,12 @@ def _median(values: list[float]) -> float:
 def snapshot(record: ClusterRecord) -> dict[str, Any]:
     """The rows ``top`` shows, flags included (what ``top --json`` prints)."""
     rows = [_row(r) for r in record.roles]
-    workers = [r for r in rows if r["kind"] == "worker" and r["state"] in ("running", "stalled")]
+    workers = [r for r in rows if r["kind"] == "worker" and r["state"] in _LIVE]
     rate = _median([r["steps_per_s"] for r in workers])
     for r in workers:
         if len(workers) > 1 and rate > 0 and r["steps_per_s"] < STRAGGLER * rate:
             r["flags"].append("straggler")
-    ps = [r for r in rows if r["kind"] == "ps" and r["state"] == "running"]
+    ps = [r for r in rows if r["kind"] == "ps" and r["state"] in _LIVE]
     for key in ("requests_per_s", "cpu"):
         typical = _median([r[key] for r in ps if r[key] is not None])
         for r in ps:

@@ -265,19 +265,27 @@ def test_ls_lists_clusters(psctl_env) -> None:
     record.result, record.spec_overrides = {"metrics": {"loss": 0.0633, "accuracy": 0.9889}}, ["training.steps=50"]
     save_state(done.state_file, record)
     recorded_cluster("orphan", {"chief-0": 1}, state=ClusterState.RUNNING, steps=7)
+    # stale too, but its chief finished after the supervisor died: the result it left is shown all the same
+    gone = recorded_cluster("gone", {"chief-0": 1}, state=ClusterState.RUNNING, steps=9)
+    gone.run_dir.mkdir(parents=True, exist_ok=True)
+    (gone.run_dir / "result.json").write_text(json.dumps({"global_step": 9, "metrics": {"accuracy": 0.75}}))
     result = invoke("ls")
     assert result.exit_code == 0, (result.stdout, result.stderr)
     assert result.stdout.split()[:len(header)] == header, result.stdout
     rows = " ".join(result.stdout.split()[len(header):])  # (a narrow terminal wraps the result cell)
     when = r"\d\d-\d\d \d\d:\d\d"
     assert re.fullmatch(rf"done succeeded 3 50 {when} loss 0\.0633, accuracy 0\.9889 "
+                        rf"gone running\* 1 9 {when} accuracy 0\.7500 "
                         rf"orphan running\* 1 7 {when} - \* stale: its supervisor is not running; `psctl "
                         r"supervise NAME` takes it up again", rows), result.stdout
     assert all(len(line) <= 80 for line in result.stdout.splitlines()), result.stdout
     listed = json.loads(check_ok(invoke("ls", "--json")).stdout)
     assert [(c["name"], c["state"], c["stale"], c["steps"], c["spec_overrides"], c["result"]) for c in listed] == [
         ("done", "succeeded", False, 50, ["training.steps=50"], {"metrics": {"loss": 0.0633, "accuracy": 0.9889}}),
+        ("gone", "running", True, 9, [], {"global_step": 9, "metrics": {"accuracy": 0.75}}),
         ("orphan", "running", True, 7, [], None)]
+    status = check_ok(invoke("status", "gone"))
+    assert "result (test split): accuracy 0.7500" in status.stdout, status.stdout
 
 
 def test_version() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -16,7 +17,9 @@ ROLES = [("chief", "chief", 0), ("ps-0", "ps", 0), ("worker-0", "worker", 0), ("
          ("evaluator", "evaluator", 0)]
 
 
-def shown(tmp_path: Path, host: str, width: int) -> list[str]:
+def shown(tmp_path: Path, host: str, width: int, metrics_step: int | None = None) -> list[str]:
+    """The status of a cluster whose roles' heartbeats say global step 12345 (and whose chief's metrics file says
+    ``metrics_step``, where given)."""
     now = time.time()
     roles = [RoleRecord(name=name, role=role, index=index, host=host, address="127.0.0.1", port=1,
                         state=RoleState.RESTARTING if name == "worker-11" else RoleState.RUNNING, pid=4_194_301,
@@ -24,8 +27,13 @@ def shown(tmp_path: Path, host: str, width: int) -> list[str]:
                         local_step=6100)
              for name, role, index in ROLES]
     record = ClusterRecord(name="mnist", cluster_id="c", state=ClusterState.RUNNING, steps=40000, roles=roles)
+    cdir = ClusterDir(tmp_path / "mnist")
+    if metrics_step is not None:
+        cdir.run_dir.mkdir(parents=True)
+        line = {"event": "progress", "global_step": metrics_step, "loss": 0.5, "steps_per_sec": 10.0}
+        (cdir.run_dir / "metrics.jsonl").write_text(json.dumps(line) + "\n")
     console = Console(width=width, record=True)
-    console.print(status_view(ClusterDir(tmp_path / "mnist"), record, stale=False, now=now))
+    console.print(status_view(cdir, record, stale=False, now=now))
     return console.export_text().splitlines()
 
 
@@ -49,3 +57,13 @@ def test_a_narrow_console_shortens_other_columns_never_names_states_or_steps(
         assert cells[1] == host
         assert ("restarting" if name == "worker-11" else "running") in cells
     assert rows["worker-0"][-1] == "6100" and rows["chief"][-1] == "12345" and rows["ps-0"][-1] == "-"
+
+
+@pytest.mark.parametrize(("metrics_step", "newest"), [(12400, 12400), (12000, 12345)])
+def test_the_header_and_the_chief_show_the_newest_global_step_of_its_metrics_and_heartbeat(
+        tmp_path: Path, metrics_step: int, newest: int) -> None:
+    lines = shown(tmp_path, "localhost", 100, metrics_step=metrics_step)
+    assert any(line.startswith(f"global step {newest}/40000") for line in lines), lines
+    chief = next(line.split() for line in lines if line.startswith("chief"))
+    assert chief[-1] == str(newest) and "evaluator" not in chief
+    assert next(line.split() for line in lines if line.startswith("evaluator"))[-1] == "12345"  # its checkpoint's

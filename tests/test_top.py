@@ -26,10 +26,10 @@ from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, Role
 from psctl.top import top_view
 
 
-def role(name: str, **metrics: float) -> RoleRecord:
+def role(name: str, state: RoleState = RoleState.RUNNING, **metrics: float) -> RoleRecord:
     kind = name.split("-")[0]
-    return RoleRecord(name, kind, int(name.split("-")[1]), "localhost", "127.0.0.1", 1, state=RoleState.RUNNING,
-                      metrics=metrics, rss_bytes=100_000_000)
+    return RoleRecord(name, kind, int(name.split("-")[1]), "localhost", "127.0.0.1", 1, state=state,
+                      metrics=metrics, rss_bytes=100_000_000, local_step=7)
 
 
 def test_stragglers_and_hot_parameter_servers_are_flagged(tmp_path: Path) -> None:
@@ -44,6 +44,9 @@ def test_stragglers_and_hot_parameter_servers_are_flagged(tmp_path: Path) -> Non
                push_frac=0.2, wait_frac=0.1, bytes_per_s=2e6, cpu=0.8) for i in range(3)),
         role("worker-3", steps_per_s=10, step_ms_p50=90, step_ms_p99=200, pull_frac=0.1, compute_frac=0.85,
              push_frac=0.05, wait_frac=0.0, bytes_per_s=0.4e6, cpu=1.0),  # the straggler
+        # scaled away: its last heartbeat's figures are not shown as if it ran (nor is it a straggler)
+        role("worker-4", RoleState.STOPPED, steps_per_s=1, step_ms_p50=900, cpu=0.7, bytes_per_s=1e6),
+        role("ps-3", RoleState.LOST, requests_per_s=999, bytes_held=4e6, cpu=0.9),
     ])
     save_state(cdir.state_file, record)
     result = CliRunner().invoke(cli, ["top", "flags", "--json"], env={"PSCTL_HOME": str(tmp_path / "home")})
@@ -52,9 +55,15 @@ def test_stragglers_and_hot_parameter_servers_are_flagged(tmp_path: Path) -> Non
     assert {name for name, r in rows.items() if r["flags"]} == {"ps-2", "worker-3"}
     assert rows["ps-2"]["flags"] == ["hot"] and rows["worker-3"]["flags"] == ["straggler"]
     assert (rows["worker-3"]["steps_per_s"], rows["worker-3"]["compute"], rows["ps-2"]["held_mb"]) == (10, 0.85, 40)
+    gone = (rows["worker-4"], rows["ps-3"])
+    assert all(r[k] is None for r in gone for k in ("steps_per_s", "cpu", "rss_mb")), gone
+    assert (rows["worker-4"]["step_ms_p50"], rows["worker-4"]["local_step"], rows["ps-3"]["requests_per_s"]) == (
+        None, 7, None)
     shown = CliRunner().invoke(cli, ["top", "flags"], env={"PSCTL_HOME": str(tmp_path / "home"), "COLUMNS": "200"})
     straggler = next(line for line in shown.output.splitlines() if "worker-3" in line)
     assert "straggler" in straggler and "85%" in straggler and "90.0" in straggler
+    stopped = next(line for line in shown.output.splitlines() if "worker-4" in line)
+    assert "stopped" in stopped and "900" not in stopped and "70%" not in stopped, stopped
 
 
 def test_a_narrow_terminal_hides_the_columns_read_least_and_says_which(tmp_path: Path) -> None:
