@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from psctl.errors import ClusterNotFound, UsageError
+from psctl.errors import CheckpointNotFound, UsageError
 from psctl.home import ClusterDir
 from psctl.launch.hostset import RemoteHost, ssh_runner
 from psctl.runtime.checkpoint import (
@@ -29,6 +29,9 @@ from psctl.supervisor.state import ClusterRecord
 
 if TYPE_CHECKING:
     from psctl.launch.ssh import SSHRunner
+
+_NONE_YET = ("the chief writes one every training.checkpoint.every_steps / every_seconds and at the end; or name "
+             "one with --checkpoint PATH")
 
 
 def split_location(text: str, hosts: Mapping[str, object]) -> tuple[str, str]:
@@ -86,7 +89,7 @@ def _local(path: Path) -> tuple[str, Snapshot]:
         raise UsageError(str(exc)) from None
     found = latest_checkpoint(path)
     if found is None:
-        raise ClusterNotFound(f"no valid checkpoint in {path}")
+        raise CheckpointNotFound(f"no valid checkpoint in {path}", hint=_NONE_YET)
     return str(found[0]), found[1]
 
 
@@ -100,12 +103,12 @@ def fetch_newest(runner: SSHRunner, folder: str, into: Path) -> tuple[str, Snaps
         try:
             names = runner.listdir(folder)
         except FileNotFoundError:
-            raise ClusterNotFound(f"no checkpoint folder {folder} on {runner.host}") from None
+            raise CheckpointNotFound(f"no checkpoint folder {folder} on {runner.host}", hint=_NONE_YET) from None
         candidates = sorted((remote / n for n in names if checkpoint_step(n) is not None), key=step_of, reverse=True)
     found = first_that_loads(candidates, lambda path: load_checkpoint(_copy(runner, path, into / path.name)),
                              skip=(CheckpointError, FileNotFoundError), where=lambda path: f"{runner.host}:{path}")
     if found is None:
-        raise ClusterNotFound(f"no valid checkpoint in {folder} on {runner.host}")
+        raise CheckpointNotFound(f"no valid checkpoint in {folder} on {runner.host}", hint=_NONE_YET)
     return f"{runner.host}:{found[0]}", found[1]
 
 

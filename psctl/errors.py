@@ -42,8 +42,18 @@ class UsageError(PsctlError):
     exit_code = EXIT_USAGE
 
 
-class ClusterNotFound(PsctlError):
+class NotFound(PsctlError):
+    """What the command is about does not exist: a cluster, or a checkpoint to export."""
+
     exit_code = EXIT_NOT_FOUND
+
+
+class ClusterNotFound(NotFound):
+    pass
+
+
+class CheckpointNotFound(NotFound):
+    pass
 
 
 class LaunchError(PsctlError):

@@ -267,6 +267,7 @@ def test_export_writes_the_newest_checkpoints_variables(psctl_env) -> None:
     assert here.stdout.startswith(f"exported {newest} (global step 200)"), here.stdout
     missing = check(psctl_env.run("export", "exp", "--checkpoint", str(psctl_env.tmp_path), "-o", str(out)), 4)
     assert f"no valid checkpoint in {psctl_env.tmp_path}" in flat(missing.stderr)
+    assert "name one with --checkpoint PATH" in flat(missing.stderr), missing.stderr
     typo = check(psctl_env.run("export", "exp", "--checkpoint", "h9:/ckpts", "-o", str(out)), 2)
     assert ("--checkpoint h9:/ckpts: 'h9' is not a host of cluster 'exp' (its hosts: none: it runs on this "
             "machine); give HOST:PATH with one of them, or a local folder") in flat(typo.stderr), typo.stderr

@@ -38,25 +38,31 @@ def outside(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("field", "kwargs", "line", "key", "what", "target"),
+    ("field", "kwargs", "line", "key", "what", "target", "allow"),
     [
-        ("program", {"program": "../elsewhere/prog.py"}, 3, "training.program", "program file", "prog.py"),
-        ("data", {"data": "{path: ../elsewhere/train.npz}"}, 4, "training.data.path", "data path", "train.npz"),
-        ("checkpoint", {"ckpt": "../elsewhere/ckpts"}, 6, "training.checkpoint.dir", "checkpoint folder", "ckpts"),
+        ("program", {"program": "../elsewhere/prog.py"}, 3, "training.program", "program file", "prog.py",
+         "its folder"),
+        ("data", {"data": "{path: ../elsewhere/train.npz}"}, 4, "training.data.path", "data path", "train.npz",
+         "its folder"),
+        # a folder is allowed itself, not its parent (for /etc that would be all of /)
+        ("checkpoint", {"ckpt": "../elsewhere/ckpts"}, 6, "training.checkpoint.dir", "checkpoint folder", "ckpts",
+         "it"),
     ],
 )
 def test_a_path_outside_the_spec_folder_is_refused_with_the_fix(
-    tmp_path: Path, outside: Path, field: str, kwargs: dict[str, str], line: int, key: str, what: str, target: str
+    tmp_path: Path, outside: Path, field: str, kwargs: dict[str, str], line: int, key: str, what: str, target: str,
+    allow: str,
 ) -> None:
     spec_dir = tmp_path / "spec"
     path = write_spec(spec_dir, **kwargs)
     with pytest.raises(SpecError) as err:
         load_spec(path)
     resolved = (outside / target).resolve()
+    allowed = resolved if allow == "it" else resolved.parent
     assert err.value.exit_code == 2
     assert err.value.format_message() == (
         f"{path}:{line}: {key}: {what} {resolved} is outside the spec's folder ({spec_dir.absolute()}); "
-        f"move it there, or allow its folder with security: {{allowed_paths: [{resolved.parent}]}}"
+        f"move it there, or allow {allow} with security: {{allowed_paths: [{allowed}]}}"
     )
 
 

@@ -22,7 +22,7 @@ from cluster_helpers import wait_until
 from sshbed import SSHBed, sshbed_fixture  # noqa: F401 - provides the session fixture `sshbed`
 
 from psctl.checkpoints import fetch_newest
-from psctl.errors import ClusterNotFound, LaunchError
+from psctl.errors import CheckpointNotFound, LaunchError
 from psctl.launch import hosts
 from psctl.launch.base import ProcessHandle, stop_processes
 from psctl.launch.fanout import HostsError, check_results, run_on_all
@@ -384,7 +384,7 @@ def test_fetch_newest_skips_a_corrupt_checkpoint_and_refuses_paths_outside_it(ss
         assert where == f"h1:{folder}/ckpt-000000000100"
         assert snapshot.global_step == 100 and snapshot.variables["w"].tolist() == [[100.0, 100.0]] * 3
         assert not (tmp_path / "escaped").exists()
-        with pytest.raises(ClusterNotFound, match=f"no checkpoint folder {tmp_path}/none on h1"):
+        with pytest.raises(CheckpointNotFound, match=f"no checkpoint folder {tmp_path}/none on h1"):
             fetch_newest(runner, str(tmp_path / "none"), into)
 
 

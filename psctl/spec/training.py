@@ -150,10 +150,11 @@ def _int(c: Checker, t: dict[str, Any], key: str, default: int | None, *, minimu
 
 def check_confined(
     c: Checker, path: KeyPath, target: str, base_dir: Path, allowed: tuple[Path, ...], *, what: str,
-    also: tuple[Path, ...] = (),
+    also: tuple[Path, ...] = (), folder: bool = False,
 ) -> None:
     """A path the spec names must lie in the spec's folder (or ``also``), unless the user allowed its folder
-    under security.allowed_paths: a spec written by someone else cannot point roles at other files."""
+    under security.allowed_paths: a spec written by someone else cannot point roles at other files. The fix
+    allows the file's folder, or the ``folder`` itself (allowing its parent would open, for /etc, all of /)."""
     try:
         resolved = (base_dir / Path(target).expanduser()).resolve()
         roots = [r.resolve() for r in (base_dir, *also, *allowed)]
@@ -164,7 +165,8 @@ def check_confined(
     c.fail(
         path,
         f"{what} {resolved} is outside the spec's folder ({base_dir})",
-        f"move it there, or allow its folder with security: {{allowed_paths: [{resolved.parent}]}}",
+        f"move it there, or allow {'it' if folder else 'its folder'} with security: "
+        f"{{allowed_paths: [{resolved if folder else resolved.parent}]}}",
     )
 
 
@@ -347,7 +349,7 @@ def _checkpoint(c: Checker, value: object, base_dir: Path, allowed: tuple[Path, 
     directory = c.optional_string((*path, "dir"), k.get("dir"), fix="give a folder path")
     if directory is not None:
         check_confined(c, (*path, "dir"), directory, base_dir, allowed, what="checkpoint folder",
-                       also=(psctl_home(),))
+                       also=(psctl_home(),), folder=True)
         # relative means next to the spec; ~ is left for the host that writes the checkpoints to expand
         if not (directory.startswith("~") or Path(directory).is_absolute()):
             directory = str(base_dir / directory)
