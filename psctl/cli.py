@@ -195,7 +195,7 @@ def _watch(cdir: ClusterDir, *, plain_every: float = 5.0) -> Any:
             now = time.monotonic()
             if now - alive_checked >= WATCH_ALIVE_EVERY:
                 alive_checked = now
-                stale = observe.is_stale(record)
+                stale = observe.is_stale(cdir, record)
             if live is not None and (changed or now - drawn >= WATCH_REDRAW):
                 drawn = now
                 live.update(status_view(cdir, record, stale=stale))
@@ -269,7 +269,7 @@ def status(name: str | None, as_json: bool) -> None:
     """Show a cluster's roles, their state and training progress."""
     cdir = observe.resolve_cluster(name)
     record = load_state(cdir.state_file)
-    stale = observe.is_stale(record)
+    stale = observe.is_stale(cdir, record)
     if as_json:
         click.echo(json.dumps(status_dict(cdir, record, stale=stale), indent=2, default=str))
         return
@@ -329,23 +329,23 @@ def plot(names: tuple[str, ...], out: str) -> None:
 def list_command(as_json: bool) -> None:
     """List the clusters psctl knows (under PSCTL_HOME), with each one's result: the runs of a sweep side by
     side."""
-    records: list[ClusterRecord] = []
-    results: list[dict[str, Any] | None] = []
+    listed: list[tuple[ClusterRecord, dict[str, Any] | None, bool]] = []  # each with its result, whether stale
     damaged: list[DamagedState] = []  # listed too, not a reason to list nothing
     for cdir in list_clusters():
         try:
-            records.append(load_state(cdir.state_file))
-            results.append(result_of(cdir, records[-1]))
+            record = load_state(cdir.state_file)
         except DamagedState as exc:
             damaged.append(exc)
+            continue
         except FileNotFoundError:
             continue  # (purged meanwhile)
+        listed.append((record, result_of(cdir, record), observe.is_stale(cdir, record)))
     if as_json:
         click.echo(json.dumps([
-            {"name": r.name, "state": r.state.value, "stale": observe.is_stale(r), "roles": len(r.roles),
+            {"name": r.name, "state": r.state.value, "stale": stale, "roles": len(r.roles),
              "steps": r.steps, "updated_at": r.updated_at, "spec_path": r.spec_path,
              "spec_overrides": r.spec_overrides, "result": result}
-            for r, result in zip(records, results, strict=True)]
+            for r, result, stale in listed]
             + [{"name": d.path.parent.name, "state": "damaged", "error": d.format_message()} for d in damaged],
             indent=1))
         return
@@ -353,16 +353,15 @@ def list_command(as_json: bool) -> None:
     for col in ("name", "state", "roles", "steps", "updated"):
         table.add_column(col, no_wrap=True)
     table.add_column("result (test split)")
-    stale = [observe.is_stale(record) for record in records]
-    for record, result, is_stale in zip(records, results, stale, strict=True):
+    for record, result, stale in listed:
         metrics = (result or {}).get("metrics")
-        table.add_row(record.name, record.state.value + ("*" if is_stale else ""), str(len(record.roles)),
+        table.add_row(record.name, record.state.value + ("*" if stale else ""), str(len(record.roles)),
                       str(record.steps), time.strftime("%m-%d %H:%M", time.localtime(record.updated_at)),
                       metrics_text(metrics) if metrics else "-")  # (80 columns: a mark, a footnote for stale)
     for unread in damaged:
         table.add_row(unread.path.parent.name, "damaged", "-", "-", "-", "-")
     console.print(table)
-    if any(stale):
+    if any(stale for _, _, stale in listed):
         console.print("* stale: its supervisor is not running; `psctl supervise NAME` takes it up again",
                       markup=False, soft_wrap=True)
     for unread in damaged:

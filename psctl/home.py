@@ -160,12 +160,14 @@ def take_supervision(cdir: ClusterDir, *, wait: float = 0.0) -> int | None:
     return exclusive_lock(cdir.supervisor_lock, wait=wait)
 
 
-def supervised(cdir: ClusterDir) -> bool:
-    """Whether a supervisor of the cluster holds its lock now (it runs, or is starting)."""
-    if not cdir.supervisor_lock.exists():
-        return False
-    fd = take_supervision(cdir)
-    if fd is None:
-        return True
+def lock_held(path: Path) -> bool | None:
+    """Whether another process holds the lock on ``path`` now; None where that cannot be told (no such file: none
+    was ever taken there; a file system without locks)."""
+    if not path.exists():
+        return None
+    try:
+        fd = exclusive_lock(path)
+    except OSError:  # (removed meanwhile: ``down --purge``)
+        return None
     release(fd)
-    return False
+    return None if fd == -1 else fd is None

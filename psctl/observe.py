@@ -20,18 +20,28 @@ from pathlib import Path
 import psutil
 
 from psctl.errors import ClusterNotFound, PsctlError, UsageError
-from psctl.home import ClusterDir, list_clusters
+from psctl.home import ClusterDir, list_clusters, lock_held
 from psctl.launch.base import ProcessHandle
 from psctl.launch.hostset import Placement, host_runners, placements
 from psctl.runtime.log_format import LOG_TIME
 from psctl.supervisor.state import ClusterRecord, DamagedState, RoleRecord, load_state
 
 
-def supervisor_alive(record: ClusterRecord) -> bool:
-    if record.backend == "slurm":  # it runs in the cluster's job, on a node of its own
+def supervisor_alive(cdir: ClusterDir, record: ClusterRecord) -> bool:
+    """Whether the cluster's supervisor runs, or is starting: it holds the cluster's supervisor lock from its first
+    moment, before it records its pid, to its last (the kernel drops it however it ends). A Slurm cluster's runs in
+    its job, on a node of its own: the job decides. Where the lock says nothing (a file system without locks), the
+    pid the supervisor recorded."""
+    if record.backend == "slurm":
         from psctl.slurm_cluster import job_alive
 
         return job_alive(record)
+    held = lock_held(cdir.supervisor_lock)
+    return recorded_supervisor_runs(record) if held is None else held
+
+
+def recorded_supervisor_runs(record: ClusterRecord) -> bool:
+    """Whether the supervisor process the record names (pid and start time) runs."""
     if not record.supervisor_pid:
         return False
     try:
@@ -43,9 +53,9 @@ def supervisor_alive(record: ClusterRecord) -> bool:
         return False
 
 
-def is_stale(record: ClusterRecord) -> bool:
+def is_stale(cdir: ClusterDir, record: ClusterRecord) -> bool:
     """The state file says the cluster runs, but its supervisor is gone: what it shows is the last known."""
-    return not record.state.terminal and not supervisor_alive(record)
+    return not record.state.terminal and not supervisor_alive(cdir, record)
 
 
 def resolve_cluster(name: str | None) -> ClusterDir:
@@ -299,7 +309,7 @@ def follow(
             yield f"--- {log.role}: attempt {attempt} ---"
             continue
         ended = record.state.terminal
-        if not ended and is_stale(record) and time.monotonic() - asked >= FOLLOW_ASK_EVERY:
+        if not ended and is_stale(cdir, record) and time.monotonic() - asked >= FOLLOW_ASK_EVERY:
             asked = time.monotonic()  # no supervisor to say when it ends: its process says (over SSH, a command)
             ended = not log.still_running()
         if ended:

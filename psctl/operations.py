@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import psutil
 
 from psctl.errors import LaunchError, PsctlError, UsageError
-from psctl.home import ClusterDir, supervised
+from psctl.home import ClusterDir
 from psctl.launch.base import ProcessHandle, Runner, on_their_hosts, stop_on_hosts
 from psctl.launch.fanout import HostsError, check_results, run_on_all
 from psctl.launch.hostset import RemoteHost, host_runners, ssh_runner
@@ -38,7 +38,7 @@ from psctl.launch.remote import (
     staged_files,
     tar_gz,
 )
-from psctl.observe import supervisor_alive
+from psctl.observe import recorded_supervisor_runs, supervisor_alive
 from psctl.pki import create_cluster_pki
 from psctl.runtime.atomic import write_json_atomic
 from psctl.spec import ClusterSpec, Plan, load_spec, make_plan
@@ -214,7 +214,7 @@ def refuse_if_up(spec: ClusterSpec) -> None:
     if not cdir.state_file.is_file():
         return
     old = load_state(cdir.state_file)
-    alive = supervisor_alive(old) or supervised(cdir)
+    alive = supervisor_alive(cdir, old)
     if not old.state.terminal and (alive or LocalRunner().cluster_processes(old.cluster_id)):
         again = "" if alive else f"supervise it again with `psctl supervise {spec.name}`, "
         raise UsageError(
@@ -318,14 +318,14 @@ def resupervise(cdir: ClusterDir, *, wait_started: float = 30.0) -> ClusterRecor
     if record.state.terminal:
         raise UsageError(f"cluster {cdir.name!r} has {record.state.value}; nothing to supervise",
                          hint=f"start it again with `psctl up {record.spec_path or 'SPEC'}`")
-    if supervisor_alive(record) or supervised(cdir):  # (one that is starting holds the lock, pid not yet written)
+    if supervisor_alive(cdir, record):
         raise UsageError(f"cluster {cdir.name!r} is supervised already", hint=f"see `psctl status {cdir.name}`")
     old_pid = record.supervisor_pid
     spawn_supervisor(cdir, record)
     deadline = time.monotonic() + wait_started
     while time.monotonic() < deadline:
         current = load_state(cdir.state_file)
-        if current.supervisor_pid != old_pid and supervisor_alive(current):
+        if current.supervisor_pid != old_pid and recorded_supervisor_runs(current):
             return current
         time.sleep(0.1)
     raise LaunchError(f"the new supervisor of {cdir.name!r} did not start within {wait_started:.0f}s; "
@@ -399,14 +399,14 @@ def _tear_down(
         from psctl.slurm_cluster import stop_job
 
         stopped_by_supervisor = stop_job(cdir, record, grace=grace)
-    elif supervisor_alive(record):
+    elif recorded_supervisor_runs(record):  # (one still starting, its pid not recorded, is among the processes below)
         assert record.supervisor_pid is not None
         running = {r.name for r in record.roles if not r.state.terminal and r.pid}
         write_json_atomic(cdir.stop_request, {"grace": grace})
         with contextlib.suppress(ProcessLookupError):
             os.kill(record.supervisor_pid, signal.SIGTERM)
         deadline = time.monotonic() + grace + 10.0
-        while supervisor_alive(record) and time.monotonic() < deadline:
+        while recorded_supervisor_runs(record) and time.monotonic() < deadline:
             time.sleep(0.1)
         after = load_state(cdir.state_file)  # the supervisor stops its roles through their agents
         stopped_by_supervisor = sum(1 for r in after.roles if r.name in running and r.state == RoleState.STOPPED)

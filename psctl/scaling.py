@@ -48,12 +48,12 @@ def parse_targets(targets: Sequence[str]) -> dict[str, int]:
     return out
 
 
-def check_request(spec: ClusterSpec, record: ClusterRecord, wanted: Mapping[str, int]) -> None:
+def check_request(cdir: ClusterDir, spec: ClusterSpec, record: ClusterRecord, wanted: Mapping[str, int]) -> None:
     """Refuse, in one line that says how to fix it, what the cluster cannot do now."""
     if record.state.terminal:
         raise UsageError(f"cluster {record.name!r} has {record.state.value}; there is nothing to scale",
                          hint=f"start it again with `psctl up {record.spec_path or 'SPEC'}`")
-    if not supervisor_alive(record):
+    if not supervisor_alive(cdir, record):
         raise UsageError(f"cluster {record.name!r} has no supervisor running to carry out the change",
                          hint=f"start one with `psctl supervise {record.name}`, then scale")
     if spec.training.get("framework") == "tensorflow":
@@ -100,7 +100,7 @@ def scale(cdir: ClusterDir, wanted: Mapping[str, int], *, timeout: float = 30.0)
 def _scale_holding_the_lock(cdir: ClusterDir, wanted: Mapping[str, int], timeout: float) -> list[Change]:
     record = load_state(cdir.state_file)
     spec = cluster_spec(cdir.spec_file, record)
-    check_request(spec, record, wanted)
+    check_request(cdir, spec, record, wanted)
     before = {role: len(members(record, role)) for role in wanted}
     if cdir.scale_request.exists():
         raise UsageError("an earlier scale request has not been taken by the supervisor yet",

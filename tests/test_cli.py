@@ -19,7 +19,7 @@ from click.testing import CliRunner, Result
 from psctl import __version__
 from psctl.cli import cli
 from psctl.errors import EXIT_NOT_FOUND, EXIT_USAGE
-from psctl.home import ClusterDir
+from psctl.home import ClusterDir, release, take_supervision
 from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, load_state, save_state
 
 ROLES_2X2 = ("chief-0", "ps-0", "ps-1", "worker-0", "worker-1")
@@ -288,6 +288,23 @@ def test_ls_lists_clusters(psctl_env) -> None:
     assert "result (test split): accuracy 0.7500" in status.stdout, status.stdout
 
 
+def test_a_cluster_whose_supervisor_holds_its_lock_is_not_stale_before_it_records_its_pid(psctl_env) -> None:
+    """A supervisor takes the cluster's lock first and records its pid after (the imports, the state read): until
+    then the record names no supervisor, yet one runs. `status`, `ls` and `supervise` ask the lock."""
+    cdir = recorded_cluster("starting", {"chief-0": 1}, state=ClusterState.STARTING)
+    held = take_supervision(cdir)  # as the starting supervisor does
+    assert held is not None and held >= 0
+    try:
+        assert json.loads(check_ok(invoke("status", "starting", "--json")).stdout)["stale"] is False
+        assert [c["stale"] for c in json.loads(check_ok(invoke("ls", "--json")).stdout)] == [False]
+        again = invoke("supervise", "starting")
+        assert_one_line_error(again, EXIT_USAGE, "cluster 'starting' is supervised already")
+    finally:
+        release(held)
+    # the lock free (the supervisor ended, however it ended): stale, whatever the record says
+    assert json.loads(check_ok(invoke("status", "starting", "--json")).stdout)["stale"] is True
+
+
 def test_version() -> None:
     result = invoke("--version")
     assert result.exit_code == 0
@@ -426,7 +443,7 @@ def test_up_s_watch_ends_with_the_outcome_and_asks_whether_the_supervisor_runs_o
     record = _running_record(cdir, me.pid, me.create_time())
     checks: list[float] = []
     real = observe.is_stale
-    monkeypatch.setattr(observe, "is_stale", lambda r: checks.append(time.monotonic()) or real(r))
+    monkeypatch.setattr(observe, "is_stale", lambda c, r: checks.append(time.monotonic()) or real(c, r))
     done = threading.Timer(0.3, lambda: save_state(cdir.state_file,
                                                    dataclasses.replace(record, state=ClusterState.SUCCEEDED)))
     done.start()

@@ -162,7 +162,7 @@ def test_scale_targets_that_are_not_role_equals_n_are_usage_errors(targets: list
 
 def test_scale_requests_outside_the_specs_bounds_name_the_line_to_change(tmp_path: Path) -> None:
     spec, record = record_for(tmp_path, SPEC)
-    check_request(spec, record, {"worker": 4, "ps": 3})  # within bounds: no error
+    check_request(ClusterDir(tmp_path), spec, record, {"worker": 4, "ps": 3})  # within bounds: no error
     cases = {
         "worker=5": ({"worker": 5}, f"worker=5 is more than roles.worker.max_replicas (4) in {tmp_path}/spec.yaml:5 "
                      "(raise max_replicas there and `psctl up` again: every replica's certificate and port are "
@@ -172,15 +172,15 @@ def test_scale_requests_outside_the_specs_bounds_name_the_line_to_change(tmp_pat
     }
     for name, (wanted, message) in cases.items():
         with pytest.raises(UsageError) as caught:
-            check_request(spec, record, wanted)
+            check_request(ClusterDir(tmp_path), spec, record, wanted)
         assert str(caught.value) == message, name
 
     record.supervisor_pid = None
     with pytest.raises(UsageError, match=r"no supervisor running.*psctl supervise elastic"):
-        check_request(spec, record, {"worker": 3})
+        check_request(ClusterDir(tmp_path), spec, record, {"worker": 3})
     record.state = ClusterState.SUCCEEDED
     with pytest.raises(UsageError, match="has succeeded; there is nothing to scale"):
-        check_request(spec, record, {"worker": 3})
+        check_request(ClusterDir(tmp_path), spec, record, {"worker": 3})
 
 
 def test_spec_bounds_are_checked_where_they_are_written(tmp_path: Path) -> None:
@@ -224,4 +224,4 @@ def test_a_clusters_set_overrides_bound_its_scaling_as_they_bound_its_start(tmp_
         scale(cdir, {"worker": 7}, timeout=0.1)
     assert str(caught.value).startswith("worker=7 is more than roles.worker.max_replicas (6) in --set "
                                         "roles.worker.max_replicas=6 ")
-    check_request(spec, record, {"worker": 6})  # beyond the file's 4: allowed by the override
+    check_request(cdir, spec, record, {"worker": 6})  # beyond the file's 4: allowed by the override
