@@ -274,7 +274,13 @@ def status(name: str | None, as_json: bool) -> None:
         click.echo(json.dumps(status_dict(cdir, record, stale=stale), indent=2, default=str))
         return
     console.print(status_view(cdir, record, stale=stale))
-    if stale:
+    if stale and result_of(cdir, record) is not None:  # its roles, but for the chief, run on with nothing to do
+        err_console.print(
+            f"[yellow]hint:[/yellow] training finished, but the supervisor of {record.name!r} died before it "
+            f"stopped the other roles: `psctl supervise {record.name}` sees the cluster to its end, `psctl down "
+            f"{record.name}` stops them"
+        )
+    elif stale:
         err_console.print(
             f"[yellow]hint:[/yellow] the supervisor of {record.name!r} is not running; "
             f"`psctl supervise {record.name}` adopts what runs, `psctl down {record.name}` stops whatever is left"

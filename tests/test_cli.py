@@ -286,6 +286,8 @@ def test_ls_lists_clusters(psctl_env) -> None:
         ("orphan", "running", True, 7, [], None)]
     status = check_ok(invoke("status", "gone"))
     assert "result (test split): accuracy 0.7500" in status.stdout, status.stdout
+    assert "training finished, but the supervisor of 'gone' died before it stopped the other roles" in " ".join(
+        status.stderr.split()), status.stderr
 
 
 def test_a_cluster_whose_supervisor_holds_its_lock_is_not_stale_before_it_records_its_pid(psctl_env) -> None:
