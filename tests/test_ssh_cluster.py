@@ -639,21 +639,34 @@ def test_a_tensorflow_program_over_three_hosts_trains_to_completion(remote: Remo
 def test_a_new_supervisor_adopts_the_roles_on_the_hosts_and_training_ends_exactly(remote: Remote) -> None:
     """The launch machine's supervisor dies mid-training: the hosts' agents keep their roles and redial the
     reverse forward; `psctl supervise` listens where the last one did (and asks each host for the same forwarded
-    port), the agents dial in, and their roles are adopted: same processes, first attempts, exact step count."""
+    port), the agents dial in, and their roles are adopted: same processes, first attempts, exact step count.
+    One host (h3) is cut off as the new supervisor starts: it is reached as soon as it answers again, its
+    forward made then (it used to wait for the startup grace to replace an agent that dialled into nothing)."""
     import signal as signals
 
     import psutil
 
     steps = 12000
     spec, _ = write_spec(remote.bed, remote.folder, remote.name, steps=steps)
+    # h3's roles outlast its cut (their heartbeats unheard meanwhile); the startup grace is far off
+    spec.write_text(spec.read_text().replace("heartbeat_timeout: 10s, startup_grace: 60s",
+                                             "heartbeat_timeout: 40s, startup_grace: 120s"))
     remote.psctl("up", str(spec), "--detach")
     before = wait_until(lambda: (s := remote.status())["roles"][0]["global_step"] >= 300 and s, timeout=120,
                         what="training to pass step 300")
     pids = {r["name"]: (r["host"], r["pid"]) for r in before["roles"]}
     psutil.Process(before["supervisor_pid"]).send_signal(signals.SIGKILL)
     wait_until(lambda: remote.status()["stale"], timeout=20, what="the supervisor to be gone")
-    done = remote.psctl("supervise", remote.name, "--detach")
-    assert "adopted" in done.stdout
+    remote.bed.partition("h3")
+    try:
+        done = remote.psctl("supervise", remote.name, "--detach")
+        assert "adopted" in done.stdout
+        wait_until(lambda: "h3" in remote.status()["host_problems"], timeout=30,
+                   what="the new supervisor to find h3 cut off", detail=remote.supervisor_log)
+    finally:
+        remote.bed.heal("h3")
+    wait_until(lambda: "h3" not in remote.status()["host_problems"], timeout=30,
+               what="h3's agent to dial in once h3 answers", detail=remote.supervisor_log)
     adopted_at = time.time()
     final = wait_until(lambda: (s := remote.status())["state"] in ("succeeded", "failed") and s, timeout=240,
                        what="training to finish under the new supervisor", detail=remote.supervisor_log)

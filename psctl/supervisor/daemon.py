@@ -157,9 +157,13 @@ class Supervisor:
         except OSError:
             port = self.hub.start("127.0.0.1:0")  # taken: agents here will not find this one; theirs restart
         self.record.supervisor_address = f"127.0.0.1:{port}"
-        for name in self.places:
-            with contextlib.suppress(PsctlError):  # unreachable now: forwarded when its agent is started
+
+        def forward(name: str) -> None:
+            with contextlib.suppress(PsctlError):  # unreachable now: forwarded when its agent is found or started
                 self._forward(name)
+
+        # at once: a host that does not answer (its connect times out) does not hold up the others
+        list(self._starters.map(forward, self.places))
 
     def _forward(self, host: str) -> int:
         """The port on ``host`` that reaches the agents' endpoint (the one the host had before, if it can)."""
@@ -316,6 +320,9 @@ class Supervisor:
                                 handle.pid)
                     place.runner.signal_group(handle, signal.SIGKILL)
                 elif place.runner.poll(handle) is None:
+                    # it dials the port this host had: forward it (again) where that failed at listen (the host
+                    # did not answer then), or the agent dials into nothing until the startup grace replaces it
+                    self._forward(host)
                     self.inbox.put(policy.AgentAlive(host))
                     return
             port = self._forward(host)
