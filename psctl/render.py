@@ -181,7 +181,8 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
         header.append(f"\nreason: {record.reason}")
     if not record.state.terminal:
         for host, problem in sorted(record.host_problems.items()):
-            header.append(f"\nhost {host}: {problem}", style="yellow")
+            named = problem.startswith(f"host {host} ")  # (an SSH error names the host and its address)
+            header.append(f"\n{problem}" if named else f"\nhost {host}: {problem}", style="yellow")
     table = Table(box=None, pad_edge=False)
     where = "node" if record.backend == "slurm" else "host"
     rows = [_role_row(role, now, step) for role in record.roles]
@@ -190,7 +191,7 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
     kept = {"role", where, "state", "step"}
     for i, col in enumerate(("role", where, "pid", "state", "attempt/\nrestarts", "uptime", "heartbeat", "step")):
         if col in kept:
-            table.add_column(col, no_wrap=True, min_width=max(len(col), *(len(str(cells[i])) for cells in rows)))
+            table.add_column(col, no_wrap=True, min_width=max([len(col), *(len(str(cells[i])) for cells in rows)]))
         else:
             table.add_column(col)
     for cells in rows:

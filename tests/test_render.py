@@ -67,3 +67,15 @@ def test_the_header_and_the_chief_show_the_newest_global_step_of_its_metrics_and
     chief = next(line.split() for line in lines if line.startswith("chief"))
     assert chief[-1] == str(newest) and "evaluator" not in chief
     assert next(line.split() for line in lines if line.startswith("evaluator"))[-1] == "12345"  # its checkpoint's
+
+
+def test_a_host_problem_that_names_its_host_is_shown_once(tmp_path: Path) -> None:
+    """An SSH error names the host and says it is unreachable itself: status does not say it twice."""
+    record = ClusterRecord(name="mnist", cluster_id="c", state=ClusterState.RUNNING, steps=10, roles=[],
+                           host_problems={"h3": "host h3 (10.0.0.3:22): unreachable: connection timed out after 5s",
+                                          "h2": "unreachable: agent silent for 6.0s (host down or cut off)"})
+    console = Console(width=200, record=True)
+    console.print(status_view(ClusterDir(tmp_path / "mnist"), record, stale=False))
+    lines = console.export_text().splitlines()
+    assert "host h3 (10.0.0.3:22): unreachable: connection timed out after 5s" in lines, lines
+    assert "host h2: unreachable: agent silent for 6.0s (host down or cut off)" in lines, lines

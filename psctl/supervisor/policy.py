@@ -427,7 +427,8 @@ class _Decision:
         h = self.s.hosts[host]
         problems = []
         if h.error:
-            problems.append(f"unreachable: {h.error}")
+            # (an SSH error says so itself: "host h3 (10.0.0.3:22): unreachable: connection timed out ...")
+            problems.append(h.error if "unreachable" in h.error else f"unreachable: {h.error}")
         until = self.s.bench.benched_until(host)
         if until is not None and self.s.bench.is_benched(host, self.now):
             problems.append(f"benched for {until - self.now:.0f}s more (roles that can move start elsewhere)")
