@@ -116,15 +116,21 @@ def test_a_worker_on_a_cut_off_host_restarts_on_the_least_loaded_host_of_its_poo
         c.step(1.5)
     ps = c.role("ps-0")
     assert (ps.state, ps.attempt, ps.reason) == (RoleState.RESTARTING, 1, "waiting for h3 to answer")
-    # The old worker could not be stopped on the cut-off host; once h3's agent reports it again, it is.
+    # The old worker could not be stopped on the cut-off host; once h3's agent reports it again, it is (it was
+    # replaced). The ps' process, still running there and beating, is taken back as it is: a new one would have
+    # been restored from the last checkpoint, losing the updates since.
     assert old.exit_code is None
+    ps_process = c.process("ps-0")
     c.cut.clear()
     actions = c.step(0.5)
     assert old.exit_code == -9
     assert policy.RebindCpus("h3") in actions  # the CPU slots of the roles h3 has now
     assert c.record.host_problems == {} and "host h3" not in shown(c, tmp_path)
-    c.step(1.5)  # and the ps starts there again
-    assert (c.role("ps-0").state, c.role("ps-0").attempt) == (RoleState.STARTING, 2)
+    c.step(1.5)
+    ps = c.role("ps-0")
+    assert (ps.state, ps.attempt, ps.restarts, ps_process.exit_code) == (RoleState.RUNNING, 1, 0, None)
+    assert c.events("ps-0")[-1].reason == "h3 answers again and its process still runs: taken back, not restarted"
+    assert not [a for a in actions if isinstance(a, policy.StopRole) and a.name == "ps-0"]
     assert [(e.was, e.to) for e in c.events("host h3")] == [
         ("starting", "reachable"), ("reachable", "unreachable"), ("unreachable", "reachable")]
 
@@ -186,6 +192,21 @@ def test_an_ssh_host_s_silent_agent_is_replaced_and_a_host_that_does_not_answer_
     c.step(2.0)  # 5.5 s
     assert c.role("worker-1").state != RoleState.RUNNING
     assert [e.to for e in c.events("host h2")][-1] == "unreachable"
+
+
+def test_a_role_lost_with_its_host_that_is_silent_when_the_host_answers_is_not_taken_back(c: FakeCluster) -> None:
+    """Only a process that beats is taken back: one silent past the heartbeat timeout (hung) when its host
+    answers again is killed and restarted."""
+    process = c.process("ps-0")
+    c.cut.add("h3")
+    c.step(6)
+    c.step(1.5)
+    assert c.role("ps-0").reason == "waiting for h3 to answer"
+    c.cut.clear()
+    c.step(0.5, silent=("ps-0",))
+    assert process.exit_code == -9
+    c.step(1.5)
+    assert (c.role("ps-0").state, c.role("ps-0").attempt) == (RoleState.STARTING, 2)
 
 
 def test_a_ps_with_a_pool_moves_and_the_chief_and_workers_are_told(tmp_path: Path) -> None:

@@ -506,6 +506,44 @@ def test_a_cut_off_hosts_ps_and_worker_move_to_other_hosts_of_their_pools(remote
                detail=remote.supervisor_log)
 
 
+PINNED_PS_ROLES = """\
+chief: {host: h1, port: 7100}
+ps: {host: h2, port: 7110}
+worker: {replicas: 2, hosts: [h1], port: 7120}
+"""
+
+
+def test_a_ps_waiting_for_its_cut_off_host_is_taken_back_when_the_host_answers(remote: Remote) -> None:
+    """The ps' only host (h2) is cut off longer than the heartbeat timeout: the ps is lost and its restart waits
+    for h2. When h2 answers, the ps' process still runs there: it is taken back as it is (it used to be killed
+    and restarted, and the chief then restored every ps from the last checkpoint, losing the updates since)."""
+    steps = 6000
+    spec, _ = write_spec(remote.bed, remote.folder, remote.name, steps=steps, roles=PINNED_PS_ROLES)
+    spec.write_text(spec.read_text().replace("heartbeat_timeout: 10s", "heartbeat_timeout: 3s"))
+    remote.psctl("up", str(spec), "--detach")
+
+    def ps(status: dict[str, Any]) -> dict[str, Any]:
+        return next(r for r in status["roles"] if r["name"] == "ps-0")
+
+    before = wait_until(lambda: (s := remote.status())["roles"][0]["global_step"] >= 300 and s, timeout=120,
+                        what="training to pass step 300")
+    remote.bed.partition("h2")
+    try:
+        wait_until(lambda: ps(remote.status())["reason"] == "waiting for h2 to answer", timeout=30,
+                   what="ps-0's restart to wait for h2", detail=remote.supervisor_log)
+    finally:
+        remote.bed.heal("h2")
+    final = wait_until(lambda: (s := remote.status())["state"] in ("succeeded", "failed") and s, timeout=240,
+                       what="training to finish", detail=remote.supervisor_log)
+    assert final["state"] == "succeeded", final["reason"]
+    assert final["result"]["global_step"] == steps and final["result"]["ps_restores"] == 0, final["result"]
+    assert (ps(final)["pid"], ps(final)["attempt"]) == (ps(before)["pid"], 1), remote.supervisor_log()[-3000:]
+    reasons = [e["reason"] for e in map(json.loads, (Path(remote.env["PSCTL_HOME"]) / remote.name
+                                                     / "events.jsonl").read_text().splitlines())
+               if e["role"] == "ps-0"]
+    assert "h2 answers again and its process still runs: taken back, not restarted" in reasons, reasons
+
+
 CHIEF_POOL_ROLES = """\
 chief: {hosts: [h3, h2], port: 7100, restart: {backoff_seconds: 0.5, max_backoff_seconds: 2}}
 ps: {host: h1, port: 7110}

@@ -33,7 +33,7 @@ ROLE_TRANSITIONS: dict[RoleState, frozenset[RoleState]] = {
     R.RUNNING: frozenset({R.STALLED, R.SUCCEEDED, R.LOST, R.FAILED, R.STOPPED}),
     R.STALLED: frozenset({R.RUNNING, R.SUCCEEDED, R.LOST, R.FAILED, R.STOPPED}),
     R.LOST: frozenset({R.RESTARTING, R.FAILED, R.STOPPED}),
-    R.RESTARTING: frozenset({R.STARTING, R.FAILED, R.STOPPED}),
+    R.RESTARTING: frozenset({R.STARTING, R.RUNNING, R.FAILED, R.STOPPED}),  # (running: taken back, see take_back)
     R.SUCCEEDED: frozenset(),
     R.FAILED: frozenset(),
     R.STOPPED: frozenset(),
@@ -219,6 +219,9 @@ class RoleLive:
     #: When a new agent of its host said it runs (its hello, after adopting it): until then its heartbeats had
     #: no agent to go to, so its silence is counted from here.
     vouched_at: float | None = None
+    #: The host it was lost with (cut off, down to the supervisor), or its restart waits for (see waits_for_host):
+    #: if that host answers with its process still running there, beating, it is taken back (see take_back).
+    waits_for: str | None = None
 
 
 @dataclass
@@ -532,6 +535,10 @@ class _Decision:
         current = role is not None and role.host == host and rr.incarnation == role.incarnation
         if current and role is not None and role.retired and rr.exited and role.pid is not None:
             role.pid, role.exit_code = None, rr.exit_code  # gone: its slot may be scaled up again
+        if (current and role is not None and role.state == R.RESTARTING and not rr.exited
+                and self.s.roles[role.name].waits_for == host and 0 <= rr.heartbeat_age < self.sup.heartbeat_timeout):
+            self.take_back(role, rr, at)
+            return
         if role is None or not current or role.state.terminal or role.state in (R.LOST, R.RESTARTING):
             # Replaced, moved, lost or given up on: that process must go (a stop sent while its host was cut
             # off may never have arrived). A role stopped on purpose keeps its stop's grace (the agent keeps
@@ -565,6 +572,18 @@ class _Decision:
             role.exit_code = rr.exit_code
             self.on_exit(role, rr.exit_code, rr.log_tail)
             return
+        self.take_heartbeat(role, live, rr, at)
+
+    def take_back(self, role: RoleRecord, rr: pb.RoleReport, at: float) -> None:
+        """A role lost with its host (cut off, down to the supervisor), whose restart waited for that host: the
+        host answers, and the process still runs there and beats. It is taken back as it is: a restart would
+        have cost a ps its updates since the last checkpoint (the chief keeps what every ps still holds)."""
+        live = self.s.roles[role.name]
+        live.waits_for, live.restart_at, live.running_since = None, None, self.now
+        live.failures_in_a_row = max(0, live.failures_in_a_row - 1)
+        role.restarts = max(0, role.restarts - 1)  # (the restart it was due never happened)
+        self.transition(role, R.RUNNING, f"{role.host} answers again and its process still runs: taken back, "
+                                         "not restarted")
         self.take_heartbeat(role, live, rr, at)
 
     def vouch(self, host: str, at: float, rr: pb.RoleReport) -> None:
@@ -704,7 +723,7 @@ class _Decision:
         role.exit_code = None
         role.last_heartbeat = None
         role.pid = None
-        live.restart_at, live.started, live.last_heartbeat = None, self.now, None
+        live.restart_at, live.started, live.last_heartbeat, live.waits_for = None, self.now, None, None
         self.transition(role, R.STARTING, f"attempt {role.attempt} on {role.host}")
         self.actions.append(StartRole(role.name, role.host, role.incarnation, role.attempt))
         if was_chief:
@@ -717,6 +736,7 @@ class _Decision:
         if self.usable_now(role.host):
             return False
         self.s.roles[role.name].restart_at = self.now + HOST_WAIT
+        self.s.roles[role.name].waits_for = role.host
         waiting = f"waiting for {role.host} to answer"
         if not role.reason.startswith(waiting):
             self.transition(role, role.state, waiting)
@@ -804,9 +824,13 @@ class _Decision:
             self.transition(role, R.STOPPED, f"scaled down; {reason}")
             return
         self.transition(role, R.LOST, reason)
-        # its host may be cut off: the stop reaches the agent if it can (a returning agent's report of this
-        # incarnation is answered with another stop)
-        self.actions.append(StopRole(role.name, role.host, role.incarnation, KILL))
+        if self.usable_now(role.host):  # its agent answers: the process hangs, or is cut off from it
+            self.actions.append(StopRole(role.name, role.host, role.incarnation, KILL))
+        else:
+            # Lost with its host: no stop now (held in the agent's stream, it would arrive when the host answers
+            # again and kill a process that may run on unharmed). The host's next report decides: the process
+            # taken back if it beats (see take_back), else stopped (on_role_report).
+            self.s.roles[role.name].waits_for = role.host
         self.maybe_restart(role, None)
 
     def maybe_restart(self, role: RoleRecord, code: int | None) -> None:
