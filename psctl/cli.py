@@ -326,8 +326,28 @@ def plot(names: tuple[str, ...], out: str) -> None:
     from psctl.plot import plot as draw
 
     cdirs = observe.resolve_clusters(names)
-    drawn = draw({cdir.name: curves(cdir.run_dir) for cdir in cdirs}, Path(out))
+    for cdir in cdirs:
+        refuse_a_tensorflow_program(cdir, "writes no psctl metrics to plot",
+                                    "its own summaries (TensorBoard), as the program writes them")
+    try:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        drawn = draw({cdir.name: curves(cdir.run_dir) for cdir in cdirs}, Path(out))
+    except OSError as exc:
+        raise PsctlError(f"cannot write {out}: {exc.strerror or exc}",
+                         hint="give --output a path in a folder you can write") from exc
     console.print(f"wrote {out}: {', '.join(drawn)}", markup=False, soft_wrap=True)
+
+
+def refuse_a_tensorflow_program(cdir: ClusterDir, what: str, instead: str) -> None:
+    """A UsageError where the cluster ran a TensorFlow program of its own: psctl's metrics and checkpoints
+    are its runtime's, not the program's."""
+    from psctl.supervisor.state import cluster_spec
+
+    if not cdir.spec_file.is_file():  # (a cluster of an older psctl)
+        return
+    record = load_state(cdir.state_file)
+    if cluster_spec(cdir.spec_file, record).training.get("framework") == "tensorflow":
+        raise UsageError(f"cluster {cdir.name!r} runs a TensorFlow program, which {what}", hint=f"use {instead}")
 
 
 @cli.command(name="ls")
@@ -533,6 +553,9 @@ def export(name: str | None, checkpoint: str | None, out: str) -> None:
     if checkpoint is None or (":" in checkpoint and not Path(checkpoint).exists()):
         cdir = observe.resolve_cluster(name)
         record = load_state(cdir.state_file)
+        if checkpoint is None:
+            refuse_a_tensorflow_program(cdir, "writes TensorFlow checkpoints, not psctl's",
+                                        "tf.train.Checkpoint on its checkpoint folder")
     where, snapshot = find_snapshot(cdir, record, checkpoint)
     try:
         written = export_arrays(snapshot, out)

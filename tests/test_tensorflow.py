@@ -66,6 +66,14 @@ def test_spec_mistakes_of_a_tensorflow_program_are_one_line_errors(psctl_env: Ps
         assert done.returncode == 2, (command, done.stdout, done.stderr)
         lines = done.stderr.strip().splitlines()
         assert len(lines) <= 2 and f"bad.yaml:4: {message}" in lines[0], (command, done.stderr)
+    spec = folder / "mixed.yaml"  # a key of psctl's runtime: its fix reads as one (it read "remove program: the...")
+    spec.write_text("roles: {chief: {}, ps: {}, worker: {}}\ntraining: {framework: tensorflow, command: "
+                    "'python train.py'}\n")
+    done = psctl_env.run("validate", str(spec), "--set", "training.program=psctl.models.mlp")
+    assert done.returncode == 2 and done.stderr.startswith(
+        "error: --set training.program=psctl.models.mlp: training.program: is for psctl's own runtime, not used "
+        "with training.framework: tensorflow; remove program (the program's own flags say how it trains)"
+    ), done.stderr
     spec = folder / "own.yaml"
     spec.write_text("roles: {chief: {}, ps: {command: 'python train.py'}, worker: {}}\n"
                     "training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}\n")
@@ -91,6 +99,12 @@ def test_tf2_parameter_server_strategy_trains_to_completion_and_down_leaves_noth
     assert "chief: finished at step 300" in log, log[-2000:]
     assert "evaluator: step 300 eval loss" in cluster.log("evaluator-0")
     assert cluster.role("chief-0")["global_step"] == 300  # read from what the chief printed
+    # psctl's metrics and checkpoints are its runtime's: for a program of its own, say what to use instead
+    export = psctl_env.run("export", cluster.name, "-o", str(psctl_env.tmp_path / "m.npz"))
+    assert export.returncode == 2 and "runs a TensorFlow program, which writes TensorFlow checkpoints, not " \
+        "psctl's (use tf.train.Checkpoint" in export.stderr, export.stderr
+    plot = psctl_env.run("plot", cluster.name, "-o", str(psctl_env.tmp_path / "c.png"))
+    assert plot.returncode == 2 and "which writes no psctl metrics to plot" in plot.stderr, plot.stderr
     down = psctl_env.run("down", cluster.name)
     assert down.returncode == 0, down.stderr
     assert psctl_env.processes(cluster_id) == []

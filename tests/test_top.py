@@ -175,7 +175,7 @@ def test_plot_writes_a_png_of_the_curves_the_metrics_hold(tmp_path: Path) -> Non
         "accuracy": ([150, 300], [0.9, 0.95]),
         "eval_loss": ([150, 300], [0.3, 0.2]),
     }
-    out = tmp_path / "curves.png"
+    out = tmp_path / "plots" / "curves.png"  # (its folder made)
     result = CliRunner().invoke(cli, ["plot", "curves", "-o", str(out)], env={"PSCTL_HOME": str(home)})
     assert result.exit_code == 0, result.output
     assert "loss (3 points)" in result.output and "accuracy (2 points)" in result.output
@@ -202,6 +202,9 @@ def test_plot_writes_a_png_of_the_curves_the_metrics_hold(tmp_path: Path) -> Non
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     refused = CliRunner().invoke(cli, ["plot", "curves", "empty", "-o", str(out)], env={"PSCTL_HOME": str(home)})
     assert refused.exit_code == 2 and "no training metrics to plot yet for 'empty'" in refused.output
+    under_a_file = CliRunner().invoke(cli, ["plot", "curves", "-o", str(out / "x.png")], env={"PSCTL_HOME": str(home)})
+    assert under_a_file.exit_code == 1 and under_a_file.output.startswith(f"error: cannot write {out / 'x.png'}: ")
+    assert "Traceback" not in under_a_file.output
 
 
 def read_events(folder: Path) -> list[Any]:

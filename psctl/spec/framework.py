@@ -78,7 +78,7 @@ def normalise_tensorflow(c: Checker, t: dict[str, Any], path: KeyPath, base_dir:
     for key in t:
         if key not in TENSORFLOW_KEYS:
             c.fail((*path, key), "is for psctl's own runtime, not used with training.framework: tensorflow",
-                   f"remove {key}: the program's own flags say how it trains", key=True)
+                   f"remove {key} (the program's own flags say how it trains)", key=True)
     command = check_command(c, (*path, "command"),
                             c.require(path, t, "command", 'add command: "python train.py ..." (the chief runs it)'),
                             base_dir)
