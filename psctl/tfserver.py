@@ -27,7 +27,10 @@ def main() -> int:
     server = tf.distribute.Server(resolver.cluster_spec(), job_name=resolver.task_type,
                                   task_index=resolver.task_id, protocol=resolver.rpc_layer or "grpc", start=True)
     print(f"psctl.tfserver: {resolver.task_type}:{resolver.task_id} serving at {server.target}", flush=True)
-    server.join()
+    while server.target:  # (held here: it serves from TensorFlow's threads until the process ends)
+        # not server.join(): a Python signal handler runs only once the main thread is back in Python, and join
+        # never comes back (SIGTERM was ignored until the stop's grace ran out and SIGKILL came)
+        signal.pause()
     return 0
 
 

@@ -195,6 +195,35 @@ def test_tf1_sync_replicas_script_finishes_with_the_configured_global_step(psctl
     assert psctl_env.processes(cluster_id) == []
 
 
+@pytest.mark.tensorflow
+def test_the_tensorflow_server_of_a_ps_or_worker_ends_on_sigterm_with_the_preempted_code(tmp_path: Path) -> None:
+    """psctl's server for a program's ps and workers ends on SIGTERM (a stop, a preemption) with code 75 at once;
+    blocked in TensorFlow's join it ignored the signal until SIGKILL."""
+    import json
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    tensorflow_or_skip()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tf_config = {"cluster": {"worker": [f"127.0.0.1:{port}"]}, "task": {"type": "worker", "index": 0}}
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen([sys.executable, "-m", "psctl.tfserver"], stdout=out, stderr=subprocess.STDOUT,
+                                  env=dict(os.environ, TF_CONFIG=json.dumps(tf_config), PYTHONUNBUFFERED="1"))
+    try:
+        wait_until(lambda: "serving at" in log.read_text(errors="replace") or server.poll() is not None,
+                   timeout=120, what="the server to serve", detail=lambda: log.read_text(errors="replace"))
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=10) == 75, log.read_text(errors="replace")
+    finally:
+        server.kill()
+        server.wait()
+
+
 def _environment(penv: PsctlEnv, cluster_id: str, role: str) -> str | None:
     """The TF_CONFIG of ``role``'s process, read from /proc."""
     for proc in penv.processes(cluster_id):
