@@ -704,6 +704,12 @@ def test_a_watched_role_s_step_is_read_from_its_log_while_it_runs_and_once_after
     with log_path.open("a") as f:
         f.write("step 20\n")
     assert role.report(2.0).last.global_step == 20  # running: read at each report
+    with log_path.open("a") as f:  # more than the end read of other output (TensorFlow's warnings): still 20
+        f.write("W tensorflow/core: a warning\n" * 300)
+    assert role.report(2.0).last.global_step == 20
+    with log_path.open("a") as f:  # Slurm's line as it cancels the step (job 7, step 2) is not a step of 7
+        f.write("slurmstepd: error: *** STEP 7.2 ON node1 CANCELLED AT 2026-11-27T10:00:00 ***\n")
+    assert role.report(2.0).last.global_step == 20
 
     role.exit_code = 0
     with log_path.open("a") as f:

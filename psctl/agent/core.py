@@ -193,6 +193,8 @@ class RoleProcess:
     def report(self, now: float) -> pb.RoleReport:
         if self.watched_only and not self.final_step_read:  # its step from what it printed
             step = last_step(self.log_path)
+            if step is None:  # other output since its last step line: still the step it named
+                step = self.last.global_step if self.last is not None else 0
             self.last = pb.HeartbeatRequest(global_step=step, status="running", loss=float("nan"))
             if self.running:  # alive as long as it runs
                 self.last_beat = now

@@ -46,8 +46,9 @@ _FRAME = re.compile(r'^  File "(?P<path>.+)", line (?P<line>\d+) in (?P<function
 _NATIVE_FATAL = re.compile(r"(?:.*: F |F\d{4} [\d:.]+\s+\d+ )(?P<where>[\w./-]+:\d+)\] (?P<what>.+)")
 #: A file of Python's own library or of an installed package, not of the program: shown from there on.
 _LIBRARY = re.compile(r"/(?:site-packages|dist-packages|lib/python3\.\d+)/")
-#: A line a program prints about its progress: "step 120", "Step: 120", "global_step=120" (the last one wins).
-_STEP = re.compile(rb"step[\s:=]+(\d+)", re.IGNORECASE)
+#: A line a program prints about its progress: "step 120", "Step: 120", "global_step=120" (the last one wins);
+#: not Slurm's "*** STEP 7.2 ON node1 CANCELLED" (job 7's step 2).
+_STEP = re.compile(rb"step[\s:=]+(\d+)(?!\.\d)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -144,12 +145,12 @@ def crash_signal(path: str) -> int | None:
     return crash.signum if crash is not None else None
 
 
-def last_step(path: str) -> int:
-    """The last step number the end of a program's log names (0 if none)."""
+def last_step(path: str) -> int | None:
+    """The last step number the end of a program's log names (None if it names none)."""
     try:
         with open(path, "rb") as f:
             f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
             found = _STEP.findall(f.read())
     except OSError:
-        return 0
-    return int(found[-1]) if found else 0
+        return None
+    return int(found[-1]) if found else None
