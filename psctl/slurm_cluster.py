@@ -41,9 +41,16 @@ def job_id(record: ClusterRecord) -> str | None:
 
 
 def job_alive(record: ClusterRecord) -> bool:
-    """Whether Slurm still has the cluster's job (pending or running): its supervisor runs, or will."""
+    """Whether Slurm still has the cluster's job (pending or running): its supervisor runs, or will. Where
+    slurmctld does not answer, as the record says (a running cluster's job is taken to run: `status` and `ls`
+    still show what is known, and no second supervisor is started beside one that may run)."""
     job = job_id(record)
-    return job is not None and slurm.job_state(job) in LIVE_STATES
+    if job is None:
+        return False
+    try:
+        return slurm.job_state(job) in LIVE_STATES
+    except slurm.SlurmUnreachable:
+        return not record.state.terminal
 
 
 def check_submit_host(spec: ClusterSpec) -> None:
@@ -152,7 +159,12 @@ def stop_job(cdir: ClusterDir, record: ClusterRecord, *, grace: float) -> int:
     if job is None:
         return 0
     running = sum(1 for r in record.roles if not r.state.terminal and r.pid)
-    state = slurm.job_state(job)
+    try:
+        state = slurm.job_state(job)
+    except slurm.SlurmUnreachable:
+        if record.state.terminal:  # its job ended with it (its supervisor runs in it): nothing to stop
+            return 0
+        raise
     if state == "RUNNING":
         write_json_atomic(cdir.stop_request, {"grace": grace})
         slurm.cancel(job, signal="TERM", batch_only=True)

@@ -312,3 +312,46 @@ def test_without_slurm_commands_up_says_where_to_run_it(psctl_env: PsctlEnv) -> 
     assert done.returncode == 2
     assert done.stderr.strip() == ("error: backend slurm, but sbatch, squeue, scancel, sinfo not found on this machine "
                                    "(run psctl on a login node of the Slurm cluster (with Slurm's client commands))")
+
+
+def test_with_slurmctld_not_answering_status_and_ls_still_work_and_down_says_what_to_do(
+        psctl_env: PsctlEnv, tmp_path: Path) -> None:
+    """Slurm's client commands, real, against a controller that does not answer (nothing listens on its port):
+    `status` and `ls` show what the record knows (a running cluster is not called stale), `down` of a running
+    cluster says what happened and what to do in one line, and a finished cluster can still be purged."""
+    from slurmbed import CONFIG
+
+    from psctl.home import ClusterDir
+    from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, save_state
+
+    if shutil.which("squeue") is None:
+        pytest.skip("Slurm's client commands are not installed")
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(CONFIG.format(root=tmp_path, ctld_port=1, d_port=2) + "MessageTimeout=1\n")  # (port 1: none)
+    psctl_env.env["SLURM_CONF"] = str(conf)
+    for name, state, job in (("sl-gone", ClusterState.RUNNING, "4242"), ("sl-done", ClusterState.SUCCEEDED, "4243")):
+        cdir = ClusterDir(psctl_env.home / name)
+        cdir.create()
+        chief = RoleRecord("chief-0", "chief", 0, "localhost", "127.0.0.1", 7400, state=RoleState.RUNNING,
+                           node="localhost")
+        save_state(cdir.state_file, ClusterRecord(name=name, cluster_id=f"{name}-1", state=state, steps=100,
+                                                  roles=[chief], backend="slurm", slurm={"job_id": job}))
+    try:
+        _status_ls_and_down_without_slurmctld(psctl_env)
+    finally:  # (no job runs for it: nothing for the teardown's `down` to stop, which cannot ask Slurm either)
+        shutil.rmtree(psctl_env.home / "sl-gone")
+
+
+def _status_ls_and_down_without_slurmctld(psctl_env: PsctlEnv) -> None:
+    shown = psctl_env.run("status", "sl-gone", "--json")
+    assert shown.returncode == 0 and json.loads(shown.stdout)["stale"] is False, shown.stderr
+    listed = psctl_env.run("ls")
+    assert listed.returncode == 0 and "sl-gone" in listed.stdout and "sl-done" in listed.stdout, listed.stderr
+    down = psctl_env.run("down", "sl-gone")
+    assert down.returncode == 1, down.stdout + down.stderr
+    line = " ".join(down.stderr.split())
+    assert line.startswith("error: ") and "squeue failed: " in line and "Unable to contact slurm controller" in line
+    assert line.endswith("(is slurmctld up? (`scontrol ping` tells); run the command again once it answers)"), line
+    purged = psctl_env.run("down", "--purge", "sl-done")
+    assert purged.returncode == 0, purged.stdout + purged.stderr
+    assert not (psctl_env.home / "sl-done").exists()

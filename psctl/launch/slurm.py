@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from psctl.errors import LaunchError, PsctlError
+from psctl.errors import LaunchError
 from psctl.spec.model import SlurmSpec
 
 #: Commands psctl runs on the submit host.
@@ -33,6 +33,14 @@ CLIENT_COMMANDS = ("sbatch", "squeue", "scancel", "sinfo")
 
 class SlurmRefused(LaunchError):
     """Slurm refused a request (a bad partition, a time limit too long): its words, and what to change."""
+
+
+class SlurmUnreachable(LaunchError):
+    """Slurm's controller did not answer a command (slurmctld down, or cut off from this machine)."""
+
+
+#: What to do when slurmctld does not answer.
+_ASK_AGAIN = "is slurmctld up? (`scontrol ping` tells); run the command again once it answers"
 
 
 def missing_commands() -> list[str]:
@@ -46,8 +54,7 @@ def _run(argv: Sequence[str], *, timeout: float = 60.0) -> subprocess.CompletedP
         raise LaunchError(f"{argv[0]} not found on this machine: run psctl on a login node of the Slurm "
                           "cluster (where sbatch, squeue and scancel are)") from None
     except subprocess.TimeoutExpired:
-        raise LaunchError(f"{argv[0]} did not answer within {timeout:.0f}s: is slurmctld up? "
-                          "(`scontrol ping` tells)") from None
+        raise SlurmUnreachable(f"{argv[0]} did not answer within {timeout:.0f}s", hint=_ASK_AGAIN) from None
 
 
 def _said(done: subprocess.CompletedProcess[str]) -> str:
@@ -56,11 +63,20 @@ def _said(done: subprocess.CompletedProcess[str]) -> str:
     return "; ".join(w for w in words if w) or f"exit code {done.returncode}"
 
 
+def _failed(command: str, done: subprocess.CompletedProcess[str]) -> LaunchError:
+    """The error for a Slurm command that failed: SlurmUnreachable (with what to do) where the controller did not
+    answer it."""
+    said = _said(done)
+    if "contact slurm controller" in said or "Socket timed out" in said:
+        return SlurmUnreachable(f"{command} failed: {said}", hint=_ASK_AGAIN)
+    return LaunchError(f"{command} failed: {said}")
+
+
 def partitions() -> dict[str, str]:
     """Every partition Slurm has, with its time limit (``sinfo``'s words, e.g. ``1:00:00`` or ``infinite``)."""
     done = _run(["sinfo", "-h", "-o", "%P %l"])
     if done.returncode != 0:
-        raise LaunchError(f"sinfo failed: {_said(done)}")
+        raise _failed("sinfo", done)
     out = {}
     for line in done.stdout.splitlines():
         name, _, limit = line.partition(" ")
@@ -139,7 +155,7 @@ def job_state(job: str) -> str | None:
     if done.returncode != 0:
         if "Invalid job id" in done.stderr:
             return None
-        raise LaunchError(f"squeue failed: {_said(done)}")
+        raise _failed("squeue", done)
     state = done.stdout.strip()
     return state or None
 
@@ -158,7 +174,7 @@ def cancel(job: str, *, signal: str | None = None, batch_only: bool = False) -> 
         argv.append("--batch")
     done = _run([*argv, job])
     if done.returncode != 0 and "Invalid job id" not in done.stderr and "already completing" not in done.stderr:
-        raise PsctlError(f"scancel {job} failed: {_said(done)}")
+        raise _failed(f"scancel {job}", done)
 
 
 def wait_gone(job: str, timeout: float) -> bool:
