@@ -997,6 +997,10 @@ def test_taken_port_is_detected() -> None:
         )
         assert info.value.exit_code == 2
         assert make_plan(spec, check_ports=False).instance("ps-1").port == port + 1
+        # a Slurm cluster's roles run on the job's nodes, never here: a port taken here is no matter
+        slurm = load_spec_text(text.replace("roles:", "backend: slurm\nslurm: {partition: debug}\nroles:").replace(
+            "chief: {}", "chief: {port: 7400}").replace("worker: {}", "worker: {port: 7420}"), filename="cluster.yaml")
+        assert make_plan(slurm).instance("ps-0").port == port
     finally:
         holder.close()
 

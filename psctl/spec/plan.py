@@ -157,7 +157,7 @@ def make_plan(spec: ClusterSpec, *, check_ports: bool = True) -> Plan:
             )
     slots = [s for s in slots if s.index < spec.roles[s.role].replicas]  # the rest are for `psctl scale`
     local_chosen = [s for s in slots if s.host == LOCAL_HOST and s.port is not None]
-    if check_ports:
+    if check_ports and spec.backend != "slurm":  # (a Slurm cluster's roles run on the job's nodes, not here)
         for slot in local_chosen:
             _check_free(spec, slot)
     free = iter(free_ports(sum(1 for s in slots if s.port is None), avoid={s.port for s in local_chosen}))
