@@ -414,6 +414,9 @@ def logs(role: str | None, name: str | None, tail: int, follow: bool, attempt: i
         return
     if role is None:
         raise UsageError("name the role whose log to print (e.g. worker-1), or use --all for every role")
+    if name is not None and observe.is_cluster(role) and not observe.is_cluster(name):
+        raise UsageError(f"{role!r} is a cluster and {name!r} is not: the role comes first",
+                         hint=f"psctl logs {name} {role}")
     cdir = observe.resolve_cluster(name)
     record = load_state(cdir.state_file)
     attempt = observe.check_attempt(record, role, attempt)

@@ -58,6 +58,14 @@ def is_stale(cdir: ClusterDir, record: ClusterRecord) -> bool:
     return not record.state.terminal and not supervisor_alive(cdir, record)
 
 
+def is_cluster(name: str) -> bool:
+    """Whether ``name`` names a cluster psctl knows (under PSCTL_HOME)."""
+    try:
+        return ClusterDir.named(_cluster_name(name)).state_file.is_file()
+    except PsctlError:  # (not a name a cluster can have)
+        return False
+
+
 def resolve_cluster(name: str | None) -> ClusterDir:
     """The named cluster, or the only one (the only one not finished, if several exist). A spec's path names the
     cluster it describes (``psctl status cluster.yaml``, as it was started)."""

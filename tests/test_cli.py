@@ -234,6 +234,9 @@ def test_logs_unknown_role_lists_the_valid_roles(psctl_env) -> None:
     assert "roles are: chief-0, ps-0, worker-0, worker-1" in line
     named = invoke("logs", "worker-7", "lg")
     assert_one_line_error(named, EXIT_USAGE, "roles are: chief-0, ps-0, worker-0, worker-1")
+    swapped = invoke("logs", "lg", "worker-0")
+    assert_one_line_error(swapped, EXIT_USAGE, "'lg' is a cluster and 'worker-0' is not: the role comes first "
+                                               "(psctl logs worker-0 lg)")
     attempt = invoke("logs", "worker-0", "lg", "--attempt", "3")
     assert_one_line_error(attempt, EXIT_USAGE, "worker-0 has attempts 1..2; --attempt 3 does not exist")
 

@@ -212,6 +212,11 @@ def test_check_python(sshbed: SSHBed, runners: dict[str, SSHRunner]) -> None:
             with pytest.raises(LaunchError) as info:
                 call()
             assert info.value.format_message() == "host h1: python '/nope/python3' not found; set hosts[].python"
+    with sshbed.runner("h1", python="/bin/sh") as runner, pytest.raises(LaunchError) as info:
+        runner.check_python()
+    message = info.value.format_message()
+    assert message.startswith("host h1: python '/bin/sh' is not a Python (it said: "), message
+    assert message.endswith("); set hosts[].python to a python >= 3.10") and len(message) < 250, message
 
 
 # -- connection errors ------------------------------------------------------------------------------------

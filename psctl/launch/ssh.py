@@ -125,6 +125,10 @@ def _pump(channel: paramiko.Channel, local_port: int) -> None:
             sock.close()
 
 
+#: How Python ends what it prints of an error: ``ModuleNotFoundError: No module named 'numpy'``.
+_PYTHON_ERROR = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b")
+
+
 def _last_line(text: str) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else "no output"
@@ -707,7 +711,13 @@ class SSHRunner(Runner):
         return boot + ticks / hz
 
     def python_error(self, code: int, err: str) -> LaunchError:
-        """The error for a failed run of the host's python: not found, or what it printed last."""
+        """The error for a failed run of the host's python: not found, not a Python (a shell, say, whose words
+        are not Python's), or what it printed last."""
         if code in (126, 127):
             return LaunchError(f"host {self.host}: python {self.spec.python!r} not found; set hosts[].python")
-        return LaunchError(f"host {self.host}: python {self.spec.python!r} failed: {_last_line(err)}")
+        last = _last_line(err)
+        if "Traceback (most recent call last)" not in err and not _PYTHON_ERROR.match(last):
+            said = last if len(last) <= 100 else f"{last[:100]}..."
+            return LaunchError(f"host {self.host}: python {self.spec.python!r} is not a Python (it said: {said}); "
+                               "set hosts[].python to a python >= 3.10")
+        return LaunchError(f"host {self.host}: python {self.spec.python!r} failed: {last}")
