@@ -74,6 +74,14 @@ def check_submit_host(spec: ClusterSpec) -> None:
                                 f"({known[wanted]})", "ask for less, or pick a partition with a longer limit")
 
 
+def slurm_options_where(spec: ClusterSpec) -> str:
+    """Where the spec's slurm: options were written: the file's ``slurm:`` line, and each ``--set`` of one."""
+    source = spec.source
+    sets = [f"--set {text}" for path, text in source.overrides.items() if path[:1] == ("slurm",)]
+    in_file = [f"{source.filename}:{source.line(('slurm',), key=True)}"] if ("slurm",) in source.key_lines else []
+    return " or ".join(in_file + sets)
+
+
 def submit_cluster(spec: ClusterSpec, plan: Plan, *, wait_started: float = 30.0) -> ClusterDir:
     """Write the cluster's folder (on the filesystem the nodes share) and submit its job. Returns once its
     supervisor runs the roles, or (the job still waits for nodes) after ``wait_started`` seconds."""
@@ -90,7 +98,7 @@ def submit_cluster(spec: ClusterSpec, plan: Plan, *, wait_started: float = 30.0)
         spec.slurm, name=spec.name, script=script, output=cdir.root / "slurm-%j.out",
         workdir=spec.path.parent if spec.path else cdir.root, tasks=len(plan.instances),
     )
-    where = spec.source.where(("slurm",), key=True)
+    where = slurm_options_where(spec)
     try:
         job = slurm.submit(argv, where=where)
     except LaunchError:

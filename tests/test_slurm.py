@@ -280,21 +280,26 @@ def test_a_tensorflow_program_trains_through_a_slurm_job_and_its_agent_s_death_r
     assert wait_until(lambda: job not in slurm.jobs(), timeout=30, what="the job to leave squeue")
 
 
-@pytest.mark.parametrize(("options", "code", "message"), [
-    ("{partition: nope}", 2, "{spec}:3: slurm.partition: partition 'nope' does not exist; use one of: debug, short"),
-    ("{partition: short, time: '01:00:00'}", 2,
+@pytest.mark.parametrize(("options", "sets", "code", "message"), [
+    ("{partition: nope}", (), 2,
+     "{spec}:3: slurm.partition: partition 'nope' does not exist; use one of: debug, short"),
+    ("{partition: short, time: '01:00:00'}", (), 2,
      "{spec}:3: slurm.time: 01:00:00 is longer than partition 'short' allows (5:00); ask for less, or pick a "
      "partition with a longer limit"),
-    ("{partition: debug, sbatch_options: ['--nodes=5']}", 1,
+    # what Slurm refuses of the spec's options is a spec error too (exit 2), placed where they were written
+    ("{partition: debug, sbatch_options: ['--nodes=5']}", (), 2,
      "Slurm queued job {job} but would never start it ({reason}) (change the slurm: options in {spec}:3)"),
-    ("{partition: debug, sbatch_options: ['--mem-per-cpu=nonsense']}", 1,
+    ("{partition: debug}", ("slurm.nodes=5",), 2,
+     "Slurm queued job {job} but would never start it ({reason}) (change the slurm: options in {spec}:3 or "
+     "--set slurm.nodes=5)"),
+    ("{partition: debug, sbatch_options: ['--mem-per-cpu=nonsense']}", (), 2,
      "sbatch refused the job: Invalid --mem-per-cpu specification (change the slurm: options in {spec}:3)"),
 ])
-def test_what_slurm_refuses_is_one_line_and_nothing_runs(penv: PsctlEnv, slurm: SlurmBed, options: str, code: int,
-                                                          message: str) -> None:
+def test_what_slurm_refuses_is_one_line_and_nothing_runs(penv: PsctlEnv, slurm: SlurmBed, options: str,
+                                                          sets: tuple[str, ...], code: int, message: str) -> None:
     spec = write_spec(penv, "sl-bad", steps=100, slurm=options)
     before = slurm.jobs()
-    done = penv.run("up", "--detach", str(spec))
+    done = penv.run("up", "--detach", str(spec), *(arg for s in sets for arg in ("--set", s)))
     assert done.returncode == code, done.stdout + done.stderr
     job = (penv.home / "sl-bad" / "slurm-job-id").read_text().strip() if "{job}" in message else ""
     reason = re.search(r"\((Partition\w+)\)", done.stderr)  # Slurm settles on one of its words for it

@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from psctl.errors import LaunchError
+from psctl.errors import EXIT_USAGE, LaunchError
 from psctl.spec.model import SlurmSpec
 
 #: Commands psctl runs on the submit host.
@@ -32,7 +32,10 @@ CLIENT_COMMANDS = ("sbatch", "squeue", "scancel", "sinfo")
 
 
 class SlurmRefused(LaunchError):
-    """Slurm refused a request (a bad partition, a time limit too long): its words, and what to change."""
+    """Slurm refused what the spec's slurm: options ask for (sbatch refused them, or the job they make would
+    never start): its words, and where to change them. A spec error: exit 2."""
+
+    exit_code = EXIT_USAGE
 
 
 class SlurmUnreachable(LaunchError):
