@@ -107,6 +107,17 @@ def check(spec: str, overrides: tuple[str, ...]) -> None:
     from psctl import operations
 
     cluster_spec, plan = operations.plan_spec(spec, overrides)
+    if cluster_spec.backend == "slurm":
+        from psctl.slurm_cluster import check_submit_host
+
+        check_submit_host(cluster_spec)
+        assert cluster_spec.slurm is not None
+        partition = f"partition {cluster_spec.slurm.partition!r} exists" if cluster_spec.slurm.partition else \
+            "the default partition"
+        console.print(f"{escape(spec)}: Slurm's commands are here and {partition}; the job's nodes are Slurm's "
+                      "to check when it runs", soft_wrap=True)
+        return
+    operations.check_local_program(cluster_spec, plan)
     runners = operations.ssh_runners(cluster_spec, plan)
     if not runners:
         console.print(f"{escape(spec)}: every role runs on this machine; its ports are free (no host to check)")
@@ -134,6 +145,7 @@ def up(spec: str, detach: bool, dry_run: bool, overrides: tuple[str, ...]) -> No
 
     cluster_spec, plan = operations.plan_spec(spec, overrides)
     if dry_run:
+        operations.check_local_program(cluster_spec, plan)
         console.print(plan_table(plan))
         console.print(f"dry run: nothing started ({len(plan.instances)} roles planned)")
         return

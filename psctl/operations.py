@@ -199,13 +199,13 @@ def check_local_program(spec: ClusterSpec, plan: Plan) -> None:
     if importlib.util.find_spec("tensorflow") is None:
         raise UsageError(f"training.framework is tensorflow, but this machine's python ({sys.executable}) cannot "
                          "import tensorflow", hint="pip install 'psctl[tensorflow]' (tensorflow-cpu) there")
-    commands = {"training.command": spec.training["command"]}
-    commands.update({f"roles.{name}.command": list(r.command) for name, r in spec.roles.items() if r.command})
-    for key, words in commands.items():
+    commands: dict[tuple[str, ...], list[str]] = {("training", "command"): spec.training["command"]}
+    commands.update({("roles", name, "command"): list(r.command) for name, r in spec.roles.items() if r.command})
+    for path, words in commands.items():
         program = words[0]
         if "{" not in program and program not in ("python", "python3") and shutil.which(program) is None:
-            raise UsageError(f"{key}: {program!r} not found on this machine (PATH)",
-                             hint="give its full path, or install it")
+            raise UsageError(f"{spec.source.where(path)}: {'.'.join(path)}: {program!r} not found on this machine "
+                             "(PATH)", hint="give its full path, or install it")
 
 
 def refuse_if_up(spec: ClusterSpec) -> None:

@@ -310,6 +310,16 @@ def test_what_slurm_refuses_is_one_line_and_nothing_runs(penv: PsctlEnv, slurm: 
     assert state["state"] in ("failed", "none"), state
 
 
+def test_check_of_a_slurm_spec_checks_the_submit_host_not_this_machine_s_ports(penv: PsctlEnv) -> None:
+    spec = write_spec(penv, "sl-check", steps=100)
+    done = penv.run("check", str(spec))
+    assert done.returncode == 0, done.stderr
+    assert " ".join(done.stdout.split()) == (f"{spec}: Slurm's commands are here and partition 'debug' exists; the "
+                                             "job's nodes are Slurm's to check when it runs")
+    wrong = penv.run("check", str(spec), "--set", "slurm.partition=nope")
+    assert wrong.returncode == 2 and "slurm.partition: partition 'nope' does not exist" in wrong.stderr, wrong.stderr
+
+
 def test_without_slurm_commands_up_says_where_to_run_it(psctl_env: PsctlEnv) -> None:
     spec = write_spec(psctl_env, "sl-none", steps=100)
     psctl_env.env["PATH"] = str(Path(psctl_env.env["PATH"].split(":")[0]))  # the venv's bin only: no sbatch
