@@ -23,7 +23,16 @@ from rich.table import Table
 from psctl import __version__, completion, observe
 from psctl.errors import EXIT_INTERRUPTED, PsctlError, TrainingFailed, UsageError
 from psctl.home import ClusterDir, list_clusters
-from psctl.render import host_table, plan_table, progress_line, result_of, status_dict, status_view
+from psctl.render import (
+    host_table,
+    newest_global_step,
+    plan_table,
+    progress,
+    progress_line,
+    result_of,
+    status_dict,
+    status_view,
+)
 from psctl.runtime.metrics import metrics_text
 from psctl.supervisor.state import ClusterRecord, ClusterState, DamagedState, load_state
 from psctl.top import snapshot, top_view
@@ -367,7 +376,8 @@ def refuse_a_tensorflow_program(cdir: ClusterDir, what: str, instead: str) -> No
 def list_command(as_json: bool) -> None:
     """List the clusters psctl knows (under PSCTL_HOME), with each one's result: the runs of a sweep side by
     side."""
-    listed: list[tuple[ClusterRecord, dict[str, Any] | None, bool]] = []  # each with its result, whether stale
+    # each with its result, whether it is stale, its global step
+    listed: list[tuple[ClusterRecord, dict[str, Any] | None, bool, int]] = []
     damaged: list[DamagedState] = []  # listed too, not a reason to list nothing
     for cdir in list_clusters():
         try:
@@ -377,29 +387,30 @@ def list_command(as_json: bool) -> None:
             continue
         except FileNotFoundError:
             continue  # (purged meanwhile)
-        listed.append((record, result_of(cdir, record), observe.is_stale(cdir, record)))
+        listed.append((record, result_of(cdir, record), observe.is_stale(cdir, record),
+                       newest_global_step(record, progress(cdir, record))))
     if as_json:
         click.echo(json.dumps([
-            {"name": r.name, "state": r.state.value, "stale": stale, "roles": len(r.roles),
+            {"name": r.name, "state": r.state.value, "stale": stale, "roles": len(r.roles), "global_step": step,
              "steps": r.steps, "updated_at": r.updated_at, "spec_path": r.spec_path,
              "spec_overrides": r.spec_overrides, "result": result}
-            for r, result, stale in listed]
+            for r, result, stale, step in listed]
             + [{"name": d.path.parent.name, "state": "damaged", "error": d.format_message()} for d in damaged],
             indent=1))
         return
     table = Table(box=None)
-    for col in ("name", "state", "roles", "steps", "updated"):
+    for col in ("name", "state", "roles", "step", "updated"):
         table.add_column(col, no_wrap=True)
     table.add_column("result (test split)")
-    for record, result, stale in listed:
+    for record, result, stale, step in listed:
         metrics = (result or {}).get("metrics")
         table.add_row(record.name, record.state.value + ("*" if stale else ""), str(len(record.roles)),
-                      str(record.steps), time.strftime("%m-%d %H:%M", time.localtime(record.updated_at)),
+                      f"{step}/{record.steps}", time.strftime("%m-%d %H:%M", time.localtime(record.updated_at)),
                       metrics_text(metrics) if metrics else "-")  # (80 columns: a mark, a footnote for stale)
     for unread in damaged:
         table.add_row(unread.path.parent.name, "damaged", "-", "-", "-", "-")
     console.print(table)
-    if any(stale for _, _, stale in listed):
+    if any(stale for _, _, stale, _ in listed):
         console.print("* stale: its supervisor is not running; `psctl supervise NAME` takes it up again",
                       markup=False, soft_wrap=True)
     for unread in damaged:

@@ -259,7 +259,7 @@ def test_logs_prints_the_current_or_an_earlier_attempt(psctl_env) -> None:
 def test_ls_lists_clusters(psctl_env) -> None:
     empty = invoke("ls")
     assert empty.exit_code == 0, (empty.stdout, empty.stderr)
-    header = ["name", "state", "roles", "steps", "updated", "result", "(test", "split)"]
+    header = ["name", "state", "roles", "step", "updated", "result", "(test", "split)"]
     assert [line.split() for line in empty.stdout.splitlines() if line.strip()] == [header]
     # One cluster that finished (with the test split's metrics: a sweep's runs compare by them), and one that says
     # it runs although it has no supervisor (so it is stale). (test_e2e_local lists a cluster a real supervisor ran.)
@@ -272,17 +272,20 @@ def test_ls_lists_clusters(psctl_env) -> None:
     gone = recorded_cluster("gone", {"chief-0": 1}, state=ClusterState.RUNNING, steps=9)
     gone.run_dir.mkdir(parents=True, exist_ok=True)
     (gone.run_dir / "result.json").write_text(json.dumps({"global_step": 9, "metrics": {"accuracy": 0.75}}))
+    # the step it was at, as its chief's metrics last said (not the steps it trains to)
+    (gone.run_dir / "metrics.jsonl").write_text(json.dumps({"event": "progress", "global_step": 4}) + "\n")
     result = invoke("ls")
     assert result.exit_code == 0, (result.stdout, result.stderr)
     assert result.stdout.split()[:len(header)] == header, result.stdout
     rows = " ".join(result.stdout.split()[len(header):])  # (a narrow terminal wraps the result cell)
     when = r"\d\d-\d\d \d\d:\d\d"
-    assert re.fullmatch(rf"done succeeded 3 50 {when} loss 0\.0633, accuracy 0\.9889 "
-                        rf"gone running\* 1 9 {when} accuracy 0\.7500 "
-                        rf"orphan running\* 1 7 {when} - \* stale: its supervisor is not running; `psctl "
+    assert re.fullmatch(rf"done succeeded 3 0/50 {when} loss 0\.0633, accuracy 0\.9889 "
+                        rf"gone running\* 1 4/9 {when} accuracy 0\.7500 "
+                        rf"orphan running\* 1 0/7 {when} - \* stale: its supervisor is not running; `psctl "
                         r"supervise NAME` takes it up again", rows), result.stdout
     assert all(len(line) <= 80 for line in result.stdout.splitlines()), result.stdout
     listed = json.loads(check_ok(invoke("ls", "--json")).stdout)
+    assert [c["global_step"] for c in listed] == [0, 4, 0]
     assert [(c["name"], c["state"], c["stale"], c["steps"], c["spec_overrides"], c["result"]) for c in listed] == [
         ("done", "succeeded", False, 50, ["training.steps=50"], {"metrics": {"loss": 0.0633, "accuracy": 0.9889}}),
         ("gone", "running", True, 9, [], {"global_step": 9, "metrics": {"accuracy": 0.75}}),

@@ -172,7 +172,7 @@ def test_up_attached_trains_to_the_end(psctl_env) -> None:
     assert 0.5 < status["result"]["metrics"]["accuracy"] <= 1.0, status["result"]
 
     listed = check(psctl_env.run("ls")).stdout
-    assert ["att", "succeeded", "4", str(steps)] in [line.split()[:4] for line in listed.splitlines()], listed
+    assert ["att", "succeeded", "4", f"{steps}/{steps}"] in [line.split()[:4] for line in listed.splitlines()], listed
 
     chief_log = check(psctl_env.run("logs", "chief-0")).stdout
     assert "training done" in chief_log
