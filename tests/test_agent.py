@@ -720,6 +720,31 @@ def test_a_watched_role_s_step_is_read_from_its_log_while_it_runs_and_once_after
     assert role.report(4.0).last.global_step == 30
 
 
+def test_a_watched_role_s_cpu_memory_and_step_rate_are_measured_by_its_agent(tmp_path: Path) -> None:
+    """A framework's program beats to no one: its agent reports what `psctl top` shows of it, from its processes
+    (the keeper and the program below it) and the steps it prints."""
+    log_path = tmp_path / "chief-0.1.log"
+    busy = ("import subprocess, sys\n"  # a keeper-like parent, its program a busy child printing its steps
+            "child = 'import time\\nstep = 0\\nwhile True:\\n    step += 1\\n    x = sum(range(20000))\\n"
+            "    if step % 50 == 0: print(\"step\", step, flush=True)'\n"
+            "subprocess.run([sys.executable, '-c', child])\n")
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([sys.executable, "-c", busy], stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    try:
+        role = RoleProcess("chief-0", 1, 1, str(log_path), process=process, watched_only=True)
+        wait_until(lambda: "step 50" in log_path.read_text(), timeout=30, what="its first steps")
+        first = role.report(time.monotonic())
+        assert first.last.rss_bytes > 5_000_000, first.last  # both pythons
+        time.sleep(1.0)  # (the interval the rates are measured over, not a wait for anything)
+        second = role.report(time.monotonic()).last
+        assert second.metrics["cpu"] > 0.3, second  # the busy child's CPU counts
+        assert second.steps_per_second > 0 and second.global_step > first.last.global_step, second
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 #: Starts a child that ignores SIGTERM, in its group (``group``: the role's, or its program's under a keeper) or
 #: in a session of its own (``session``), says its pid, then ends (``exits``) or ignores SIGTERM too (``hangs``).
 LEAVES_BEHIND = [sys.executable, "-c", "import signal, subprocess, sys, time\n"

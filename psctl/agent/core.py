@@ -49,7 +49,7 @@ from psctl.agent.orphans import (
     left_to_their_roles,
     record_path,
 )
-from psctl.agent.procfs import create_time
+from psctl.agent.procfs import create_time, tree_usage
 from psctl.launch.cpus import (
     CPUS_FILE_VARIABLE,
     CPUS_VARIABLE,
@@ -65,6 +65,7 @@ from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.cluster import TlsFiles
 from psctl.runtime.exits import EXIT_FILE_VARIABLE
+from psctl.runtime.metrics import CPU_METRIC
 from psctl.runtime.rpc import make_channel, make_server
 
 log = logging.getLogger("psctl.agent")
@@ -148,6 +149,8 @@ class RoleProcess:
     watched_only: bool = False
     #: A watched role's step was read from its log after it exited: there is nothing more to read.
     final_step_read: bool = False
+    #: A watched role's last sample of its processes: (when, CPU seconds, step), for its rates.
+    sampled: tuple[float, float, int] | None = None
     #: The supervisor gave it a CPU slot (it is bound where the host's roles outnumber its CPUs) ...
     cpu_managed: bool = False
     #: ... and the CPUs it is bound to now (None: every CPU).
@@ -190,12 +193,27 @@ class RoleProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.process.pid, sig)
 
+    def _watched_beat(self, now: float, step: int) -> pb.HeartbeatRequest:
+        """What a watched program would beat, as this agent sees it: the step it printed last, and (while it
+        runs) its processes' memory, CPU use and steps per second since the last report."""
+        beat = pb.HeartbeatRequest(global_step=step, status="running", loss=float("nan"))
+        usage = tree_usage(self.process.pid) if self.running and self.process is not None else None
+        if usage is None:
+            return beat
+        cpu_seconds, beat.rss_bytes = usage
+        if self.sampled is not None and now > self.sampled[0]:
+            took = now - self.sampled[0]
+            beat.metrics[CPU_METRIC] = max(0.0, cpu_seconds - self.sampled[1]) / took
+            beat.steps_per_second = max(0, step - self.sampled[2]) / took
+        self.sampled = (now, cpu_seconds, step)
+        return beat
+
     def report(self, now: float) -> pb.RoleReport:
         if self.watched_only and not self.final_step_read:  # its step from what it printed
             step = last_step(self.log_path)
             if step is None:  # other output since its last step line: still the step it named
                 step = self.last.global_step if self.last is not None else 0
-            self.last = pb.HeartbeatRequest(global_step=step, status="running", loss=float("nan"))
+            self.last = self._watched_beat(now, step)
             if self.running:  # alive as long as it runs
                 self.last_beat = now
             else:  # read once more after it exited (its last lines); its log no longer changes

@@ -79,3 +79,28 @@ def descendants(pid: int) -> dict[int, float]:
             found[child] = started
             below.extend(children.get(child, ()))
     return found
+
+
+def tree_usage(pid: int) -> tuple[float, int] | None:
+    """The CPU seconds (user and system) and resident bytes of ``pid`` and every process below it, found
+    through the kernel's children lists (no scan of /proc); None if ``pid`` cannot be read."""
+    tick, page = os.sysconf("SC_CLK_TCK"), os.sysconf("SC_PAGE_SIZE")
+    cpu, rss, seen = 0.0, 0, set()
+    below = [pid]
+    while below:
+        current = below.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        try:
+            with open(f"/proc/{current}/stat", "rb") as f:
+                fields = _fields(f.read())
+            cpu += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            rss += int(fields[21]) * page
+            for task in os.scandir(f"/proc/{current}/task"):
+                with open(f"{task.path}/children", "rb") as f:
+                    below.extend(int(child) for child in f.read().split())
+        except (OSError, ValueError, IndexError):
+            if current == pid:
+                return None
+    return cpu, rss
