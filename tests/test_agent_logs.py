@@ -79,6 +79,28 @@ def test_a_log_without_a_crash_gives_its_last_lines(tmp_path: Path) -> None:
     assert log_tail(str(tmp_path / "missing.log")) == "" and crash_signal(str(tmp_path / "missing.log")) is None
 
 
+def test_an_exception_whose_message_runs_over_many_lines_is_named_by_what_was_raised(tmp_path: Path) -> None:
+    """TensorFlow's errors print a message of many lines after the exception's name: the tail leads with the
+    line that says what was raised (and the supervisor's reason with it), not with the message's last lines."""
+    from psctl.supervisor.policy import exit_text
+
+    log = tmp_path / "chief-0.1.log"
+    program = ("import sys\n"
+               "class InvalidArgumentError(Exception): pass\n"
+               "raise InvalidArgumentError('assertion failed: [x < 3]\\n' + '\\n'.join(f'  detail {i}' if i % 2 "
+               "else f'Condition x < y did not hold {i}' for i in range(12)))\n")
+    with open(log, "wb") as out:
+        subprocess.run([sys.executable, "-c", program], stdout=out, stderr=subprocess.STDOUT, check=False)
+    tail = log_tail(str(log))
+    assert tail.startswith("InvalidArgumentError: assertion failed: [x < 3] | "), tail
+    assert exit_text(1, tail) == "exit code 1: InvalidArgumentError: assertion failed: [x < 3]"
+    # a traceback the program printed and went on from (logging on) is not what ended it
+    with open(log, "a") as out:
+        out.write("2026-11-27 10:00:01,123 INFO chief: step 120\nW1127 10:00:02.000 other\nline\n")
+    assert log_tail(str(log)) == ("Condition x < y did not hold 10 | detail 11 | 2026-11-27 10:00:01,123 INFO chief: "
+                                  "step 120 | W1127 10:00:02.000 other | line")
+
+
 @pytest.mark.parametrize("message", ["Segmentation fault", "Bus error", "Floating point exception",
                                      "Illegal instruction"])
 def test_each_signal_the_fault_handler_names_is_the_one_that_ended_the_process(tmp_path: Path, message: str) -> None:

@@ -22,6 +22,10 @@ from dataclasses import dataclass
 TAIL_LINES = 5
 #: How far back from a log's end its last lines are read.
 TAIL_BYTES = 8192
+#: A line a program logged with a time (Python's logging, TensorFlow's C++ log): not part of an exception.
+_LOGGED = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d|[IWEF]\d{4} \d\d:\d\d")
+#: What is kept of a raised exception's first line where it leads a log's tail.
+RAISED_CHARS = 300
 #: How far back a crash report's first line is looked for: the report lists every thread's stack, and a
 #: TensorFlow program has dozens of threads.
 CRASH_BYTES = 256 * 1024
@@ -133,7 +137,25 @@ def log_tail(path: str, lines: int = TAIL_LINES) -> str:
         return ""
     if crash is not None:
         return " | ".join([*crash.before[-(lines - 1):], crash.summary()])
-    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+    last = [line.strip() for line in text.strip().splitlines()[-lines:]]
+    raised = _raised(text)
+    if raised is not None and raised not in last:  # a message of many lines (TensorFlow's) hid what was raised
+        last = [raised if len(raised) <= RAISED_CHARS else f"{raised[:RAISED_CHARS]}...", *last[1:]]
+    return " | ".join(last)
+
+
+def _raised(text: str) -> str | None:
+    """The first line of what a Python traceback that ends ``text`` raised (``InvalidArgumentError: ...``):
+    the first line after its frames that is not indented. None where no traceback ends it: none, or one the
+    program printed and went on from (a timestamped log line follows)."""
+    at = text.rfind("Traceback (most recent call last):")
+    if at < 0:
+        return None
+    after = text[at:].splitlines()[1:]
+    raised = next((i for i, line in enumerate(after) if line.strip() and not line[0].isspace()), None)
+    if raised is None or any(_LOGGED.match(line) for line in after[raised + 1:]):
+        return None
+    return after[raised].strip()
 
 
 def crash_signal(path: str) -> int | None:
