@@ -324,6 +324,25 @@ def test_resolve_follows_proxy_jump_chains_and_connect_timeout(tmp_path: Path) -
         hosts.resolve(HostSpec(name="h", address="viacmd"), ssh_config=config)
 
 
+def test_a_jump_host_whose_name_resolves_to_nothing_blames_proxy_jump(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(The name lookup fails here without asking any resolver: the message is what is tested.)"""
+    import socket
+
+    from psctl.launch import ssh
+
+    def no_such_name(address: tuple[str, int], timeout: float | None = None) -> socket.socket:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(ssh.socket, "create_connection", no_such_name)
+    runner = SSHRunner(HostSpec(name="h1", address="10.0.0.9", proxy_jump="bastion"), ssh_config=None)
+    with pytest.raises(LaunchError) as caught:
+        runner.run("true")
+    assert caught.value.format_message() == (
+        "host h1: jump host bastion:22: unreachable: unknown address; check hosts[].proxy_jump of h1: 'bastion' is "
+        "neither a host of the spec nor an address this machine resolves")
+    runner.close()
+
+
 def test_a_jump_through_a_host_of_the_spec_uses_that_hosts_settings_and_jumps() -> None:
     gw1 = HostSpec(name="gw1", address="10.0.0.1", user="ops", port=2222, identity_file="/keys/gw1",
                    host_key_policy="accept-new")

@@ -597,7 +597,10 @@ class SSHRunner(Runner):
         try:
             sock = socket.create_connection((target.hostname, target.port), timeout=timeout)
         except socket.gaierror as exc:
-            raise self._unreachable(target, "unknown address", "check hosts[].address") from exc
+            fix = "check hosts[].address" if target.name == self.spec.name else (
+                f"check hosts[].proxy_jump of {self.host}: {target.hostname!r} is neither a host of the spec nor "
+                "an address this machine resolves")
+            raise self._unreachable(target, "unknown address", fix) from exc
         except TimeoutError as exc:
             raise self._unreachable(target, f"connection timed out after {timeout:g}s", fix) from exc
         except ConnectionRefusedError as exc:
