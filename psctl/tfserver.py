@@ -16,6 +16,10 @@ EXIT_PREEMPTED = 75  # (psctl.runtime.exits, without importing psctl's runtime n
 
 
 def main() -> int:
+    # SIGTERM blocked before TensorFlow starts its threads (they inherit the mask) and taken below with sigwait:
+    # a handler would run only in the main thread, once back in Python, which server.join() never is; and a
+    # thread of TensorFlow's may be the one the kernel gives the signal to
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     import tensorflow as tf
 
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
@@ -23,15 +27,11 @@ def main() -> int:
         print(f"psctl.tfserver: TF_CONFIG's task is {resolver.task_type!r}; it serves ps and worker tasks",
               file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_PREEMPTED))
     server = tf.distribute.Server(resolver.cluster_spec(), job_name=resolver.task_type,
                                   task_index=resolver.task_id, protocol=resolver.rpc_layer or "grpc", start=True)
     print(f"psctl.tfserver: {resolver.task_type}:{resolver.task_id} serving at {server.target}", flush=True)
-    while server.target:  # (held here: it serves from TensorFlow's threads until the process ends)
-        # not server.join(): a Python signal handler runs only once the main thread is back in Python, and join
-        # never comes back (SIGTERM was ignored until the stop's grace ran out and SIGKILL came)
-        signal.pause()
-    return 0
+    signal.sigwait({signal.SIGTERM})  # (it serves from TensorFlow's threads meanwhile)
+    os._exit(EXIT_PREEMPTED)
 
 
 if __name__ == "__main__":
