@@ -23,7 +23,6 @@ from psctl.errors import ClusterNotFound, PsctlError, UsageError
 from psctl.home import ClusterDir, list_clusters, lock_held
 from psctl.launch.base import ProcessHandle
 from psctl.launch.hostset import Placement, host_runners, placements
-from psctl.runtime.log_format import LOG_TIME
 from psctl.supervisor.state import ClusterRecord, DamagedState, RoleRecord, load_state
 
 
@@ -191,7 +190,9 @@ def cluster_logs(cdir: ClusterDir, record: ClusterRecord) -> list[RoleLog]:
     return [RoleLog(r.name, places, r) for r in record.roles]
 
 
-_LOG_TIME = re.compile(LOG_TIME)
+#: A line's time as psctl's runtime writes it (``2026-11-25 10:00:01,000``) or TensorFlow's C++ log
+#: (``2026-11-25 10:00:01.123456: I tensorflow/...``), read to the millisecond in one comparable form.
+_LINE_TIME = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[.,](\d{3})")
 
 
 def merged_tail(logs: Sequence[RoleLog], n: int) -> tuple[list[str], dict[str, int]]:
@@ -204,8 +205,9 @@ def merged_tail(logs: Sequence[RoleLog], n: int) -> tuple[list[str], dict[str, i
         lines, offsets[log.role] = tail_log(log, max(log.record.attempt, 1), n)
         stamp, stream = "", []
         for line in lines:
-            if _LOG_TIME.match(line):
-                stamp = line[:23]
+            timed = _LINE_TIME.match(line)
+            if timed:
+                stamp = f"{timed[1]},{timed[2]}"
             stream.append((stamp, order, f"{log.role}: {line}"))
         streams.append(stream)
     merged = [text for _, _, text in heapq.merge(*streams, key=lambda item: (item[0], item[1]))]

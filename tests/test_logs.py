@@ -83,14 +83,16 @@ def test_every_role_s_log_merged_in_time_order_with_its_role_as_prefix(tmp_path:
         "2026-11-25 10:00:03,500 ERROR step failed\nTraceback (most recent call last):\n  boom\n"
         "2026-11-25 10:00:05,000 INFO chief done\n")
     Path(cdir.role_log("worker-0", 1)).write_text("2026-11-25 09:00:00,000 INFO an earlier attempt\n")
-    Path(cdir.role_log("worker-0", 2)).write_text(
-        "2026-11-25 10:00:02,000 INFO worker serving\n2026-11-25 10:00:04,000 INFO worker step 7\n")
+    Path(cdir.role_log("worker-0", 2)).write_text(  # (a TensorFlow program's: its C++ log's time, its prints)
+        "2026-11-25 10:00:02.000123: I tensorflow/core/server.cc:42] worker serving\nworker step 7 of 9\n"
+        "2026-11-25 10:00:04,000 INFO worker step 7\n")
     runner = CliRunner()
     result = runner.invoke(cli, ["logs", "--all", "merge"], env={"PSCTL_HOME": str(home)})
     assert result.exit_code == 0, result.output
     assert result.output.splitlines() == [
         "chief-0: 2026-11-25 10:00:01,000 INFO chief starting",
-        "worker-0: 2026-11-25 10:00:02,000 INFO worker serving",
+        "worker-0: 2026-11-25 10:00:02.000123: I tensorflow/core/server.cc:42] worker serving",
+        "worker-0: worker step 7 of 9",  # keeps the time of the line above
         "chief-0: 2026-11-25 10:00:03,500 ERROR step failed",
         "chief-0: Traceback (most recent call last):",  # keeps the time of the line above: stays with it
         "chief-0:   boom",
