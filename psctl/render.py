@@ -114,11 +114,11 @@ def status_dict(cdir: ClusterDir, record: ClusterRecord, *, stale: bool) -> dict
     return data
 
 
-def _role_row(role: RoleRecord, now: float, global_step: int) -> list[Any]:
+def _role_row(role: RoleRecord, now: float, global_step: int, *, slurm: bool) -> list[Any]:
     alive = not role.state.terminal and role.state != RoleState.RESTARTING
     return [
         role.name,
-        role.node or role.host,  # a Slurm job step's node
+        role.node or ("-" if slurm else role.host),  # a Slurm job step's node (none before the job has nodes)
         str(role.pid) if role.pid and alive else "-",
         Text(role.state.value, style=STATE_STYLE.get(role.state, "")),
         f"{role.attempt}/{role.restarts}",
@@ -185,7 +185,7 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
             header.append(f"\n{problem}" if named else f"\nhost {host}: {problem}", style="yellow")
     table = Table(box=None, pad_edge=False)
     where = "node" if record.backend == "slurm" else "host"
-    rows = [_role_row(role, now, step) for role in record.roles]
+    rows = [_role_row(role, now, step, slurm=record.backend == "slurm") for role in record.roles]
     # What a reader acts on (``psctl logs worker-12``, ``ssh host``, a role's state and step) is never cut
     # short: a narrow console shortens the other columns; attempts and restarts head two lines (cells "1/0").
     kept = {"role", where, "state", "step"}

@@ -79,3 +79,14 @@ def test_a_host_problem_that_names_its_host_is_shown_once(tmp_path: Path) -> Non
     lines = console.export_text().splitlines()
     assert "host h3 (10.0.0.3:22): unreachable: connection timed out after 5s" in lines, lines
     assert "host h2: unreachable: agent silent for 6.0s (host down or cut off)" in lines, lines
+
+
+def test_a_slurm_cluster_s_roles_show_no_node_before_its_job_has_nodes(tmp_path: Path) -> None:
+    roles = [RoleRecord("chief-0", "chief", 0, "localhost", "127.0.0.1", 7400),
+             RoleRecord("ps-0", "ps", 0, "localhost", "127.0.0.1", 7410, node="n2")]
+    record = ClusterRecord(name="sl", cluster_id="c", state=ClusterState.FAILED, steps=10, roles=roles,
+                           backend="slurm")
+    console = Console(width=120, record=True)
+    console.print(status_view(ClusterDir(tmp_path / "sl"), record, stale=False))
+    rows = {line.split()[0]: line.split() for line in console.export_text().splitlines() if line.split()}
+    assert rows["chief-0"][1] == "-" and rows["ps-0"][1] == "n2", rows
