@@ -25,6 +25,7 @@ import pytest
 from cluster_helpers import REPO_ROOT, wait_until
 
 from psctl.launch.cpus import allowed_cpus, cpus_for_slot, host_slots
+from psctl.runtime.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.slow
 
@@ -244,6 +245,29 @@ def test_the_readme_example_trains_and_status_shows_the_evaluation_of_its_last_c
     assert line.startswith("training finished: nothing to train: an earlier run's checkpoint in "), line
     assert "is at global step 1000, at or past training.steps 1000" in line, line
     check(psctl_env.run("down"))
+
+
+def test_resuming_a_checkpoint_that_does_not_fit_the_spec_fails_at_once_and_trains_nothing(psctl_env) -> None:
+    """Another model (hidden units), or the data split in fewer shards than the checkpoint's (fewer workers):
+    the chief says why in one line and is not restarted (it used to be, and its successor trained from step 0
+    over the checkpoint; fewer workers failed a step on a shard out of range)."""
+    spec = psctl_env.write_spec("fit", steps=150, workers=3)
+    spec.write_text(spec.read_text().replace("  mode: async\n", "  mode: async\n  checkpoint: {every_steps: 50}\n"))
+    check(psctl_env.run("up", str(spec), timeout=180))
+    newest = psctl_env.home / "fit" / "checkpoints" / "ckpt-000000000150"
+    cases = {
+        ("--set", "training.args.hidden_units=50"): f"checkpoint {newest} does not fit this spec: 'hid/kernel' is "
+                                                     "(64, 32) in the checkpoint, the program says (64, 50)",
+        ("--set", "roles.worker.replicas=2"): "the model at global step 150 read its data in 3 shards, this run "
+                                              "would split it in 2 (training.data_shards, or one per worker): set "
+                                              "training.data_shards: 3 to resume it",
+    }
+    for sets, message in cases.items():
+        failed = check(psctl_env.run("up", str(spec), "--set", "training.steps=300", *sets, timeout=180), 3)
+        assert message in flat(failed.stderr), failed.stderr
+        chief = psctl_env.role("fit", "chief-0")
+        assert (chief["attempt"], chief["restarts"]) == (1, 0), chief  # permanent: not restarted
+    assert list_checkpoints(psctl_env.home / "fit" / "checkpoints")[-1] == newest  # none written over it
 
 
 def test_export_writes_the_newest_checkpoints_variables(psctl_env) -> None:

@@ -113,7 +113,7 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
 
 
 def _chief(info: ClusterInfo, stop: threading.Event) -> int:
-    from psctl.runtime.chief import Chief, Interrupted
+    from psctl.runtime.chief import CheckpointMismatch, Chief, Interrupted
     from psctl.runtime.coordinator import CancelledError, StepError
     from psctl.runtime.fencing import ChiefReplaced
     from psctl.runtime.ps_client import PsUnavailable
@@ -127,6 +127,9 @@ def _chief(info: ClusterInfo, stop: threading.Event) -> int:
     except StepError as exc:
         logging.error("training failed: %s", exc)
         return EXIT_TRAINING_FAILED
+    except CheckpointMismatch as exc:  # permanent: a restart would fail alike (or train over the checkpoint)
+        logging.error("%s", exc)
+        return EXIT_CONFIG
     except Interrupted as exc:  # its successor resumes at the global step the ps hold: nothing is lost
         logging.info("%s", exc)
         return EXIT_PREEMPTED

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any, TypeVar
 
+import grpc
 import numpy as np
 
 from psctl.proto import psctl_pb2 as pb
@@ -129,7 +130,13 @@ def restore_snapshot(model: ShardedModel, ps: PsClient, snapshot: Snapshot) -> N
                         else value
                 # np.require keeps 0-d arrays 0-d (np.ascontiguousarray would make them 1-d)
                 per_ps[shard.ps].append(Entry(f"{shard.name}#{slot}", SLOT, np.require(piece, requirements="C")))
-    ps.assign(per_ps, snapshot.global_step, snapshot.shard_positions)
+    try:
+        ps.assign(per_ps, snapshot.global_step, snapshot.shard_positions)
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:  # type: ignore[attr-defined]
+            raise
+        # (another optimizer's slots, say: the ps refuse what their variables do not have)
+        raise CheckpointError(f"the ps refused it: {exc.details()}") from None  # type: ignore[attr-defined]
 
 
 def reshard_onto(snapshot: Snapshot, model: ShardedModel, ps: PsClient, *, seed: int, optimizer: pb.OptimizerConfig,

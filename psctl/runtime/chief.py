@@ -21,10 +21,13 @@ from psctl.runtime.call_size import CallSizer
 from psctl.runtime.checkpoint import (
     Checkpointer,
     CheckpointError,
+    Snapshot,
     latest_checkpoint,
+    list_checkpoints,
     mark_finished,
     reshard_onto,
     restore_snapshot,
+    step_of,
     take_snapshot,
 )
 from psctl.runtime.cluster import ClusterInfo
@@ -34,6 +37,7 @@ from psctl.runtime.evaluation import evaluate_split
 from psctl.runtime.heartbeat import ADDRESSES, PROGRESS, tasks_of
 from psctl.runtime.metrics import MetricsFile, TrainingMeter, metric_text, metrics_text
 from psctl.runtime.model import ShardedModel
+from psctl.runtime.optimizers import make_optimizer
 from psctl.runtime.program import ProgramRef, load_program
 from psctl.runtime.ps_client import PsClient, PsUnavailable
 from psctl.runtime.tensorboard import ScalarWriter
@@ -56,6 +60,11 @@ def _cursors(positions: list[int]) -> dict[int, int]:
 
 class Interrupted(Exception):
     """The chief was asked to stop (SIGTERM) before training finished."""
+
+
+class CheckpointMismatch(Exception):
+    """The checkpoint to resume from does not fit the spec (another model, optimizer or data split): a restart
+    cannot help, and training afresh over it would lose it."""
 
 
 class Chief:
@@ -104,6 +113,13 @@ class Chief:
         self.ps.wait_ready(self.ready_timeout)
         self._init_or_restore()
         state = self.ps.state(0)
+        shards = cfg.data_shards or len(self.info.workers)
+        read = [i for i, p in enumerate(state.shard_positions) if p >= 0]
+        if read and read[-1] >= shards:  # (a model resumed from a run that split its data more ways)
+            raise CheckpointMismatch(
+                f"the model at global step {state.global_step} read its data in {read[-1] + 1} shards, this run "
+                f"would split it in {shards} (training.data_shards, or one per worker): set training.data_shards: "
+                f"{read[-1] + 1} to resume it")
         self.start_step = state.global_step
         self._resumed_at(self.start_step)
         newest_id = max(self.ps.state(i).newest_step_id for i in range(len(self.ps.addresses)))
@@ -375,22 +391,56 @@ class Chief:
                                    replicas_to_aggregate=r, distinct_replicas=distinct)
             replies[0].already_initialized = True  # (counted as a restore below)
         kept = [r.already_initialized for r in replies]
-        if all(kept):
-            log.info("every ps holds the variables: resuming at global step %d", replies[0].global_step)
-            return
+        held = replies[0].global_step if all(kept) else None  # every ps holds a model, at this step
         if self.checkpointer is not None:
             self.checkpointer.wait()  # a checkpoint still being written counts
+        if held is not None and not self._checkpoint_ahead_of(held):
+            log.info("every ps holds the variables: resuming at global step %d", held)
+            return
+        # The ps hold nothing (or not all of them), or hold less than a checkpoint: a chief that died between
+        # initialising them and restoring into them left them at their initializers, which must not count as
+        # the model (its successor would train again from there).
         found = latest_checkpoint(self.checkpointer.directory) if self.checkpointer is not None else None
+        if held is not None and (found is None or found[1].global_step <= held):
+            log.info("every ps holds the variables: resuming at global step %d", held)
+            return
         if found is not None:
             path, snapshot = found
-            restore_snapshot(self.model, self.ps, snapshot)
+            try:
+                self._check_slots(snapshot)  # (before any ps takes its part: they take them one by one)
+                restore_snapshot(self.model, self.ps, snapshot)
+            except CheckpointError as exc:
+                raise CheckpointMismatch(
+                    f"checkpoint {path} does not fit this spec: {exc}; resume it with the spec it was trained "
+                    "with, or train afresh into another training.checkpoint.dir (or under another cluster name)"
+                ) from None
             self.restores += any(kept)
+            if held is not None:
+                log.warning("the ps held the model at global step %d, behind the checkpoint: a restore was cut "
+                            "short", held)
             log.info("restored %s (global step %d)", path, snapshot.global_step)
         elif any(kept):
             self.ps.init(specs, cfg.optimizer_proto(), self.info.cluster_id, reset=True,
                          replicas_to_aggregate=r, distinct_replicas=distinct)
             self.restores += 1
             log.warning("no checkpoint to restore: every ps starts again from its initializers")
+
+    def _check_slots(self, snapshot: Snapshot) -> None:
+        """CheckpointError unless every variable's optimizer slots in ``snapshot`` are this run's optimizer's."""
+        opt = self.config.optimizer_proto()
+        wanted = set(make_optimizer(opt.name, opt.learning_rate, dict(opt.params)).slot_names)
+        for name in self.model.layouts:
+            have = set(snapshot.slots.get(name, {}))
+            if have != wanted:
+                raise CheckpointError(f"{name!r} has the optimizer slots {sorted(have)} there, training.optimizer "
+                                      f"{opt.name} keeps {sorted(wanted)}")
+
+    def _checkpoint_ahead_of(self, step: int) -> bool:
+        """Whether the newest checkpoint's name says a global step past ``step`` (read without loading it)."""
+        if self.checkpointer is None:
+            return False
+        listed = list_checkpoints(self.checkpointer.directory)
+        return bool(listed) and step_of(listed[-1]) > step
 
     def _sync_counters(self) -> dict[str, int] | None:
         if self.config.mode != "sync":
