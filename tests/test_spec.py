@@ -482,6 +482,22 @@ MISTAKES = [
         "async; remove replicas_to_aggregate or set training.mode: sync",
     ),
     (
+        "distinct replicas from more workers than there can be",
+        """\
+        roles: {chief: {}, ps: {}, worker: {replicas: 2, max_replicas: 3}}
+        training:
+          program: psctl.models.mlp
+          data: {name: digits}
+          steps: 10
+          mode: sync
+          replicas_to_aggregate: 4
+          distinct_replicas: true
+        """,
+        "cluster.yaml:7: training.replicas_to_aggregate: 4 is more than the 3 worker(s) there can be, and "
+        "distinct_replicas takes one gradient from each of them per step: no step could complete; use at most 3, "
+        "or raise roles.worker.replicas (or max_replicas)",
+    ),
+    (
         "bounded mode without staleness",
         """\
         roles: {chief: {}, ps: {}, worker: {replicas: 2}}

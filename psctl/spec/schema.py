@@ -102,6 +102,7 @@ def build_spec(data: Any, source: SourceMap, *, path: Path | None, base_dir: Pat
         c.require((), top, "training", "add training: with at least program:, data: and steps:"),
         base_dir=base_dir,
         worker_replicas=roles["worker"].replicas,
+        worker_slots=roles["worker"].slots,
         allowed_paths=tuple(Path(p) for p in security.allowed_paths),
     )
     roles = _role_commands(c, roles, top["roles"], training, base_dir)

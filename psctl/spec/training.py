@@ -51,9 +51,11 @@ T: KeyPath = ("training",)
 
 
 def normalise_training(
-    c: Checker, value: object, *, base_dir: Path, worker_replicas: int, allowed_paths: tuple[Path, ...] = ()
+    c: Checker, value: object, *, base_dir: Path, worker_replicas: int, worker_slots: int | None = None,
+    allowed_paths: tuple[Path, ...] = (),
 ) -> dict[str, Any]:
-    """Validate ``training:`` and return it with every default filled, in a fixed key order."""
+    """Validate ``training:`` and return it with every default filled, in a fixed key order. ``worker_slots``:
+    the most workers there can be (``max_replicas``; default ``worker_replicas``)."""
     t = c.mapping(T, value, TRAINING_KEYS, example="training: {program: psctl.models.mlp, steps: 1000}")
     framework = c.choice((*T, "framework"), t.get("framework", "psctl"), FRAMEWORKS, noun="framework")
     if framework == "tensorflow":
@@ -110,6 +112,13 @@ def normalise_training(
         c.boolean((*T, "distinct_replicas"), t.get("distinct_replicas", False), fix="write true or false")
         if sync else None
     )
+    most = worker_slots or worker_replicas
+    if out["distinct_replicas"] and out["replicas_to_aggregate"] > most:
+        # (without distinct_replicas, R above the workers is fine: they compute several batches a step)
+        c.fail((*T, "replicas_to_aggregate"),
+               f"{out['replicas_to_aggregate']} is more than the {most} worker(s) there can be, and "
+               "distinct_replicas takes one gradient from each of them per step: no step could complete",
+               f"use at most {most}, or raise roles.worker.replicas (or max_replicas)")
     if mode == "bounded" and "staleness" not in t:
         c.fail(
             (*T, "mode"),
