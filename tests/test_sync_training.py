@@ -109,6 +109,7 @@ def write_spec(
     mode: str = "sync",
     ps: int = 1,
     workers: int = 2,
+    max_workers: int | None = None,
     program: str = "psctl.models.mlp",
     tls: bool = False,
     worker_restart: str | None = None,
@@ -118,7 +119,7 @@ def write_spec(
 ) -> Path:
     """A spec in block style: 1 chief, ``ps`` ps, ``workers`` workers; an MLP with 32 hidden units on digits."""
     chief: dict[str, Any] = {"replicas": 1}
-    worker: dict[str, Any] = {"replicas": workers}
+    worker: dict[str, Any] = {"replicas": workers} | ({"max_replicas": max_workers} if max_workers else {})
     if chief_restart:
         chief["restart"] = {"policy": chief_restart}
     if worker_restart:
@@ -389,11 +390,12 @@ def test_dead_worker_below_min_replicas_fails_clearly(psctl_env: PsctlEnv) -> No
 
 def test_failed_sync_step_is_not_retried_by_restarting_the_chief(psctl_env: PsctlEnv) -> None:
     """Exit code 3 (training failed: a non-retryable error) is permanent, so under the default restart policy
-    the chief is not restarted into the same failure again and again. One worker cannot make R = 2 distinct
+    the chief is not restarted into the same failure again and again. One worker (of the two there may be: the
+    spec refuses R distinct replicas from fewer workers than there can be) cannot make R = 2 distinct
     replicas: the first step fails after the replica timeout."""
     program, _ = write_program(psctl_env.tmp_path)
-    spec = write_spec(psctl_env, "once", steps=50, workers=1, program=str(program), replicas_to_aggregate=2,
-                      replica_timeout="2s", distinct_replicas=True)
+    spec = write_spec(psctl_env, "once", steps=50, workers=1, max_workers=2, program=str(program),
+                      replicas_to_aggregate=2, replica_timeout="2s", distinct_replicas=True)
     with up_attached(psctl_env, spec, "once") as proc:
 
         def failed_or_restarted() -> bool:
