@@ -248,9 +248,10 @@ def test_the_readme_example_trains_and_status_shows_the_evaluation_of_its_last_c
 
 
 def test_resuming_a_checkpoint_that_does_not_fit_the_spec_fails_at_once_and_trains_nothing(psctl_env) -> None:
-    """Another model (hidden units), or the data split in fewer shards than the checkpoint's (fewer workers):
-    the chief says why in one line and is not restarted (it used to be, and its successor trained from step 0
-    over the checkpoint; fewer workers failed a step on a shard out of range)."""
+    """Another model (hidden units), or the data split in other shards than the checkpoint's (another worker
+    count): the chief says why in one line and is not restarted (it used to be, and its successor trained from
+    step 0 over the checkpoint; fewer workers failed a step on a shard out of range, more split the data anew
+    under the old shards' positions)."""
     spec = psctl_env.write_spec("fit", steps=150, workers=3)
     spec.write_text(spec.read_text().replace("  mode: async\n", "  mode: async\n  checkpoint: {every_steps: 50}\n"))
     check(psctl_env.run("up", str(spec), timeout=180))
@@ -258,9 +259,9 @@ def test_resuming_a_checkpoint_that_does_not_fit_the_spec_fails_at_once_and_trai
     cases = {
         ("--set", "training.args.hidden_units=50"): f"checkpoint {newest} does not fit this spec: 'hid/kernel' is "
                                                      "(64, 32) in the checkpoint, the program says (64, 50)",
-        ("--set", "roles.worker.replicas=2"): "the model at global step 150 read its data in 3 shards, this run "
-                                              "would split it in 2 (training.data_shards, or one per worker): set "
-                                              "training.data_shards: 3 to resume it",
+        **{("--set", f"roles.worker.replicas={n}"): f"checkpoint {newest} does not fit this spec: it read its data "
+           f"in 3 shards, this run would split it in {n} (training.data_shards, or one per worker): set "
+           "training.data_shards: 3 to resume it" for n in (2, 4)},
     }
     for sets, message in cases.items():
         failed = check(psctl_env.run("up", str(spec), "--set", "training.steps=300", *sets, timeout=180), 3)

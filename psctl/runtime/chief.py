@@ -94,6 +94,8 @@ class Chief:
         self._ps_steps = [0] * len(info.ps)
         ckpt = cfg.checkpoint or {}
         self.checkpointer = Checkpointer(ckpt) if ckpt.get("dir") else None
+        #: The training data's shards, fixed for the run's life (the worker count at its start by default).
+        self.data_shards = cfg.data_shards or len(info.workers)
         self.ps_wait = 300.0
         self.restores = 0
         #: The ps that said they are leaving (preempted): checkpointed, then restored into their successors.
@@ -113,7 +115,7 @@ class Chief:
         self.ps.wait_ready(self.ready_timeout)
         self._init_or_restore()
         state = self.ps.state(0)
-        shards = cfg.data_shards or len(self.info.workers)
+        shards = self.data_shards
         read = [i for i, p in enumerate(state.shard_positions) if p >= 0]
         if read and read[-1] >= shards:  # (a model resumed from a run that split its data more ways)
             raise CheckpointMismatch(
@@ -142,7 +144,7 @@ class Chief:
             # pipelined), so the chief's round trip never leaves a worker idle
             steps_in_flight=2 if cfg.mode == "async" else 1,
             chief_incarnation=self.info.incarnation,
-            num_shards=cfg.data_shards or len(self.info.workers),
+            num_shards=self.data_shards,
             ps_addresses=self.ps.addresses,
         )
         self._coordinator = coordinator
@@ -359,7 +361,7 @@ class Chief:
         """Snapshot with nothing in flight (consistent), then write in the background."""
         assert self.checkpointer is not None
         snapshot = take_snapshot(self.model, self.ps)
-        snapshot.meta = {"optimizer": self.config.optimizer, "program": self.config.program}
+        snapshot.meta = self._meta()
         self.checkpointer.save_async(snapshot)
 
     def _resumed_at(self, step: int) -> None:
@@ -407,6 +409,12 @@ class Chief:
         if found is not None:
             path, snapshot = found
             try:
+                read_in = snapshot.meta.get("data_shards", self.data_shards)  # (an older checkpoint does not say)
+                if read_in != self.data_shards:
+                    raise CheckpointError(
+                        f"it read its data in {read_in} shards, this run would split it in {self.data_shards} "
+                        f"(training.data_shards, or one per worker): set training.data_shards: {read_in} to "
+                        "resume it")
                 self._check_slots(snapshot)  # (before any ps takes its part: they take them one by one)
                 restore_snapshot(self.model, self.ps, snapshot)
             except CheckpointError as exc:
@@ -424,6 +432,10 @@ class Chief:
                          replicas_to_aggregate=r, distinct_replicas=distinct)
             self.restores += 1
             log.warning("no checkpoint to restore: every ps starts again from its initializers")
+
+    def _meta(self) -> dict[str, Any]:
+        """What a checkpoint records of the run besides the model: what resuming it must match."""
+        return {"optimizer": self.config.optimizer, "program": self.config.program, "data_shards": self.data_shards}
 
     def _check_slots(self, snapshot: Snapshot) -> None:
         """CheckpointError unless every variable's optimizer slots in ``snapshot`` are this run's optimizer's."""
@@ -575,7 +587,7 @@ class Chief:
         if self.checkpointer is not None:
             self.checkpointer.wait()
         before = take_snapshot(self.model, self.ps)
-        before.meta = {"optimizer": cfg.optimizer, "program": cfg.program}
+        before.meta = self._meta()
         if self.checkpointer is not None:  # a chief lost half-way restores this onto the layout it finds
             self.checkpointer.save_async(before)
             self.checkpointer.wait()
