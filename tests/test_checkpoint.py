@@ -601,11 +601,12 @@ def resuming_chief(tmp_path: Path, addresses: list[str]) -> Any:
     from psctl.spec import load_spec_text
 
     spec = load_spec_text(
-        "roles: {chief: {}, ps: {replicas: 2}, worker: {}}\n"
+        "roles: {chief: {}, ps: {replicas: 2}, worker: {replicas: 2}}\n"
         "training: {program: psctl.models.mlp, data: {name: digits}, steps: 1000,\n"
         f"           checkpoint: {{dir: {tmp_path / 'ckpts'}, every_steps: 100}}}}\n",
         filename=str(tmp_path / "spec.yaml"))
-    info = ClusterInfo({"chief": ["127.0.0.1:1"], "ps": addresses, "worker": ["127.0.0.1:2"]}, "chief", 0,
+    info = ClusterInfo({"chief": ["127.0.0.1:1"], "ps": addresses, "worker": ["127.0.0.1:2", "127.0.0.1:3"]},
+                       "chief", 0,
                        cluster_id=CLUSTER, training=dict(spec.training), run_dir=str(tmp_path / "run"))
     return Chief(info)
 
@@ -641,6 +642,9 @@ def test_a_chief_that_died_before_restoring_into_the_ps_is_followed_by_one_that_
 @pytest.mark.parametrize(("change", "message"), [
     (lambda s: s.variables.update({"hid/kernel": s.variables["hid/kernel"][:, :7]}), "'hid/kernel' is (64, 7) in "
      "the checkpoint, the program says (64, 100)"),
+    # a checkpoint that does not record its data shards (older): the shards its positions show read
+    (lambda s: (s.meta.pop("data_shards", None), s.shard_positions.extend([5, 5, 5])), "it read its data in 3 "
+     "shards, this run would split it in 2 (training.data_shards, or one per worker): set training.data_shards: 3"),
     (lambda s: s.slots["hid/bias"].update({"accum": np.zeros_like(s.variables["hid/bias"])}),  # (adagrad's)
      "'hid/bias' has the optimizer slots ['accum', 'm', 't', 'v'] there, training.optimizer adam keeps ['m', 't', "
      "'v']"),

@@ -115,13 +115,6 @@ class Chief:
         self.ps.wait_ready(self.ready_timeout)
         self._init_or_restore()
         state = self.ps.state(0)
-        shards = self.data_shards
-        read = [i for i, p in enumerate(state.shard_positions) if p >= 0]
-        if read and read[-1] >= shards:  # (a model resumed from a run that split its data more ways)
-            raise CheckpointMismatch(
-                f"the model at global step {state.global_step} read its data in {read[-1] + 1} shards, this run "
-                f"would split it in {shards} (training.data_shards, or one per worker): set training.data_shards: "
-                f"{read[-1] + 1} to resume it")
         self.start_step = state.global_step
         self._resumed_at(self.start_step)
         newest_id = max(self.ps.state(i).newest_step_id for i in range(len(self.ps.addresses)))
@@ -409,12 +402,7 @@ class Chief:
         if found is not None:
             path, snapshot = found
             try:
-                read_in = snapshot.meta.get("data_shards", self.data_shards)  # (an older checkpoint does not say)
-                if read_in != self.data_shards:
-                    raise CheckpointError(
-                        f"it read its data in {read_in} shards, this run would split it in {self.data_shards} "
-                        f"(training.data_shards, or one per worker): set training.data_shards: {read_in} to "
-                        "resume it")
+                self._check_data_shards(snapshot)
                 self._check_slots(snapshot)  # (before any ps takes its part: they take them one by one)
                 restore_snapshot(self.model, self.ps, snapshot)
             except CheckpointError as exc:
@@ -436,6 +424,18 @@ class Chief:
     def _meta(self) -> dict[str, Any]:
         """What a checkpoint records of the run besides the model: what resuming it must match."""
         return {"optimizer": self.config.optimizer, "program": self.config.program, "data_shards": self.data_shards}
+
+    def _check_data_shards(self, snapshot: Snapshot) -> None:
+        """CheckpointError unless ``snapshot`` read its data in this run's number of shards: as it records it, or
+        (a checkpoint older than that record) at least as many as the shards its positions show read."""
+        read_in = snapshot.meta.get("data_shards")
+        if read_in is None:
+            read = [i for i, p in enumerate(snapshot.shard_positions) if p >= 0]
+            read_in = read[-1] + 1 if read and read[-1] >= self.data_shards else self.data_shards
+        if read_in != self.data_shards:
+            raise CheckpointError(
+                f"it read its data in {read_in} shards, this run would split it in {self.data_shards} "
+                f"(training.data_shards, or one per worker): set training.data_shards: {read_in} to resume it")
 
     def _check_slots(self, snapshot: Snapshot) -> None:
         """CheckpointError unless every variable's optimizer slots in ``snapshot`` are this run's optimizer's."""
