@@ -45,7 +45,7 @@ from psctl.runtime.checkpoint import (
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import Program, ProgramRef, load_program
 from psctl.runtime.ps import ParameterServerServicer, VariableStore
-from psctl.runtime.ps_client import PsClient, PushHeader
+from psctl.runtime.ps_client import PsClient, PushHeader, sync_counters
 from psctl.runtime.rpc import make_server
 from psctl.runtime.wire import DENSE, SLOT, Entry
 
@@ -593,16 +593,17 @@ def test_checkpoints_are_listed_in_step_order(tmp_path: Path) -> None:
 
 
 # -- the chief's resume ---------------------------------------------------------------------------------------
-def resuming_chief(tmp_path: Path, addresses: list[str]) -> Any:
+def resuming_chief(tmp_path: Path, addresses: list[str], training: str = "") -> Any:
     """A chief of the digits MLP over the ps at ``addresses``, checkpointing into tmp_path/ckpts (not run: its
-    resume, ``_init_or_restore``, is what is driven)."""
+    resume, ``_init_or_restore``, is what is driven); ``training``: more keys of the spec's training."""
     from psctl.runtime.chief import Chief
     from psctl.runtime.cluster import ClusterInfo
     from psctl.spec import load_spec_text
 
+    training = training or "mode: async"
     spec = load_spec_text(
         "roles: {chief: {}, ps: {replicas: 2}, worker: {replicas: 2}}\n"
-        "training: {program: psctl.models.mlp, data: {name: digits}, steps: 1000,\n"
+        f"training: {{program: psctl.models.mlp, data: {{name: digits}}, steps: 1000, {training},\n"
         f"           checkpoint: {{dir: {tmp_path / 'ckpts'}, every_steps: 100}}}}\n",
         filename=str(tmp_path / "spec.yaml"))
     info = ClusterInfo({"chief": ["127.0.0.1:1"], "ps": addresses, "worker": ["127.0.0.1:2", "127.0.0.1:3"]},
@@ -637,6 +638,45 @@ def test_a_chief_that_died_before_restoring_into_the_ps_is_followed_by_one_that_
         third.close()
     finally:
         second.close()
+
+
+def test_synchronous_counters_carry_on_from_the_checkpoint_into_restarted_ps(
+        tmp_path: Path, ps_servers: PsServers) -> None:
+    """A restarted ps counts from zero: restored from a checkpoint, every ps takes the run's counts as of it
+    (``result.json``'s ``sync``, read from ps 0, counted only what followed its last restart); one that recorded
+    none (an older psctl's) leaves each ps its own."""
+    counts = {"gradients_applied": 600, "stale_dropped": 3, "timed_out_steps": 1}
+    group = ps_servers.start(2)
+    first = resuming_chief(tmp_path, group.client.addresses, "mode: sync")
+    try:
+        first._init_or_restore()
+        snapshot = take_snapshot(first.model, first.ps)
+        snapshot.global_step, snapshot.sync_counters = 300, dict(counts)
+        restore_snapshot(first.model, first.ps, snapshot)
+        assert [sync_counters(first.ps.state(i)) for i in range(2)] == [counts, counts]
+        taken = take_snapshot(first.model, first.ps)  # (as the chief checkpoints)
+        assert taken.sync_counters == counts
+        written = write_checkpoint(tmp_path / "ckpts", taken)
+        assert load_checkpoint(written).sync_counters == counts
+    finally:
+        first.close()
+    restarted = ps_servers.start(2)  # every ps lost (their processes restarted), the checkpoint kept
+    second = resuming_chief(tmp_path, restarted.client.addresses, "mode: sync")
+    try:
+        second._init_or_restore()
+        assert second.restores == 0 and second.ps.state(0).global_step == 300
+        assert second._sync_counters() == counts
+        assert sync_counters(second.ps.state(1)) == counts
+    finally:
+        second.close()
+    taken.global_step, taken.sync_counters = 400, {}  # a newer checkpoint that records none
+    write_checkpoint(tmp_path / "ckpts", taken)
+    third = resuming_chief(tmp_path, ps_servers.start(2).client.addresses, "mode: sync")
+    try:
+        third._init_or_restore()
+        assert third.ps.state(0).global_step == 400 and third._sync_counters() == dict.fromkeys(counts, 0)
+    finally:
+        third.close()
 
 
 @pytest.mark.parametrize(("change", "message"), [

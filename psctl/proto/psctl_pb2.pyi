@@ -176,16 +176,28 @@ class PullChunk(_message.Message):
     def __init__(self, part: _Optional[_Union[PullResponse, _Mapping]] = ...) -> None: ...
 
 class AssignRequest(_message.Message):
-    __slots__ = ("entries", "global_step", "shard_positions", "chief_incarnation")
+    __slots__ = ("entries", "global_step", "shard_positions", "chief_incarnation", "sync_counters")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     SHARD_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SYNC_COUNTERS_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[NamedTensor]
     global_step: int
     shard_positions: _containers.RepeatedScalarFieldContainer[int]
     chief_incarnation: int
-    def __init__(self, entries: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., global_step: _Optional[int] = ..., shard_positions: _Optional[_Iterable[int]] = ..., chief_incarnation: _Optional[int] = ...) -> None: ...
+    sync_counters: SyncCounters
+    def __init__(self, entries: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., global_step: _Optional[int] = ..., shard_positions: _Optional[_Iterable[int]] = ..., chief_incarnation: _Optional[int] = ..., sync_counters: _Optional[_Union[SyncCounters, _Mapping]] = ...) -> None: ...
+
+class SyncCounters(_message.Message):
+    __slots__ = ("gradients_applied", "stale_dropped", "timed_out_steps")
+    GRADIENTS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    STALE_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    TIMED_OUT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    gradients_applied: int
+    stale_dropped: int
+    timed_out_steps: int
+    def __init__(self, gradients_applied: _Optional[int] = ..., stale_dropped: _Optional[int] = ..., timed_out_steps: _Optional[int] = ...) -> None: ...
 
 class AssignChunk(_message.Message):
     __slots__ = ("part",)

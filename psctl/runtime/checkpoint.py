@@ -33,7 +33,7 @@ import numpy as np
 from psctl.proto import psctl_pb2 as pb
 from psctl.runtime.atomic import write_json_atomic
 from psctl.runtime.model import ShardedModel
-from psctl.runtime.ps_client import PsClient
+from psctl.runtime.ps_client import SYNC_COUNTERS, PsClient, sync_counters
 from psctl.runtime.wire import DENSE, SLOT, Entry
 
 log = logging.getLogger("psctl.checkpoint")
@@ -63,6 +63,9 @@ class Snapshot:
     variables: dict[str, np.ndarray]
     slots: dict[str, dict[str, np.ndarray]]
     meta: dict[str, Any] = field(default_factory=dict)
+    #: synchronous training's counters as ps 0 had them (``sync_counters``); empty in a checkpoint from before
+    #: they were recorded
+    sync_counters: dict[str, int] = field(default_factory=dict)
 
 
 def take_snapshot(model: ShardedModel, ps: PsClient) -> Snapshot:
@@ -88,7 +91,7 @@ def take_snapshot(model: ShardedModel, ps: PsClient) -> Snapshot:
                 slots[name][slot] = np.asarray(np.max(np.stack(pieces)), dtype=pieces[0].dtype)
             else:
                 slots[name][slot] = pieces[0].copy() if len(pieces) == 1 else np.concatenate(pieces, axis=0)
-    return Snapshot(global_step, list(state.shard_positions), variables, slots)
+    return Snapshot(global_step, list(state.shard_positions), variables, slots, sync_counters=sync_counters(state))
 
 
 def snapshot_difference(a: Snapshot, b: Snapshot) -> str:
@@ -131,7 +134,7 @@ def restore_snapshot(model: ShardedModel, ps: PsClient, snapshot: Snapshot) -> N
                 # np.require keeps 0-d arrays 0-d (np.ascontiguousarray would make them 1-d)
                 per_ps[shard.ps].append(Entry(f"{shard.name}#{slot}", SLOT, np.require(piece, requirements="C")))
     try:
-        ps.assign(per_ps, snapshot.global_step, snapshot.shard_positions)
+        ps.assign(per_ps, snapshot.global_step, snapshot.shard_positions, snapshot.sync_counters or None)
     except grpc.RpcError as exc:
         if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:  # type: ignore[attr-defined]
             raise
@@ -202,7 +205,7 @@ def _write_into(tmp: Path, snapshot: Snapshot) -> None:
         f.flush()
         os.fsync(f.fileno())
     state = {"global_step": snapshot.global_step, "shard_positions": snapshot.shard_positions,
-             "time": time.time(), **snapshot.meta}
+             "sync_counters": snapshot.sync_counters, "time": time.time(), **snapshot.meta}
     with open(tmp / "state.json", "w") as f:
         json.dump(state, f)
         f.flush()
@@ -309,8 +312,12 @@ def load_checkpoint(path: str | Path, *, verify: bool = True) -> Snapshot:
                     slots.setdefault(var, {})[slot] = npz[key]
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
         raise CheckpointError(f"{path}: cannot load ({exc})") from None
+    counters = state.get("sync_counters") or {}
+    if not (isinstance(counters, dict) and all(isinstance(counters.get(k), int) for k in SYNC_COUNTERS)):
+        counters = {}  # (not what this psctl writes: resumed as from a checkpoint that recorded none)
     return Snapshot(int(state["global_step"]), list(state.get("shard_positions", [])), variables, slots,
-                    {k: v for k, v in state.items() if k not in ("global_step", "shard_positions")})
+                    {k: v for k, v in state.items() if k not in ("global_step", "shard_positions", "sync_counters")},
+                    {k: int(counters[k]) for k in SYNC_COUNTERS} if counters else {})
 
 
 def latest_checkpoint(directory: str | Path) -> tuple[Path, Snapshot] | None:

@@ -39,7 +39,7 @@ from psctl.runtime.metrics import MetricsFile, TrainingMeter, metric_text, metri
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.optimizers import make_optimizer
 from psctl.runtime.program import ProgramRef, load_program
-from psctl.runtime.ps_client import PsClient, PsUnavailable
+from psctl.runtime.ps_client import PsClient, PsUnavailable, sync_counters
 from psctl.runtime.tensorboard import ScalarWriter
 
 log = logging.getLogger("psctl.chief")
@@ -457,12 +457,7 @@ class Chief:
     def _sync_counters(self) -> dict[str, int] | None:
         if self.config.mode != "sync":
             return None
-        states = [self.ps.state(i) for i in range(len(self.ps.addresses))]
-        return {
-            "gradients_applied": states[0].sync_gradients_applied,
-            "stale_dropped": states[0].stale_dropped,
-            "timed_out_steps": states[0].timed_out_steps,
-        }
+        return sync_counters(self.ps.state(0))  # (every ps counts the same; a restored one from the checkpoint's)
 
     def _on_result(self, closure: Closure, response: Any, worker: int) -> None:
         if closure.function == "train":

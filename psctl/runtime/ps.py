@@ -423,9 +423,11 @@ class VariableStore:
             return left.T @ right
 
     def assign(
-        self, entries: Sequence[Entry], global_step: int, positions: Sequence[int], *, chief_incarnation: int = 0
+        self, entries: Sequence[Entry], global_step: int, positions: Sequence[int], *, chief_incarnation: int = 0,
+        counters: pb.SyncCounters | None = None,
     ) -> None:
-        """Replace every shard's value and slots (restoring a checkpoint). Validates all, then applies all."""
+        """Replace every shard's value and slots (restoring a checkpoint), and the synchronous training's counters
+        where given (else they are kept). Validates all, then applies all."""
         values: dict[str, np.ndarray] = {}
         slots: dict[str, dict[str, np.ndarray]] = {}
         for entry in entries:
@@ -463,6 +465,10 @@ class VariableStore:
                         shard.slots[slot][...] = array
             self.global_step = int(global_step)
             self.shard_positions = {i: int(p) for i, p in enumerate(positions) if p >= 0}
+            if counters is not None:
+                self.sync_gradients_applied = counters.gradients_applied
+                self.stale_dropped = counters.stale_dropped
+                self.timed_out_steps = counters.timed_out_steps
             if self._sync is not None:
                 self._sync.reset(self.global_step)
 
@@ -653,8 +659,11 @@ def _push_header(p: pb.PushRequest) -> pb.PushRequest:
 
 
 def _assign_header(p: pb.AssignRequest) -> pb.AssignRequest:
-    return pb.AssignRequest(global_step=p.global_step, shard_positions=list(p.shard_positions),
-                            chief_incarnation=p.chief_incarnation)
+    header = pb.AssignRequest(global_step=p.global_step, shard_positions=list(p.shard_positions),
+                              chief_incarnation=p.chief_incarnation)
+    if p.HasField("sync_counters"):
+        header.sync_counters.CopyFrom(p.sync_counters)
+    return header
 
 
 def _plain_parts(chunks: Iterator[Any]) -> Iterator[tuple[Any, list[tuple[pb.NamedTensor, bytes]]]]:
@@ -780,7 +789,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     ) -> pb.AssignResponse:
         try:
             self.store.assign(entries, request.global_step, list(request.shard_positions),
-                              chief_incarnation=request.chief_incarnation)
+                              chief_incarnation=request.chief_incarnation,
+                              counters=request.sync_counters if request.HasField("sync_counters") else None)
         except (ValueError, NotInitializedError, ChiefReplaced) as exc:
             self._abort(context, exc)
             raise

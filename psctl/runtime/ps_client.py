@@ -112,6 +112,17 @@ def _all_or_raise(guard: Callable[[int, Callable[[], Any]], Any], runs: Sequence
     return out
 
 
+#: The synchronous training's counters a PS reports (StateResponse) and a restore hands back (AssignRequest), by
+#: their names in ``result.json``'s ``sync``.
+SYNC_COUNTERS = ("gradients_applied", "stale_dropped", "timed_out_steps")
+
+
+def sync_counters(state: pb.StateResponse) -> dict[str, int]:
+    """A PS's synchronous training counters, by the names of ``SYNC_COUNTERS``."""
+    return {"gradients_applied": state.sync_gradients_applied, "stale_dropped": state.stale_dropped,
+            "timed_out_steps": state.timed_out_steps}
+
+
 class PsClient:
     def __init__(self, addresses: Sequence[str], *, tls: TlsFiles | None = None, timeout: float = 60.0,
                  chief_incarnation: int = 0, sessions: bool = False) -> None:
@@ -335,12 +346,16 @@ class PsClient:
                 calls[ps] = partial(self._framed[ps].push_stream, frames, timeout=self.timeout)
         return calls
 
-    def assign(self, per_ps: Mapping[int, Sequence[Entry]], global_step: int, positions: Sequence[int]) -> None:
-        """Replace every PS's variables and slots (restore), all PS in parallel, streamed."""
+    def assign(self, per_ps: Mapping[int, Sequence[Entry]], global_step: int, positions: Sequence[int],
+               counters: Mapping[str, int] | None = None) -> None:
+        """Replace every PS's variables and slots (restore), all PS in parallel, streamed; ``counters``: the
+        synchronous training's counters (``sync_counters``) for every PS to count on from."""
 
         def one(ps: int) -> bytes:
             header = pb.AssignRequest(global_step=global_step, shard_positions=list(positions),
                                       chief_incarnation=self.chief_incarnation)
+            if counters is not None:
+                header.sync_counters.CopyFrom(pb.SyncCounters(**counters))
             frames = wire.frames(per_ps.get(ps, []), header)
             return self._framed[ps].assign_stream(frames, timeout=self.timeout)  # type: ignore[no-any-return]
 
