@@ -114,7 +114,8 @@ def status_dict(cdir: ClusterDir, record: ClusterRecord, *, stale: bool) -> dict
     return data
 
 
-def _role_row(role: RoleRecord, now: float, global_step: int, *, slurm: bool) -> list[Any]:
+def _role_row(role: RoleRecord, now: float, global_step: int, record: ClusterRecord) -> list[Any]:
+    slurm = record.backend == "slurm"
     alive = not role.state.terminal and role.state != RoleState.RESTARTING
     return [
         role.name,
@@ -124,15 +125,19 @@ def _role_row(role: RoleRecord, now: float, global_step: int, *, slurm: bool) ->
         f"{role.attempt}/{role.restarts}",
         _age(role.started_at, now) if alive else "-",
         _age(role.last_heartbeat, now) if alive else "-",
-        _step_cell(role, global_step),
+        _step_cell(role, global_step, watched=record.framework == "tensorflow"),
     ]
 
 
-def _step_cell(role: RoleRecord, global_step: int) -> str:
+def _step_cell(role: RoleRecord, global_step: int, *, watched: bool = False) -> str:
     """A worker's own steps, the cluster's global step for the chief (as the header shows it), the global step
-    of the checkpoint an evaluator is at; a ps runs no steps (``psctl top`` shows its requests per second)."""
+    of the checkpoint an evaluator is at; a ps runs no steps (``psctl top`` shows its requests per second).
+    A TensorFlow program's roles (``watched``) other than the chief: the step they last printed, if any (a
+    worker's own steps are TensorFlow's, unknown to psctl)."""
     if not role.last_heartbeat or role.role == "ps":
         return "-"
+    if watched and role.role != "chief":
+        return str(role.global_step) if role.global_step else "-"
     return str({"worker": role.local_step, "chief": global_step}.get(role.role, role.global_step))
 
 
@@ -185,7 +190,7 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
             header.append(f"\n{problem}" if named else f"\nhost {host}: {problem}", style="yellow")
     table = Table(box=None, pad_edge=False)
     where = "node" if record.backend == "slurm" else "host"
-    rows = [_role_row(role, now, step, slurm=record.backend == "slurm") for role in record.roles]
+    rows = [_role_row(role, now, step, record) for role in record.roles]
     # What a reader acts on (``psctl logs worker-12``, ``ssh host``, a role's state and step) is never cut
     # short: a narrow console shortens the other columns; attempts and restarts head two lines (cells "1/0").
     kept = {"role", where, "state", "step"}

@@ -90,3 +90,21 @@ def test_a_slurm_cluster_s_roles_show_no_node_before_its_job_has_nodes(tmp_path:
     console.print(status_view(ClusterDir(tmp_path / "sl"), record, stale=False))
     rows = {line.split()[0]: line.split() for line in console.export_text().splitlines() if line.split()}
     assert rows["chief-0"][1] == "-" and rows["ps-0"][1] == "n2", rows
+
+
+def test_a_tensorflow_program_s_workers_show_the_step_they_printed_or_none(tmp_path: Path) -> None:
+    """psctl reads a TensorFlow program's steps from what it prints: a worker that prints none (TF2's) shows
+    "-", not a step 0 it never was at; one that prints the global step (TF1's hooks) shows that."""
+    now = time.time()
+    printed = {"chief-0": 300, "ps-0": 0, "worker-0": 0, "worker-1": 250}
+    roles = [RoleRecord(name=name, role=name.split("-")[0], index=0, host="localhost", address="127.0.0.1", port=1,
+                        state=RoleState.RUNNING, pid=4242, attempt=1, started_at=now - 30, last_heartbeat=now - 0.5,
+                        global_step=step)
+             for name, step in printed.items()]
+    record = ClusterRecord(name="tf", cluster_id="c", state=ClusterState.RUNNING, steps=1000, roles=roles,
+                           framework="tensorflow")
+    console = Console(width=120, record=True)
+    console.print(status_view(ClusterDir(tmp_path / "tf"), record, stale=False, now=now))
+    steps = {line.split()[0]: line.split()[-1] for line in console.export_text().splitlines()
+             if line.split() and line.split()[0] in printed}
+    assert steps == {"chief-0": "300", "ps-0": "-", "worker-0": "-", "worker-1": "250"}, steps

@@ -116,6 +116,7 @@ def test_tf2_parameter_server_strategy_trains_to_completion_and_down_leaves_noth
     assert "chief: finished at step 300" in log, log[-2000:]
     assert "evaluator: step 300 eval loss" in cluster.log("evaluator-0")
     assert cluster.role("chief-0")["global_step"] == 300  # read from what the chief printed
+    assert cluster.state()["framework"] == "tensorflow"  # (status shows "-" for a worker's steps it never printed)
     # psctl's metrics and checkpoints are its runtime's: for a program of its own, say what to use instead
     export = psctl_env.run("export", cluster.name, "-o", str(psctl_env.tmp_path / "m.npz"))
     assert export.returncode == 2 and "runs a TensorFlow program, which writes TensorFlow checkpoints, not " \

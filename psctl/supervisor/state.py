@@ -155,6 +155,9 @@ class ClusterRecord:
     agents: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: ``local``, ``ssh`` or ``slurm`` (the spec's backend).
     backend: str = "local"
+    #: ``psctl`` (its own runtime) or ``tensorflow`` (a TensorFlow program it runs and watches): the spec's
+    #: ``training.framework``.
+    framework: str = "psctl"
     #: backend slurm: ``{"job_id", "restarts", "nodes"}`` as the supervisor found them in its job.
     slurm: dict[str, Any] = field(default_factory=dict)
 
@@ -206,6 +209,7 @@ def new_record(spec: ClusterSpec, plan: Plan) -> ClusterRecord:
         roles=[RoleRecord(name=i.name, role=i.role, index=i.index, host=i.host, address=i.address, port=i.port)
                for i in plan.instances],
         backend=spec.backend,
+        framework=str(spec.training.get("framework") or "psctl"),
     )
     record.tls = spec.security.tls
     return record
