@@ -667,6 +667,11 @@ def test_synchronous_counters_carry_on_from_the_checkpoint_into_restarted_ps(
         assert second.restores == 0 and second.ps.state(0).global_step == 300
         assert second._sync_counters() == counts
         assert sync_counters(second.ps.state(1)) == counts
+        # every ps set back to its initializers (no checkpoint to restore): training, and its counts, start again
+        cfg = second.config
+        second.ps.init(second.model.shard_specs(cfg.seed), cfg.optimizer_proto(), second.info.cluster_id,
+                       reset=True, replicas_to_aggregate=2)
+        assert second._sync_counters() == dict.fromkeys(counts, 0)
     finally:
         second.close()
     taken.global_step, taken.sync_counters = 400, {}  # a newer checkpoint that records none

@@ -188,9 +188,10 @@ class VariableStore:
                 )
                 shards[spec.name] = Shard(spec, value, opt.create_slots(value))
             self._shards, self._optimizer = shards, opt
-            if reset:
+            if reset:  # training starts again: its counts too
                 self.global_step = 0
                 self.shard_positions = {}
+                self.sync_gradients_applied = self.stale_dropped = self.timed_out_steps = 0
             self._sync = StepAccumulator(replicas_to_aggregate, distinct_replicas, step=self.global_step) \
                 if replicas_to_aggregate > 0 else None
             return False
