@@ -453,8 +453,13 @@ def test_a_program_error_in_a_step_fails_the_cluster_saying_which_worker_and_wha
     assert done.returncode == 3, (done.returncode, done.stdout, done.stderr, cluster_logs(psctl_env, "buggy"))
     error = flat(done.stderr)
     said = re.search(r"chief-0 failed: exit code 3: training failed: worker:(\d): program error: ValueError: "
-                     r"shapes \(50,32\) and \(64,10\) not aligned: my model's bug; not restarted", error)
-    assert said is not None and "INTERNAL" not in error, error
+                     r"shapes \(50,32\) and \(64,10\) not aligned: my model's bug \(traceback in worker-(\d)'s "
+                     r"log\); not restarted", error)
+    assert said is not None and said[1] == said[2] and "INTERNAL" not in error, error
+    # the log it names shows where in the program: the file and line that raised
+    log = psctl_env.run("logs", f"worker-{said[1]}", "buggy").stdout
+    assert "Traceback (most recent call last)" in log and f'File "{program}", line 11, in loss_and_grads' in log \
+        and "ValueError: shapes (50,32)" in log, log[-3000:]
     assert not any(r["restarts"] for r in status_json(psctl_env, "buggy")["roles"])
 
 

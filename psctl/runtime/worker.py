@@ -35,6 +35,7 @@ Status codes the coordinator relies on:
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -54,6 +55,8 @@ from psctl.runtime.program import Batch, Dataset
 from psctl.runtime.ps_client import PsClient, PsUnavailable, PushHeader
 from psctl.runtime.stepstats import StepStats
 from psctl.runtime.wire import DENSE, IDS, Entry, payload_bytes
+
+log = logging.getLogger("psctl.worker")
 
 
 @dataclass(frozen=True)
@@ -258,7 +261,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 context.abort(code, f"ps unavailable: {exc.details()}")  # type: ignore[attr-defined]
             context.abort(code, f"{self.task}: {exc.details()}")  # type: ignore[attr-defined]
         except Exception as exc:  # the program's own code failed: report it, do not crash the server
-            context.abort(grpc.StatusCode.INTERNAL, f"{self.task}: program error: {type(exc).__name__}: {exc}")
+            log.exception("program error in a %s step", request.function)  # (where: in the program's own lines)
+            context.abort(grpc.StatusCode.INTERNAL, f"{self.task}: program error: {type(exc).__name__}: {exc} "
+                                                    f"(traceback in {self.task.replace(':', '-')}'s log)")
         raise AssertionError("unreachable")
 
     def _follow_layout(self, addresses: Sequence[str]) -> None:
