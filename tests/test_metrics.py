@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from psctl.runtime.metrics import MetricsFile, last_record, metric_text, metrics_text, read_metrics
+from psctl.runtime.metrics import MetricsFile, TrainingMeter, last_record, metric_text, metrics_text, read_metrics
 
 
 def test_last_record_finds_the_newest_of_an_event_from_the_tail(tmp_path: Path) -> None:
@@ -36,3 +36,18 @@ def test_a_metric_reads_with_4_decimals_or_4_significant_digits_where_those_woul
         "0.9833", "0.0690", "12.5000", "0.0000", "3.215e-05", "-4.000e-04", "0.0010"]
     assert metrics_text({"loss": 0.1208, "examples": 360.0, "accuracy": 0.9833}) == "loss 0.1208, accuracy 0.9833"
     assert metrics_text({"cpu": 0.2, "loss": 1e-6}, skip=("cpu",)) == "loss 1.000e-06"
+
+
+def test_the_final_report_gives_the_whole_run_s_rates_not_its_last_interval() -> None:
+    """The last interval holds the end's evaluation and checkpoint: a status of 136 steps/s showed 6.4."""
+    now = [100.0]
+    meter = TrainingMeter(get_time=lambda: now[0])
+    for step in range(1, 101):  # 10 steps/s, reported every second
+        now[0] += 0.1
+        meter.record(loss=0.5, examples=32, global_step=step)
+        if step % 10 == 0:
+            assert abs(meter.report()["steps_per_sec"] - 10.0) < 1e-6
+    now[0] += 5.0  # the final evaluation
+    final = meter.report(final=True)
+    assert abs(final["steps_per_sec"] - 99 / 9.9) < 1e-6 and abs(final["examples_per_sec"] - 32 * 99 / 9.9) < 1e-6
+    assert final["global_step"] == 100

@@ -470,7 +470,7 @@ class Chief:
                 self._advanced.notify_all()
 
     def _report(self, *, final: bool = False) -> None:
-        report = self.meter.report()
+        report = self.meter.report(final=final)
         PROGRESS.global_step = int(report["global_step"])
         PROGRESS.loss = float(report["loss"])
         PROGRESS.steps_per_second = float(report["steps_per_sec"])

@@ -88,7 +88,8 @@ def last_record(path: str | Path, event: str, *, tail_bytes: int = 64 << 10) -> 
 
 
 class TrainingMeter:
-    """Counts steps and examples and reports rates over the last reporting interval."""
+    """Counts steps and examples and reports rates over the last reporting interval (the final report: over the
+    whole run, from the first result to the last)."""
 
     def __init__(self, *, get_time: Callable[[], float] = time.monotonic) -> None:
         self._time = get_time
@@ -100,12 +101,18 @@ class TrainingMeter:
         self._loss_sum = 0.0
         self._loss_n = 0
         self._mark = (get_time(), 0, 0)
+        #: (time, steps, examples) at the first result, and the time of the latest
+        self._first: tuple[float, int, int] | None = None
+        self._latest = 0.0
 
     def record(self, *, loss: float, examples: int, global_step: int, steps: int = 1) -> None:
         """``steps`` steps finished (one call of several: ``loss`` is their mean, ``examples`` their sum)."""
         with self._lock:
             self.steps += steps
             self.examples += examples
+            self._latest = self._time()
+            if self._first is None:  # (the steps of this first result took a time not known here)
+                self._first = (self._latest, self.steps, self.examples)
             self.global_step = max(self.global_step, global_step)
             self._loss_sum += loss * steps
             self._loss_n += steps
@@ -115,11 +122,15 @@ class TrainingMeter:
         with self._lock:
             self.global_step = global_step
 
-    def report(self) -> dict[str, float]:
-        """Rates and mean loss since the previous report."""
+    def report(self, *, final: bool = False) -> dict[str, float]:
+        """Rates and mean loss since the previous report; ``final``: the rates of the whole run, between its first
+        and last results (not the last interval, which holds the end's evaluation and checkpoint)."""
         with self._lock:
             now = self._time()
             then, steps, examples = self._mark
+            if final and self._first is not None and self._latest > self._first[0]:
+                then, steps, examples = self._first
+                now = self._latest
             elapsed = max(now - then, 1e-9)
             if self._loss_n:
                 self.loss = self._loss_sum / self._loss_n
