@@ -460,6 +460,9 @@ def test_a_program_error_in_a_step_fails_the_cluster_saying_which_worker_and_wha
     log = psctl_env.run("logs", f"worker-{said[1]}", "buggy").stdout
     assert "Traceback (most recent call last)" in log and f'File "{program}", line 11, in loss_and_grads' in log \
         and "ValueError: shapes (50,32)" in log, log[-3000:]
+    # the agent ended cleanly with its roles (its watch thread once read a descriptor closed at the exit)
+    agent_log = (psctl_env.home / "buggy" / "logs" / "agent-localhost.log").read_text()
+    assert "Traceback" not in agent_log, agent_log[-3000:]
     assert not any(r["restarts"] for r in status_json(psctl_env, "buggy")["roles"])
 
 

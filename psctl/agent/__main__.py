@@ -52,6 +52,7 @@ def main() -> int:
     logging.info("host %s: agent pid %d, heartbeats at %s, supervisor at %s", agent.host, os.getpid(),
                  agent.heartbeat_address, agent.supervisor)
     agent.wait()
+    agent.join(2.0)
     return 0
 
 

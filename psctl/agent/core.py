@@ -373,6 +373,13 @@ class Agent:
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
 
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds in all for the agent's threads to end (after ``wait``: they were told
+        to), so that none is cut off half-way by the interpreter's exit."""
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
     def stop(self) -> None:
         """Leave the roles running and stop serving (a test's or a benchmark's end; ``Shutdown`` stops roles)."""
         self._done.set()

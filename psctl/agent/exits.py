@@ -42,8 +42,11 @@ class ExitWaiter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._fds = _Descriptors()
-        # closed by close(), or when the waiter is dropped unclosed (an agent that was never started)
+        # closed by close(), or when the waiter is dropped unclosed (an agent that was never started); not at the
+        # interpreter's exit, where a thread may still be in ``wait`` (it read a closed descriptor, or another
+        # file's of the same number): the process's end closes them
         self._finalizer = weakref.finalize(self, self._fds.close_all)
+        self._finalizer.atexit = False
         #: Processes that could not be watched: their exits are seen only by looking (see ``blind``).
         self._unwatched: set[int] = set()
         self._poller = select.poll()
