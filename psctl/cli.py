@@ -159,6 +159,7 @@ def up(spec: str, detach: bool, dry_run: bool, overrides: tuple[str, ...]) -> No
         console.print(f"dry run: nothing started ({len(plan.instances)} roles planned)")
         return
     name = cluster_spec.name
+    runs_before = ClusterDir.named(name).kept_runs()
     try:
         cdir = operations.bring_up(
             cluster_spec, plan, warn=lambda line: err_console.print(f"[yellow]warning:[/yellow] {escape(line)}")
@@ -172,6 +173,10 @@ def up(spec: str, detach: bool, dry_run: bool, overrides: tuple[str, ...]) -> No
         err_console.print(f"interrupted while starting: cluster {name!r} stopped; nothing of it is left running",
                           markup=False, highlight=False, soft_wrap=True)
         sys.exit(EXIT_INTERRUPTED)
+    runs = cdir.kept_runs()
+    if runs and runs[-1] not in runs_before:
+        console.print(f"the last run's logs, metrics, events and result are kept in {runs[-1]}", markup=False,
+                      highlight=False, soft_wrap=True)
     if detach:
         console.print(f"cluster {name!r} is starting; watch it with `psctl status {name}`", markup=False)
         return

@@ -15,6 +15,10 @@ from psctl.errors import UsageError
 P = TypeVar("P", bound=PurePath)
 
 
+#: How many earlier runs of a cluster name ``up`` keeps under its folder's ``history``.
+KEPT_RUNS = 5
+
+
 def psctl_home() -> Path:
     return Path(os.environ.get("PSCTL_HOME", "~/.psctl")).expanduser()
 
@@ -102,13 +106,40 @@ class ClusterDir(RoleFolders[Path]):
         """``psctl scale`` leaves its request here for the supervisor (which takes it within 0.1 s)."""
         return self.root / "scale-request.json"
 
-    def clear_last_run(self) -> None:
-        """Before a new ``up`` of this name: the last run's logs, results, events and requests go (its
-        checkpoints stay: the new run resumes from them)."""
-        for stale in (self.logs, self.run_dir):
-            shutil.rmtree(stale, ignore_errors=True)
-        for path in (self.events_file, self.stop_request, self.scale_request, self.slurm_job_file):
+    @property
+    def history(self) -> Path:
+        """The earlier runs of this name, one folder each, numbered on from 1 (the KEPT_RUNS newest are kept)."""
+        return self.root / "history"
+
+    def kept_runs(self) -> list[Path]:
+        """The earlier runs kept under ``history``, oldest first."""
+        if not self.history.is_dir():
+            return []
+        return sorted((p for p in self.history.iterdir() if p.name.isdigit() and p.is_dir()), key=lambda p: int(p.name))
+
+    def keep_last_run(self) -> Path | None:
+        """Before a new ``up`` of this name: the last run's logs, results (metrics, result.json), events, record
+        and spec go to a new folder under ``history`` (returned; None where it left none), the oldest beyond
+        KEPT_RUNS go, and its requests are dropped. Its checkpoints stay where they are: the new run resumes
+        from them."""
+        for path in (self.stop_request, self.scale_request, self.slurm_job_file):
             path.unlink(missing_ok=True)
+        leftovers = [p for p in (self.logs, self.run_dir, self.events_file, self.supervisor_log, self.state_file,
+                                 self.spec_file) if p.exists()]
+        if not leftovers:
+            return None
+        runs = self.kept_runs()
+        kept = self.history / str(int(runs[-1].name) + 1 if runs else 1)
+        kept.mkdir(parents=True, mode=0o700)
+        self.history.chmod(0o700)
+        for path in leftovers:
+            if path in (self.state_file, self.spec_file):  # (copied: they stand for the cluster until replaced)
+                shutil.copy2(path, kept / path.name)
+            else:
+                os.replace(path, kept / path.name)
+        for old in runs[: max(0, len(runs) + 1 - KEPT_RUNS)]:
+            shutil.rmtree(old, ignore_errors=True)
+        return kept
 
     def create(self) -> None:
         for path in (self.root, self.logs, self.run_dir):

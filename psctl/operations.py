@@ -225,7 +225,7 @@ def refuse_if_up(spec: ClusterSpec) -> None:
 
 def _refuse_if_left_on_hosts(name: str, old: ClusterRecord, runners: Mapping[str, SSHRunner]) -> None:
     """A UsageError if processes of the last cluster of this name still run on the hosts about to be prepared
-    (its supervisor died, or `down` could not reach a host): `up` would clear their logs and results under
+    (its supervisor died, or `down` could not reach a host): `up` would move their logs and results from under
     them, and no later `down` would look for their cluster id."""
     found, _ = _cluster_processes(runners, old.cluster_id)
     if found:
@@ -241,7 +241,7 @@ def _start(
     cdir = ClusterDir.named(spec.name)
     if cdir.state_file.is_file():
         _refuse_if_left_on_hosts(spec.name, load_state(cdir.state_file), runners)
-        cdir.clear_last_run()
+        cdir.keep_last_run()
     record = new_cluster_folder(cdir, spec, plan)
     try:
         if spec.backend == "local":

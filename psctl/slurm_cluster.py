@@ -89,7 +89,7 @@ def submit_cluster(spec: ClusterSpec, plan: Plan, *, wait_started: float = 30.0)
     assert spec.slurm is not None
     cdir = ClusterDir.named(spec.name)
     if cdir.state_file.is_file():
-        cdir.clear_last_run()
+        cdir.keep_last_run()
     record = new_cluster_folder(cdir, spec, plan)
     save_state(cdir.state_file, record)  # before sbatch: the job may start at once and read it
     script = cdir.root / "slurm-job.sh"

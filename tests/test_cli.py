@@ -19,7 +19,7 @@ from click.testing import CliRunner, Result
 from psctl import __version__
 from psctl.cli import cli
 from psctl.errors import EXIT_NOT_FOUND, EXIT_USAGE
-from psctl.home import ClusterDir, release, take_supervision
+from psctl.home import KEPT_RUNS, ClusterDir, release, take_supervision
 from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, load_state, save_state
 
 ROLES_2X2 = ("chief-0", "ps-0", "ps-1", "worker-0", "worker-1")
@@ -593,3 +593,26 @@ def test_up_says_in_one_line_that_psctl_home_cannot_hold_a_cluster(psctl_env, mo
 def test_a_usage_error_is_one_line_with_exit_code_2(psctl_env, args: list[str], expected: str) -> None:
     """Click's own form is four lines (usage, a hint, a blank line, the error); psctl's is one, like its others."""
     assert_one_line_error(invoke(*args), EXIT_USAGE, expected)
+
+
+def test_a_new_run_of_a_name_keeps_the_last_ones_files_and_drops_its_requests(tmp_path: Path) -> None:
+    """Each `up` of a name keeps the run before under history/N (the KEPT_RUNS newest), where it used to delete
+    its logs, metrics, events and result; its checkpoints stay for the new run, its requests go."""
+    cdir = ClusterDir(tmp_path / "digits")
+    (cdir.root / "checkpoints" / "ckpt-000000000100").mkdir(parents=True)
+    for run in range(1, KEPT_RUNS + 3):
+        cdir.create()
+        (cdir.logs / "chief-0.1.log").write_text(f"run {run}\n")
+        (cdir.run_dir / "result.json").write_text(json.dumps({"run": run}))
+        for path in (cdir.events_file, cdir.supervisor_log, cdir.state_file, cdir.spec_file, cdir.stop_request):
+            path.write_text(f"{run}\n")
+        kept = cdir.keep_last_run()
+        assert kept == cdir.history / str(run)
+        assert json.loads((kept / "run" / "result.json").read_text()) == {"run": run}
+        assert (kept / "logs" / "chief-0.1.log").read_text() == f"run {run}\n"
+        assert all((kept / p.name).read_text() == f"{run}\n" for p in (cdir.events_file, cdir.state_file))
+        assert not cdir.logs.exists() and not cdir.run_dir.exists() and not cdir.stop_request.exists()
+        assert cdir.state_file.is_file()  # (copied: it stands for the cluster until the new run's replaces it)
+    assert [p.name for p in cdir.kept_runs()] == [str(n) for n in range(3, KEPT_RUNS + 3)]
+    assert (cdir.history.stat().st_mode & 0o777) == 0o700
+    assert (cdir.root / "checkpoints" / "ckpt-000000000100").is_dir()

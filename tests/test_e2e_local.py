@@ -263,12 +263,21 @@ def test_resuming_a_checkpoint_that_does_not_fit_the_spec_fails_at_once_and_trai
            f"in 3 shards, this run would split it in {n} (training.data_shards, or one per worker): set "
            "training.data_shards: 3 to resume it" for n in (2, 4)},
     }
-    for sets, message in cases.items():
+    history = psctl_env.home / "fit" / "history"
+    for run, (sets, message) in enumerate(cases.items(), start=1):
         failed = check(psctl_env.run("up", str(spec), "--set", "training.steps=300", *sets, timeout=180), 3)
         assert message in flat(failed.stderr), failed.stderr
         chief = psctl_env.role("fit", "chief-0")
         assert (chief["attempt"], chief["restarts"]) == (1, 0), chief  # permanent: not restarted
+        # the run before is kept whole: its logs, metrics and result (the first: the 150 steps that trained)
+        assert f"the last run's logs, metrics, events and result are kept in {history / str(run)}" in \
+            flat(failed.stdout), failed.stdout
     assert list_checkpoints(psctl_env.home / "fit" / "checkpoints")[-1] == newest  # none written over it
+    first = history / "1"
+    assert json.loads((first / "run" / "result.json").read_text())["global_step"] == 150
+    assert (first / "logs" / "chief-0.1.log").is_file() and (first / "events.jsonl").is_file()
+    assert json.loads((first / "state.json").read_text())["state"] == "succeeded"
+    assert sorted(p.name for p in history.iterdir()) == ["1", "2", "3"]
 
 
 def test_export_writes_the_newest_checkpoints_variables(psctl_env) -> None:
