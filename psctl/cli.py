@@ -21,7 +21,7 @@ from rich.table import Table
 # numpy, certificates, the agents' gRPC): the read-only ones (status, logs, top, ls) need psctl.observe only, and
 # start in ~0.13 s instead of ~0.3 (tests/test_cli.py holds them to it).
 from psctl import __version__, completion, observe
-from psctl.errors import EXIT_INTERRUPTED, PsctlError, TrainingFailed, UsageError
+from psctl.errors import EXIT_INTERRUPTED, ClusterStopped, PsctlError, TrainingFailed, UsageError
 from psctl.home import ClusterDir, list_clusters
 from psctl.render import (
     host_table,
@@ -282,8 +282,11 @@ def _finish_line(cdir: ClusterDir, record: Any) -> None:
         )
         return
     if record.state == ClusterState.STOPPED:
-        console.print(f"cluster {record.name!r} was stopped: {record.reason}", markup=False)
-        return
+        step = newest_global_step(record, progress(cdir, record))
+        again = "resumes it from its last checkpoint" if record.checkpoint_dir else "trains it again (it kept no " \
+            "checkpoints)"
+        raise ClusterStopped(f"cluster {record.name!r} was stopped at global step {step} of {record.steps}, before "
+                             f"training finished: {record.reason}", hint=f"`psctl up` of its spec {again}")
     raise TrainingFailed(f"cluster {record.name!r} failed: {record.reason}",
                          hint=f"logs in {cdir.logs}")
 

@@ -64,3 +64,10 @@ class LaunchError(PsctlError):
 
 class TrainingFailed(PsctlError):
     exit_code = EXIT_TRAINING_FAILED
+
+
+class ClusterStopped(PsctlError):
+    """An attached ``up`` whose cluster was stopped (``psctl down`` elsewhere, a signal to its supervisor) before
+    training finished: not a success for a script that goes on to use the model."""
+
+    exit_code = EXIT_FAILURE

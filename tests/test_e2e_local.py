@@ -598,3 +598,27 @@ def test_sigterm_to_the_supervisor_stops_the_cluster_and_says_so(psctl_env) -> N
     assert stopped["reason"] == reason, stopped
     assert {r["reason"] for r in stopped["roles"]} == {reason}, stopped["roles"]
     wait_until(lambda: psctl_env.processes() == [], timeout=20, what="the supervisor and the agent to exit")
+
+
+def test_an_attached_up_whose_cluster_is_stopped_elsewhere_exits_1_saying_so(psctl_env) -> None:
+    """`psctl up x.yaml && psctl export ...`: a cluster stopped by `psctl down` from another shell before training
+    finished is not a success (`up` exited 0)."""
+    spec = psctl_env.write_spec("stopme", steps=LONG, ps=1, workers=1)
+    spec.write_text(spec.read_text().replace("  mode: async\n", "  mode: async\n  checkpoint: {every_steps: 50}\n"))
+    attached = psctl_env.popen("up", str(spec))
+    try:
+        wait_until(lambda: psctl_env.state_file("stopme").is_file(), timeout=30, what="'stopme' to be written")
+        wait_cluster(psctl_env, "stopme", lambda s: max(r["global_step"] for r in s["roles"]) > 0, timeout=60,
+                     what="'stopme' to train")
+        check(psctl_env.run("down", "stopme"))
+        out, err = attached.communicate(timeout=60)
+    finally:
+        if attached.poll() is None:
+            attached.kill()
+            attached.communicate()
+    assert attached.returncode == 1, (attached.returncode, out, err)
+    said = re.search(r"error: cluster 'stopme' was stopped at global step (\d+) of (\d+), before training finished: "
+                     r"stopped by psctl down \(`psctl up` of its spec resumes it from its last checkpoint\)",
+                     flat(err))
+    assert said is not None and int(said[2]) == LONG and 0 < int(said[1]) < LONG, err
+    assert "Traceback" not in out + err
