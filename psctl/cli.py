@@ -41,6 +41,10 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+#: ``ctx.meta`` key: the command ``psctl`` resolved, for its usage errors.
+COMMAND_NAME = "psctl.command"
+
+
 class PsctlGroup(click.Group):
     """Turns PsctlError, and a command's usage error (an unknown option, a value out of range), into one line on
     stderr and its exit code; tracebacks only with --debug."""
@@ -56,6 +60,12 @@ class PsctlGroup(click.Group):
         except click.UsageError as exc:  # (click's own form is four lines: usage, a hint, a blank, the error)
             print_usage_error(exc, ctx)
 
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None,
+                                                                           list[str]]:
+        name, command, rest = super().resolve_command(ctx, args)
+        ctx.meta[COMMAND_NAME] = name  # (for a usage error click raises without the command's context)
+        return name, command, rest
+
     def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
                      **extra: Any) -> click.Context:
         try:
@@ -68,6 +78,8 @@ def print_usage_error(exc: click.UsageError, ctx: click.Context | None) -> NoRet
     """A usage error in one line, with where to read the command's usage; exit 2."""
     context = exc.ctx or ctx
     where = context.command_path if context is not None else "psctl"
+    if exc.ctx is None and ctx is not None and ctx.meta.get(COMMAND_NAME):  # (an option's missing value)
+        where = f"{ctx.command_path} {ctx.meta[COMMAND_NAME]}"
     if isinstance(exc, click.NoSuchOption) and exc.option_name == "--debug":  # psctl's, given after a command
         print_error(f"--debug is psctl's option: give it before the command (psctl --debug {where.split()[-1]} ...)")
         sys.exit(exc.exit_code)
@@ -558,7 +570,8 @@ def down(names: tuple[str, ...], grace: float, purge: bool) -> None:
 
 @cli.command()
 @click.argument("name", required=False, shell_complete=completion.cluster_names)
-@click.option("--tail", "-n", "tail", type=click.IntRange(min=0), default=20, show_default=True)
+@click.option("--tail", "-n", "tail", type=click.IntRange(min=0), default=20, show_default=True,
+              help="Only the last N events (0: all).")
 def events(name: str | None, tail: int) -> None:
     """Show the cluster's recent role state changes, with their reasons."""
     cdir = observe.resolve_cluster(name)

@@ -139,7 +139,7 @@ def top_view(record: ClusterRecord, width: int | None = None) -> Group:
                 style="bold")
     parts: list[Any] = [head]
     console = Console(width=10_000)
-    hidden: list[str] = []
+    hidden: list[str] = []  # "table: columns", for each table that left some out
     tables = {"worker": ("workers", WORKER_COLUMNS), "ps": ("parameter servers", PS_COLUMNS),
               "other": ("chief and evaluator", OTHER_COLUMNS)}
     for kind, (title, columns) in tables.items():
@@ -147,7 +147,8 @@ def top_view(record: ClusterRecord, width: int | None = None) -> Group:
         if rows:
             table, left_out = _fitted(title, columns, rows, width, console)
             parts.append(table)
-            hidden += [col for col in left_out if col not in hidden]
+            if left_out:
+                hidden.append(f"{title}: {', '.join(left_out)}")
     if hidden:
-        parts.append(Text(f"hidden at this width: {', '.join(hidden)}", style="dim"))
+        parts.append(Text(f"hidden at this width: {'; '.join(hidden)}", style="dim"))
     return Group(*parts)

@@ -584,6 +584,7 @@ def test_up_says_in_one_line_that_psctl_home_cannot_hold_a_cluster(psctl_env, mo
                                 "(see `psctl down --help`)"),
     (["top", "--interval", "0"], "Invalid value for '--interval': 0.0 is not in the range x>0"),
     (["up", "--bogus", "x.yaml"], "No such option '--bogus' (see `psctl up --help`)"),
+    (["export", "-o"], "Option '-o' requires an argument (see `psctl export --help`)"),  # (it named `psctl`)
     (["validate"], "Missing argument 'SPEC' (see `psctl validate --help`)"),
     (["nosuch"], "No such command 'nosuch' (see `psctl --help`)"),
     (["--bogus", "ls"], "No such option '--bogus' (see `psctl --help`)"),

@@ -92,6 +92,10 @@ def test_a_narrow_terminal_hides_the_columns_read_least_and_says_which(tmp_path:
         assert straggler[-1] == "straggler" and "running" in straggler and "10.0" in straggler
         hidden = " ".join(lines[lines.index(next(line for line in lines if line.startswith("hidden"))):])
         assert "pull" in hidden and "MB/s" in hidden and "steps/s" not in hidden
+        # each table's own: a column the workers' table left out and the ps' shows is not called hidden there
+        said = dict(part.split(": ", 1) for part in hidden.removeprefix("hidden at this width: ").split("; "))
+        assert "rss MB" in said["workers"] and "parameter servers" not in said, hidden
+        assert "rss MB" in next(line for line in lines if line.startswith("role") and "req/s" in line)
 
 
 def tmux(*args: str) -> subprocess.CompletedProcess[str]:
