@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from functools import partial
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import pytest
@@ -23,12 +23,13 @@ from sshbed import SSHBed, sshbed_fixture  # noqa: F401 - provides the session f
 
 from psctl.checkpoints import fetch_newest
 from psctl.errors import CheckpointNotFound, LaunchError
+from psctl.home import KEPT_RUNS
 from psctl.launch import hosts
 from psctl.launch.base import ProcessHandle, stop_processes
 from psctl.launch.fanout import HostsError, check_results, run_on_all
 from psctl.launch.hostset import RemoteHost
 from psctl.launch.local import UNKNOWN_EXIT
-from psctl.launch.remote import _PREFLIGHT, LOCATED_MODULES
+from psctl.launch.remote import _PREFLIGHT, LOCATED_MODULES, HostDir, prepare_host
 from psctl.launch.ssh import HostUnreachable, SSHRunner
 from psctl.runtime.checkpoint import Snapshot, write_checkpoint
 from psctl.spec.model import HostSpec
@@ -185,6 +186,26 @@ def test_run_put_file_and_read_file(runners: dict[str, SSHRunner], tmp_path: Pat
     with pytest.raises(LaunchError) as info:
         runner.read_file(str(tmp_path))  # a folder
     assert info.value.format_message().startswith(f"host h2: cannot read '{tmp_path}': ")
+
+
+def test_a_new_run_on_a_host_keeps_the_last_ones_logs_and_results(
+        runners: dict[str, SSHRunner], tmp_path: Path) -> None:
+    """As on this machine: preparing a host for another run of a name keeps the run before's logs/ and run/
+    under history/N (the KEPT_RUNS newest) where it used to delete them. (The bed's hosts share this file system.)"""
+    hostdir = HostDir(PurePosixPath(tmp_path) / "digits")
+    local = Path(str(hostdir.root))
+    for run in range(1, KEPT_RUNS + 3):
+        prepare_host(runners["h2"], hostdir, tls_files={}, staged=None, psctl_copy=None, setup=[])
+        assert not any((local / "logs").iterdir()) and not any((local / "run").iterdir())  # a fresh start
+        (local / "logs" / "chief-0.1.log").write_text(f"run {run}\n")
+        (local / "run" / "result.json").write_text(f"{run}\n")
+    prepare_host(runners["h2"], hostdir, tls_files={}, staged=None, psctl_copy=None, setup=[])
+    kept = sorted((local / "history").iterdir(), key=lambda p: int(p.name))
+    assert [int(p.name) for p in kept] == list(range(3, KEPT_RUNS + 3))
+    for folder in kept:
+        assert (folder / "logs" / "chief-0.1.log").read_text() == f"run {folder.name}\n"
+        assert (folder / "run" / "result.json").read_text() == f"{folder.name}\n"
+    assert stat.S_IMODE((local / "history").stat().st_mode) == 0o700
 
 
 def test_start_in_a_missing_folder_fails_clearly(runners: dict[str, SSHRunner], tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import psctl
 from psctl.errors import LaunchError
-from psctl.home import RoleFolders
+from psctl.home import KEPT_RUNS, RoleFolders
 from psctl.launch.base import sh_path
 from psctl.spec.framework import scripts
 from psctl.spec.model import ClusterSpec
@@ -286,10 +286,9 @@ def prepare_host(
     PYTHONPATH entry of the psctl copy, or None when the host's own psctl is used."""
     dirs = " ".join(sh_path(d) for d in (hostdir.root, hostdir.logs, hostdir.run_dir, hostdir.tls_dir,
                                           hostdir.files, hostdir.checkpoints))
-    # A new cluster of the same name starts with no logs, metrics or results of the last one (as locally):
-    # an evaluator would read an old result.json as "training is done".
-    stale = f"{sh_path(hostdir.logs)} {sh_path(hostdir.run_dir)}"
-    code, _, err = runner.run(f"rm -rf {stale} && mkdir -p -m 700 {dirs} && chmod 700 {dirs}")
+    # A new cluster of the same name starts with no logs, metrics or results of the last one (an evaluator would
+    # read an old result.json as "training is done"): they are kept under history/, as on this machine.
+    code, _, err = runner.run(f"{keep_last_run_script(hostdir)} && mkdir -p -m 700 {dirs} && chmod 700 {dirs}")
     if code != 0:
         raise LaunchError(f"host {runner.host}: cannot create {hostdir.root}: {err.strip() or code}; "
                           "set hosts[].workdir to a folder the user can write")
@@ -309,6 +308,18 @@ def prepare_host(
             last = (err.strip() or out.strip() or f"exit code {code}").splitlines()[-1]
             raise LaunchError(f"host {runner.host}: {setup_failed(i, command, code, last)}")
     return pythonpath
+
+
+def keep_last_run_script(hostdir: HostDir) -> str:
+    """Shell that moves the last run's ``logs/`` and ``run/`` on a host to ``history/N`` (numbered on from the
+    newest there, as ``ClusterDir.keep_last_run`` does here) and keeps the KEPT_RUNS newest."""
+    history = sh_path(hostdir.root / "history")
+    stale = f"{sh_path(hostdir.logs)} {sh_path(hostdir.run_dir)}"
+    runs = f"ls {history} 2>/dev/null | grep -xE '[0-9]+' | sort -n"
+    return (f"{{ for d in {stale}; do [ -e \"$d\" ] && break; d=; done; [ -z \"$d\" ] || {{ "
+            f"n=$({runs} | tail -n 1); n=$(( ${{n:-0}} + 1 )); mkdir -p -m 700 {history}/$n && "
+            f"for d in {stale}; do if [ -e \"$d\" ]; then mv \"$d\" {history}/$n/ || exit 1; fi; done && "
+            f"{runs} -r | tail -n +{KEPT_RUNS + 1} | while read -r old; do rm -rf {history}/\"$old\"; done; }}; }}")
 
 
 def setup_failed(index: int, command: str, code: int, last: str) -> str:
