@@ -97,6 +97,18 @@ def test_the_coordinator_follows_a_worker_restarted_at_another_address(cluster) 
     assert any("moved from" in e for e in events) and any("back as a new process" in e for e in events)
 
 
+def test_a_worker_scaled_away_before_training_starts_is_not_waited_for(cluster) -> None:
+    """`psctl scale worker=1` as the chief starts: it waited out its whole ready timeout (120 s) for a worker
+    that was gone, training at step 0 meanwhile."""
+    coordinator, _model, _ps, _worker = cluster
+    here = coordinator.workers[0].address
+    coordinator.set_workers({0: here, 1: "127.0.0.1:1"})  # a worker that never answers (nothing listens there)...
+    coordinator.set_workers({0: here})  # ...scaled away again
+    started = time.monotonic()
+    assert coordinator.wait_for_workers(30) == 1
+    assert time.monotonic() - started < 10  # not the whole timeout
+
+
 def test_cluster_addresses_reach_subscribers_when_they_change() -> None:
     book = ClusterAddresses()
     seen: list[dict[str, str]] = []

@@ -259,10 +259,11 @@ class ClusterCoordinator:
 
     def wait_for_workers(self, timeout: float) -> int:
         """Wait (bounded) until every worker answers, so the first steps are not all taken by the quickest
-        to start; returns how many answered. Training starts anyway after ``timeout``."""
+        to start; returns how many answered. Training starts anyway after ``timeout``. A worker scaled away
+        meanwhile (psctl scale) is not waited for: it never answers."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not self._stopping.is_set():
-            if all(w.alive for w in self.workers):
+            if all(w.alive or w.removed for w in self.workers):
                 break
             self._stopping.wait(0.05)
         return sum(w.alive for w in self.workers)
