@@ -622,3 +622,7 @@ def test_an_attached_up_whose_cluster_is_stopped_elsewhere_exits_1_saying_so(psc
                      flat(err))
     assert said is not None and int(said[2]) == LONG and 0 < int(said[1]) < LONG, err
     assert "Traceback" not in out + err
+    # the step it says (and status) is where it stopped: at or past its last checkpoint (it showed the step of
+    # the chief's last report before, behind the checkpoint the stop took)
+    newest = list_checkpoints(psctl_env.home / "stopme" / "checkpoints")[-1]
+    assert int(said[1]) >= int(newest.name.removeprefix("ckpt-")), (said[0], newest)

@@ -117,6 +117,22 @@ def test_a_retired_ps_is_stopped_only_once_the_chief_has_resharded_without_it(c:
     assert c.role("ps-2").reason == "resharded onto 2 ps: scaled down"
 
 
+def test_a_ps_scaled_down_while_the_chief_is_away_is_stopped_saying_what_the_next_chief_does(
+        c: FakeCluster) -> None:
+    """Not "resharded" (no chief did): its successor restores the latest checkpoint onto the new layout."""
+    c.step(observations=[ScaleRequested("ps", 3, slots("ps", 2))])
+    c.step(1)
+    c.process("chief-0").metrics = {"ps_layout": 3.0}
+    c.step(1)
+    c.step(observations=[ScaleRequested("ps", 2)])
+    c.process("chief-0").exit_code = -9  # lost before it resharded
+    for _ in range(3):
+        c.step(1)
+    assert c.role("ps-2").state == RoleState.STOPPED
+    assert c.role("ps-2").reason == ("scaled down while the chief was away: the next chief restores the latest "
+                                     "checkpoint onto 2 ps: scaled down")
+
+
 def test_workers_failing_for_good_end_the_cluster_below_min_replicas(tmp_path: Path) -> None:
     c = FakeCluster(SPEC.replace("min_replicas: 2", "min_replicas: 1"), tmp_path)
     c.step()

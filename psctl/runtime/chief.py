@@ -180,6 +180,7 @@ class Chief:
             if self.checkpointer is not None:
                 self.checkpointer.wait()
         if self.stop.is_set():
+            self._report()  # where it stopped (its stop checkpoint's step): status showed the last interval's
             # not asked of the ps: on `psctl down` they are stopping too
             raise Interrupted(f"stopped at global step {self.meter.global_step} of {cfg.steps}")
         metrics, global_step = evaluate_split(self.model, self.ps)
@@ -365,9 +366,10 @@ class Chief:
         if self.checkpointer is not None:
             self.checkpointer.mark(step)
 
-    def _init_or_restore(self) -> None:
+    def _init_or_restore(self, *, ps_lost: bool = False) -> None:
         """Make every PS hold a consistent model: keep it if all have it (a restarted chief), else restore
-        all from the latest valid checkpoint, else start all from their initializers."""
+        all from the latest valid checkpoint, else start all from their initializers. ``ps_lost``: training
+        lost a ps (a restore then counts in ``restores`` even where no ps kept anything: a cluster of one ps)."""
         cfg = self.config
         specs = self.model.shard_specs(cfg.seed)
         r = int(cfg.replicas_to_aggregate or len(self.info.workers)) if cfg.mode == "sync" else 0
@@ -410,14 +412,15 @@ class Chief:
                     f"checkpoint {path} does not fit this spec: {exc}; resume it with the spec it was trained "
                     "with, or train afresh into another training.checkpoint.dir (or under another cluster name)"
                 ) from None
-            self.restores += any(kept)
+            self.restores += ps_lost or any(kept)
             if held is not None:
                 log.warning("the ps held the model at global step %d, behind the checkpoint: a restore was cut "
                             "short", held)
             log.info("restored %s (global step %d)", path, snapshot.global_step)
-        elif any(kept):
-            self.ps.init(specs, cfg.optimizer_proto(), self.info.cluster_id, reset=True,
-                         replicas_to_aggregate=r, distinct_replicas=distinct)
+        elif any(kept) or ps_lost:
+            if any(kept):  # (those that lost nothing are set back too: one model)
+                self.ps.init(specs, cfg.optimizer_proto(), self.info.cluster_id, reset=True,
+                             replicas_to_aggregate=r, distinct_replicas=distinct)
             self.restores += 1
             log.warning("no checkpoint to restore: every ps starts again from its initializers")
 
@@ -622,7 +625,7 @@ class Chief:
         while True:
             try:
                 self.ps.wait_ready(max(1.0, deadline - time.monotonic()))
-                self._init_or_restore()
+                self._init_or_restore(ps_lost=True)
                 restored = self.ps.state(0)
                 break
             except PsUnavailable as exc:

@@ -945,9 +945,15 @@ class _Decision:
         chief = self.s.chief
         layout = chief.metrics.get("ps_layout") if chief is not None else None
         training = chief is not None and chief.state in (R.STARTING, R.RUNNING, R.STALLED)
-        if not training or layout == len(members(self.record, "ps")):
-            for role in leaving:
-                self.retire(role, f"resharded onto {len(members(self.record, 'ps'))} ps")
+        count = len(members(self.record, "ps"))
+        if training and layout != count:
+            return
+        # (a chief lost before it resharded: its successor restores the latest checkpoint onto the new layout)
+        away = chief is not None and not chief.state.terminal and layout != count
+        why = (f"scaled down while the chief was away: the next chief restores the latest checkpoint onto {count} ps"
+               if away else f"resharded onto {count} ps")
+        for role in leaving:
+            self.retire(role, why)
 
     def finish(self, how: ClusterState, reason: str, *, grace: float = 5.0) -> None:
         """Order every running role stopped and hand over to the shell (once)."""
