@@ -317,7 +317,7 @@ def keep_last_run_script(hostdir: HostDir) -> str:
     stale = f"{sh_path(hostdir.logs)} {sh_path(hostdir.run_dir)}"
     runs = f"ls {history} 2>/dev/null | grep -xE '[0-9]+' | sort -n"
     return (f"{{ for d in {stale}; do [ -e \"$d\" ] && break; d=; done; [ -z \"$d\" ] || {{ "
-            f"n=$({runs} | tail -n 1); n=$(( ${{n:-0}} + 1 )); mkdir -p -m 700 {history}/$n && "
+            f"n=$({runs} | tail -n 1); n=$(( ${{n:-0}} + 1 )); mkdir -p -m 700 {history} {history}/$n && "
             f"for d in {stale}; do if [ -e \"$d\" ]; then mv \"$d\" {history}/$n/ || exit 1; fi; done && "
             f"{runs} -r | tail -n +{KEPT_RUNS + 1} | while read -r old; do rm -rf {history}/\"$old\"; done; }}; }}")
 
