@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from psctl.errors import CheckpointNotFound, UsageError
+from psctl.errors import CheckpointNotFound, PsctlError, UsageError
 from psctl.home import ClusterDir
 from psctl.launch.hostset import RemoteHost, ssh_runner
 from psctl.runtime.checkpoint import (
@@ -85,8 +85,9 @@ def _local(path: Path) -> tuple[str, Snapshot]:
     try:
         if (path / "manifest.json").is_file():
             return str(path), load_checkpoint(path)
-    except CheckpointError as exc:
-        raise UsageError(str(exc)) from None
+    except CheckpointError as exc:  # damaged, not misnamed: a failure (exit 1), not a usage error
+        raise PsctlError(str(exc), hint="name another checkpoint, or their folder: the newest that verifies is "
+                                        "taken") from None
     found = latest_checkpoint(path)
     if found is None:
         raise CheckpointNotFound(f"no valid checkpoint in {path}", hint=_NONE_YET)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import textwrap
@@ -305,6 +306,16 @@ def test_export_writes_the_newest_checkpoints_variables(psctl_env) -> None:
     typo = check(psctl_env.run("export", "exp", "--checkpoint", "h9:/ckpts", "-o", str(out)), 2)
     assert ("--checkpoint h9:/ckpts: 'h9' is not a host of cluster 'exp' (its hosts: none: it runs on this "
             "machine); give HOST:PATH with one of them, or a local folder") in flat(typo.stderr), typo.stderr
+    damaged = psctl_env.tmp_path / "damaged" / newest.name  # a checkpoint named, its arrays not what it wrote
+    shutil.copytree(newest, damaged)
+    with open(damaged / "arrays.npz", "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    broken = check(psctl_env.run("export", "exp", "--checkpoint", str(damaged), "-o", str(out)), 1)
+    assert flat(broken.stderr) == (f"error: {damaged}: arrays.npz does not match its checksum (name another "
+                                   "checkpoint, or their folder: the newest that verifies is taken)"), broken.stderr
     a_file = psctl_env.tmp_path / "a-file"
     a_file.write_text("")
     unwritable = check(psctl_env.run("export", "exp", "-o", str(a_file / "model.npz")), 1)
