@@ -567,6 +567,22 @@ def test_a_bad_assign_is_refused_and_changes_nothing(
     assert np.array_equal(after.variables["head/kernel"], other.variables["head/kernel"])
 
 
+def test_an_assign_of_negative_synchronous_counters_is_refused_and_changes_nothing(
+        ps_servers: PsServers, program: Program) -> None:
+    model = make_model(program, 1, None)
+    group = ps_servers.start(1)
+    init_group(group, model, ADAM)
+    train_steps(group, model, 3)
+    before = take_snapshot(model, group.client)
+    with pytest.raises(grpc.RpcError) as info:
+        group.client.assign({0: full_assign(model, before)}, 999, [50, 60],
+                            {"gradients_applied": 10, "stale_dropped": -1, "timed_out_steps": 0})
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert "synchronous counters must be >= 0" in (info.value.details() or "")  # type: ignore[attr-defined]
+    after = take_snapshot(model, group.client)
+    assert (after.global_step, after.sync_counters) == (3, before.sync_counters)
+
+
 def test_restore_with_a_slot_missing_from_the_checkpoint_is_refused(
     ps_servers: PsServers, program: Program
 ) -> None:

@@ -453,6 +453,11 @@ class VariableStore:
         missing = sorted(set(self._shards) - set(values))
         if missing:
             raise WireError(f"assign must give every variable of this PS; missing {missing}")
+        given = () if counters is None else (counters.gradients_applied, counters.stale_dropped,
+                                             counters.timed_out_steps)
+        if min(given, default=0) < 0:
+            raise WireError(f"assign's synchronous counters must be >= 0, got {given} (gradients applied, stale "
+                            "dropped, timed-out steps)")
         for name, shard in self._shards.items():
             lacking = sorted(set(shard.slots) - set(slots.get(name, {})))
             if lacking:
