@@ -362,9 +362,10 @@ def top(name: str | None, as_json: bool, interval: float) -> None:
               help="The PNG file to write.")
 def plot(names: tuple[str, ...], out: str) -> None:
     """Draw the training curves of cluster NAME (loss, accuracy, steps/s by global step) into a PNG; of several
-    clusters (the runs of a sweep), side by side in each panel."""
-    from psctl.plot import curves
+    clusters (the runs of a sweep), side by side in each panel. A run resumed from a checkpoint continues the
+    curves of the runs before it (kept under the cluster's history/)."""
     from psctl.plot import plot as draw
+    from psctl.plot import resumed_curves
 
     cdirs = observe.resolve_clusters(names)
     for cdir in cdirs:
@@ -372,7 +373,8 @@ def plot(names: tuple[str, ...], out: str) -> None:
                                     "its own summaries (TensorBoard), as the program writes them")
     try:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        drawn = draw({cdir.name: curves(cdir.run_dir) for cdir in cdirs}, Path(out))
+        drawn = draw({cdir.name: resumed_curves([*(run / "run" for run in cdir.kept_runs()), cdir.run_dir])
+                      for cdir in cdirs}, Path(out))
     except OSError as exc:
         raise PsctlError(f"cannot write {out}: {exc.strerror or exc}",
                          hint="give --output a path in a folder you can write") from exc

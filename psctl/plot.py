@@ -8,7 +8,7 @@ evaluation). matplotlib is an optional extra (``pip install 'psctl[plot]'``), im
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from psctl.errors import UsageError
@@ -41,6 +41,25 @@ def curves(run_dir: Path) -> dict[str, Curve]:
         pairs = sorted(zip(steps, values, strict=True))
         out[name] = ([s for s, _ in pairs], [v for _, v in pairs])
     return out
+
+
+def resumed_curves(run_dirs: Sequence[Path]) -> dict[str, Curve]:
+    """The curves of a cluster's runs (``run/`` folders, oldest first: those kept under ``history/``, then the
+    current one) joined into one: each run's points before the first step a later run reported, so that a run
+    resumed from a checkpoint continues the curve of the runs before it, and one that started afresh (at a step
+    at or below theirs) hides them."""
+    out: dict[str, Curve] = {}
+    later_from: int | None = None  # the first step of what the later runs reported
+    for run_dir in reversed(run_dirs):
+        data = curves(run_dir)
+        for name, (steps, values) in data.items():
+            kept = [(s, v) for s, v in zip(steps, values, strict=True) if later_from is None or s < later_from]
+            have_steps, have_values = out.get(name, ([], []))
+            out[name] = ([s for s, _ in kept] + have_steps, [v for _, v in kept] + have_values)
+        firsts = [steps[0] for steps, _ in data.values() if steps]
+        if firsts:
+            later_from = min(firsts) if later_from is None else min(later_from, *firsts)
+    return {name: curve for name, curve in out.items() if curve[0]}
 
 
 def plot(runs: Mapping[str, dict[str, Curve]], out: Path) -> list[str]:

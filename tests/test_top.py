@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -247,3 +248,32 @@ def test_tensorboard_scalars_are_written_without_importing_tensorflow(tmp_path: 
     points = [(e.step, v.tag, round(v.simple_value, 4)) for e in read_events(tmp_path / "tb") for v in e.summary.value]
     assert points == [(s, tag, round(value, 4)) for s in (10, 20, 30) for tag, value in
                       (("loss", 1.0 / s), ("steps_per_sec", 50.0))]
+
+
+def test_plot_of_a_resumed_cluster_continues_the_curves_of_its_earlier_runs(tmp_path: Path) -> None:
+    """`up` again keeps the run before under history/N: plot joins them (it drew the last run's points only, one
+    point where that run had nothing left to train)."""
+    from psctl.plot import resumed_curves
+
+    home = tmp_path / "home"
+    cdir = ClusterDir(home / "long")
+    cdir.create()
+    save_state(cdir.state_file, ClusterRecord(name="long", cluster_id="long-1", roles=[role("chief-0")]))
+
+    def run(folder: Path, steps: Sequence[int]) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps({"event": "progress", "global_step": s, "loss": 1.0 / s, "steps_per_sec": 10.0})
+                 for s in steps]
+        (folder / "metrics.jsonl").write_text("".join(f"{line}\n" for line in lines))
+
+    run(cdir.history / "1" / "run", [100, 200, 300, 350])  # stopped at 350; its checkpoint at 300
+    (cdir.history / "2" / "run").mkdir(parents=True)  # an `up` that failed at once: no metrics
+    run(cdir.run_dir, [300, 400, 500])  # resumed from the checkpoint at 300
+    joined = resumed_curves([*(p / "run" for p in cdir.kept_runs()), cdir.run_dir])
+    assert joined["loss"][0] == [100, 200, 300, 400, 500]
+    assert joined["loss"][1] == [0.01, 0.005, 1 / 300, 1 / 400, 1 / 500]
+    out = tmp_path / "long.png"
+    drawn = CliRunner().invoke(cli, ["plot", "long", "-o", str(out)], env={"PSCTL_HOME": str(home)})
+    assert drawn.exit_code == 0 and "loss (5 points)" in drawn.output, drawn.output
+    run(cdir.run_dir, [50, 100])  # a run started afresh (another checkpoint folder): the earlier ones are hidden
+    assert resumed_curves([*(p / "run" for p in cdir.kept_runs()), cdir.run_dir])["loss"][0] == [50, 100]
