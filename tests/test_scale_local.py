@@ -142,6 +142,9 @@ def test_workers_scaled_2_to_4_to_1_while_training_take_every_batch_exactly_once
 
 
 def test_ps_scaled_2_to_3_while_training_reshards_every_variable_unchanged(psctl_env: PsctlEnv) -> None:
+    """Then 3 -> 2 while the chief is away (stopped, then killed before it could reshard): the leaving ps used to
+    be stopped at once and the next chief restored the latest checkpoint onto 2 ps (the steps since it trained
+    again); it starts on the 3 ps the last one left, resumes from them and reshards."""
     steps = 5000
     cluster = SupervisedCluster(psctl_env, "scaleps", spec_text("scaleps", steps))
     cluster.up()
@@ -158,8 +161,19 @@ def test_ps_scaled_2_to_3_while_training_reshards_every_variable_unchanged(psctl
     assert f"ckpt-{at:012d}" in [p.name for p in list_checkpoints(cluster.root / "checkpoints")]
     wait_until(lambda: cluster.role("ps-2")["metrics"].get("bytes_held", 0) > 0, timeout=30,
                what="ps-2 to hold a share of the variables", detail=cluster.describe)
-
-    result = assert_every_batch_once(cluster, steps)
-    assert result["ps"] == 3
     for name in ("chief-0", "ps-0", "ps-1", "ps-2", "worker-0", "worker-1"):
         assert cluster.role(name)["attempt"] == 1, cluster.describe()  # a reshard, not a restart
+
+    chief = psutil.Process(cluster.role("chief-0")["pid"])
+    chief.suspend()
+    try:
+        assert "ps 3 -> 2" in scale(psctl_env, cluster, "ps=2")
+    finally:
+        chief.kill()
+    wait_until(lambda: "resharded from 3 to 2 ps" in cluster.log("chief-0"), timeout=60,
+               what="the next chief to reshard onto 2 ps", detail=cluster.describe)
+    result = assert_every_batch_once(cluster, steps)  # (no ps restored, the global step never went back)
+    assert result["ps"] == 2
+    assert "restored" not in cluster.log("chief-0"), cluster.log("chief-0")[-3000:]
+    assert cluster.role("chief-0")["attempt"] == 2
+    assert cluster.role("ps-2")["reason"] == "resharded onto 2 ps: scaled down", cluster.describe()

@@ -117,20 +117,34 @@ def test_a_retired_ps_is_stopped_only_once_the_chief_has_resharded_without_it(c:
     assert c.role("ps-2").reason == "resharded onto 2 ps: scaled down"
 
 
-def test_a_ps_scaled_down_while_the_chief_is_away_is_stopped_saying_what_the_next_chief_does(
-        c: FakeCluster) -> None:
-    """Not "resharded" (no chief did): its successor restores the latest checkpoint onto the new layout."""
+def test_a_ps_scaled_down_while_the_chief_is_away_waits_for_the_next_chief_to_reshard(c: FakeCluster) -> None:
+    """A chief lost before it resharded: the leaving ps was stopped at once, and the next chief restored the
+    latest checkpoint onto the new layout (the steps since it trained again). The ps stays; the next chief starts
+    on the layout the last one left (with it: ``chief_ps_layout``), resumes from the ps, and reshards."""
+    c.process("chief-0").metrics = {"ps_layout": 2.0}
+    c.step(1)
     c.step(observations=[ScaleRequested("ps", 3, slots("ps", 2))])
     c.step(1)
+    # added, not resharded onto yet: a chief starting now starts on the two that hold the variables
+    assert [r.name for r in policy.chief_ps_layout(c.record) or []] == ["ps-0", "ps-1"]
     c.process("chief-0").metrics = {"ps_layout": 3.0}
     c.step(1)
+    assert policy.chief_ps_layout(c.record) is None
     c.step(observations=[ScaleRequested("ps", 2)])
+    assert [r.name for r in policy.chief_ps_layout(c.record) or []] == ["ps-0", "ps-1", "ps-2"]
     c.process("chief-0").exit_code = -9  # lost before it resharded
-    for _ in range(3):
+    for _ in range(5):
         c.step(1)
-    assert c.role("ps-2").state == RoleState.STOPPED
-    assert c.role("ps-2").reason == ("scaled down while the chief was away: the next chief restores the latest "
-                                     "checkpoint onto 2 ps: scaled down")
+    assert c.role("chief-0").attempt == 2 and c.role("chief-0").state == RoleState.RUNNING
+    assert c.role("ps-2").state == RoleState.RUNNING  # still holding its part of the layout
+    c.process("chief-0").metrics = {"ps_layout": 3.0}  # the next chief on the old layout...
+    c.step(1)
+    assert c.role("ps-2").state == RoleState.RUNNING
+    c.process("chief-0").metrics = {"ps_layout": 2.0}  # ...resharded
+    actions = c.step(1)
+    assert [a.name for a in actions if isinstance(a, policy.StopRole)] == ["ps-2"]
+    assert c.role("ps-2").reason == "resharded onto 2 ps: scaled down"
+    assert policy.chief_ps_layout(c.record) is None
 
 
 def test_workers_failing_for_good_end_the_cluster_below_min_replicas(tmp_path: Path) -> None:

@@ -42,7 +42,7 @@ from psctl.spec import ClusterSpec
 from psctl.spec.plan import LOCAL_HOST, free_ports, slot
 from psctl.supervisor import policy, tensorflow
 from psctl.supervisor.agents import AgentHub, agent_member
-from psctl.supervisor.policy import HostLive, Observation, PolicyState
+from psctl.supervisor.policy import HostLive, Observation, PolicyState, chief_ps_layout
 from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, save_state
 
 log = logging.getLogger("psctl.supervisor")
@@ -392,6 +392,9 @@ class Supervisor:
         for r in self.record.roles:
             if not r.retired:
                 jobs.setdefault(r.role, []).append(r.endpoint)
+        last_layout = chief_ps_layout(self.record) if role.role == "chief" else None
+        if last_layout is not None:  # (a chief lost before it resharded: its successor starts where it left off)
+            jobs["ps"] = [r.endpoint for r in last_layout]
         if place.remote:
             training = remote_training(self.spec, place.dirs)  # type: ignore[arg-type]  # a HostDir on SSH hosts
         else:

@@ -303,6 +303,19 @@ def members(record: ClusterRecord, role: str) -> list[RoleRecord]:
     return sorted((r for r in record.roles if r.role == role and not r.retired), key=lambda r: r.index)
 
 
+def chief_ps_layout(record: ClusterRecord) -> list[RoleRecord] | None:
+    """The ps a chief starts on while its last layout (``ps_layout``, as it reported it) is not the cluster's ps
+    count (psctl scale ps=N, the chief lost before it resharded): the first ``ps_layout`` ps by index, a retired
+    one among them, so that it resumes from the variables they hold and then reshards, instead of restoring the
+    latest checkpoint onto the new layout. None where its layout is the cluster's (or unknown)."""
+    chief = next((r for r in record.roles if r.role == "chief"), None)
+    layout = int(chief.metrics.get("ps_layout", 0)) if chief is not None else 0
+    if not layout or layout == len(members(record, "ps")):
+        return None
+    ps = sorted((r for r in record.roles if r.role == "ps" and r.index < layout), key=lambda r: r.index)
+    return ps if len(ps) == layout else None
+
+
 def cluster_view(state: PolicyState, *, for_chief: bool = True) -> pb.ClusterView:
     """What the agents answer their roles' heartbeats with: the dialled roles' addresses, the chief's incarnation.
     Every worker's address goes only to the chief's host (``for_chief``): with a thousand workers, the other
@@ -938,22 +951,18 @@ class _Decision:
 
     def retire_resharded_ps(self) -> None:
         """Stop a retired ps once the chief reports its ps layout without it (its variables moved to the
-        others), or at once where no chief of psctl's runtime trains."""
+        others), or at once where no chief will train again. A chief lost before it resharded is not a reason:
+        its successor starts on the layout it left (see ``chief_ps_layout``), with this ps, and reshards."""
         leaving = [r for r in self.record.roles if r.role == "ps" and r.retired and not r.state.terminal]
         if not leaving:
             return
         chief = self.s.chief
-        layout = chief.metrics.get("ps_layout") if chief is not None else None
-        training = chief is not None and chief.state in (R.STARTING, R.RUNNING, R.STALLED)
         count = len(members(self.record, "ps"))
-        if training and layout != count:
-            return
-        # (a chief lost before it resharded: its successor restores the latest checkpoint onto the new layout)
-        away = chief is not None and not chief.state.terminal and layout != count
-        why = (f"scaled down while the chief was away: the next chief restores the latest checkpoint onto {count} ps"
-               if away else f"resharded onto {count} ps")
+        layout = chief.metrics.get("ps_layout") if chief is not None else None
+        if chief is not None and not chief.state.terminal and layout != count:
+            return  # (a chief training, or one to start again, reshards first)
         for role in leaving:
-            self.retire(role, why)
+            self.retire(role, f"resharded onto {count} ps" if layout == count else "no chief trains any more")
 
     def finish(self, how: ClusterState, reason: str, *, grace: float = 5.0) -> None:
         """Order every running role stopped and hand over to the shell (once)."""
