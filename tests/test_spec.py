@@ -31,6 +31,7 @@ from psctl.spec import (
     parse_duration,
 )
 from psctl.spec.model import parse_jump
+from psctl.spec.plan import PICKED_PORTS, ephemeral_ports
 
 VALID = textwrap.dedent(
     """\
@@ -972,6 +973,10 @@ def test_local_plan_picks_distinct_free_ports() -> None:
     assert plan.names() == ["chief-0", "ps-0", "ps-1", "worker-0", "worker-1", "worker-2", "evaluator-0"]
     ports = [i.port for i in plan.instances]
     assert len(set(ports)) == len(ports) and all(1 <= p <= 65535 for p in ports)
+    # outside the kernel's range for outgoing connections' source ports: one of those, taken by a connection
+    # while its role restarted, kept the role from listening again
+    low, high = ephemeral_ports()
+    assert all(PICKED_PORTS[0] <= p < PICKED_PORTS[1] and not low <= p <= high for p in ports), (ports, low, high)
     assert {i.host for i in plan.instances} == {"localhost"}
     worker1 = plan.instance("worker-1")
     assert (worker1.role, worker1.index, worker1.address) == ("worker", 1, "127.0.0.1")

@@ -9,6 +9,7 @@ remote ports are the SSH preflight's job.
 from __future__ import annotations
 
 import errno
+import random
 import socket
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -195,12 +196,45 @@ def _check_free(spec: ClusterSpec, slot: Slot) -> None:
             raise spec.source.error(slot.port_path, what, fix, key=True) from None
 
 
+#: Where psctl picks the ports of this machine's roles when the spec names none: below the kernel's ephemeral
+#: range (``net.ipv4.ip_local_port_range``, 32768-60999 by default). A port from that range (what binding port 0
+#: gives) is also any outgoing connection's source port once free: one taken so while its role was down (a
+#: restart) or not yet started kept the role from listening again ("address in use") for as long as that
+#: connection lived, a gRPC channel's included.
+PICKED_PORTS = (20000, 32768)
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of source ports for outgoing connections (Linux's default where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_ports(count: int, *, avoid: Collection[int | None]) -> list[int]:
-    """``count`` distinct free ports on 127.0.0.1, none in ``avoid`` (all held open until all are chosen)."""
+    """``count`` distinct free ports on 127.0.0.1, none in ``avoid`` (all held open until all are chosen): random
+    ones of PICKED_PORTS outside the ephemeral range (see there), bound as the role will bind them; where that
+    range has too few free ones, any the kernel gives."""
     socks: list[socket.socket] = []
     ports: list[int] = []
+    low, high = ephemeral_ports()
+    candidates = [p for p in range(*PICKED_PORTS) if not low <= p <= high and p not in avoid]
     try:
-        for _ in range(count + len(avoid) + 64):
+        for port in random.sample(candidates, min(len(candidates), count + 64)):
+            if len(ports) == count:
+                break
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as the role's server will)
+            try:
+                sock.bind((LOCAL_ADDRESS, port))
+            except OSError:
+                continue
+            ports.append(port)
+        for _ in range(count - len(ports) + len(avoid) + 64):
             if len(ports) == count:
                 break
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
