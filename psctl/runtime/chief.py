@@ -391,13 +391,12 @@ class Chief:
         held = replies[0].global_step if all(kept) else None  # every ps holds a model, at this step
         if self.checkpointer is not None:
             self.checkpointer.wait()  # a checkpoint still being written counts
-        if held is not None and not self._checkpoint_ahead_of(held):
-            log.info("every ps holds the variables: resuming at global step %d", held)
-            return
         # The ps hold nothing (or not all of them), or hold less than a checkpoint: a chief that died between
         # initialising them and restoring into them left them at their initializers, which must not count as
-        # the model (its successor would train again from there).
-        found = latest_checkpoint(self.checkpointer.directory) if self.checkpointer is not None else None
+        # the model (its successor would train again from there). The checkpoints' names are read first: the
+        # newest one is loaded (and verified, the whole model) only when it may be ahead.
+        ahead = held is None or self._checkpoint_ahead_of(held)
+        found = latest_checkpoint(self.checkpointer.directory) if ahead and self.checkpointer is not None else None
         if held is not None and (found is None or found[1].global_step <= held):
             log.info("every ps holds the variables: resuming at global step %d", held)
             return

@@ -303,14 +303,19 @@ def members(record: ClusterRecord, role: str) -> list[RoleRecord]:
     return sorted((r for r in record.roles if r.role == role and not r.retired), key=lambda r: r.index)
 
 
+def reported_ps_layout(chief: RoleRecord | None) -> int | None:
+    """How many ps the chief last said its variables lie on (its ``ps_layout`` metric); None before it said."""
+    layout = chief.metrics.get("ps_layout") if chief is not None else None
+    return int(layout) if layout else None
+
+
 def chief_ps_layout(record: ClusterRecord) -> list[RoleRecord] | None:
     """The ps a chief starts on while its last layout (``ps_layout``, as it reported it) is not the cluster's ps
     count (psctl scale ps=N, the chief lost before it resharded): the first ``ps_layout`` ps by index, a retired
     one among them, so that it resumes from the variables they hold and then reshards, instead of restoring the
     latest checkpoint onto the new layout. None where its layout is the cluster's (or unknown)."""
-    chief = next((r for r in record.roles if r.role == "chief"), None)
-    layout = int(chief.metrics.get("ps_layout", 0)) if chief is not None else 0
-    if not layout or layout == len(members(record, "ps")):
+    layout = reported_ps_layout(next((r for r in record.roles if r.role == "chief"), None))
+    if layout is None or layout == len(members(record, "ps")):
         return None
     ps = sorted((r for r in record.roles if r.role == "ps" and r.index < layout), key=lambda r: r.index)
     return ps if len(ps) == layout else None
@@ -958,7 +963,7 @@ class _Decision:
             return
         chief = self.s.chief
         count = len(members(self.record, "ps"))
-        layout = chief.metrics.get("ps_layout") if chief is not None else None
+        layout = reported_ps_layout(chief)
         if chief is not None and not chief.state.terminal and layout != count:
             return  # (a chief training, or one to start again, reshards first)
         for role in leaving:
