@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -14,6 +15,9 @@ from psctl.errors import UsageError
 
 P = TypeVar("P", bound=PurePath)
 
+
+#: A cluster's name: a folder under PSCTL_HOME, a label on every host (never a path).
+CLUSTER_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 
 #: How many earlier runs of a cluster name ``up`` keeps under its folder's ``history``.
 KEPT_RUNS = 5
@@ -58,6 +62,11 @@ class ClusterDir(RoleFolders[Path]):
 
     @classmethod
     def named(cls, name: str) -> ClusterDir:
+        """The folder of the cluster ``name``; a name that is no cluster's (``../x``, a path) is refused before
+        anything under it is read or deleted."""
+        if not CLUSTER_NAME.fullmatch(name):
+            raise UsageError(f"{name!r} is not a cluster name (lowercase letters, digits and '-', at most 63; "
+                             "`psctl ls` lists them)")
         return cls(psctl_home() / name)
 
     @property

@@ -69,10 +69,15 @@ def resolve_cluster(name: str | None) -> ClusterDir:
     """The named cluster, or the only one (the only one not finished, if several exist). A spec's path names the
     cluster it describes (``psctl status cluster.yaml``, as it was started)."""
     if name:
-        cdir = ClusterDir.named(_cluster_name(name))
+        cluster = _cluster_name(name)
+        if cluster == name and Path(name).suffix in (".yaml", ".yml"):  # (a spec it would have read)
+            raise ClusterNotFound(f"no cluster named {name!r}, and no spec file there to name one; "
+                                  "check the path, or `psctl ls` for the clusters")
+        cdir = ClusterDir.named(cluster)
         if not cdir.state_file.is_file():
             known = ", ".join(c.name for c in list_clusters()) or "none"
-            raise ClusterNotFound(f"no cluster named {name!r} (known: {known}); start one with `psctl up SPEC`")
+            named = repr(name) if cluster == name else f"{cluster!r} (the name {name} gives its cluster)"
+            raise ClusterNotFound(f"no cluster named {named} (known: {known}); start one with `psctl up SPEC`")
         return cdir
     clusters = list_clusters()
     if not clusters:

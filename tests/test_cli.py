@@ -207,6 +207,23 @@ def test_unknown_cluster_name_is_exit_4(psctl_env) -> None:
     assert "psctl up" in line
 
 
+@pytest.mark.parametrize("args", [["down", "--purge", "{}"], ["status", "{}"], ["logs", "chief", "{}"],
+                                  ["export", "{}", "-o", "m.npz"]], ids=lambda a: a[0])
+def test_a_cluster_name_that_is_a_path_is_refused_and_nothing_outside_psctl_home_is_touched(
+    psctl_env, tmp_path: Path, args: list[str]
+) -> None:
+    """`psctl down --purge ../victim` deleted a folder beside PSCTL_HOME that held a copied state.json."""
+    victim = tmp_path / "victim"
+    recorded_cluster("victim", {"chief-0": 1}).root.rename(victim)  # a cluster's files, outside PSCTL_HOME
+    for name in ("../victim", str(victim)):
+        result = invoke(*(a.format(name) for a in args))
+        line = assert_one_line_error(result, EXIT_USAGE, f"{name!r} is not a cluster name")
+        assert "psctl ls" in line
+    assert sorted(p.name for p in victim.iterdir()) == ["logs", "run", "state.json"]
+    gone = invoke("status", "missing.yaml")  # a spec path that is not there: said so, as not found
+    assert_one_line_error(gone, EXIT_NOT_FOUND, "no cluster named 'missing.yaml', and no spec file there")
+
+
 def recorded_cluster(name: str, roles: dict[str, int], *, state: ClusterState = ClusterState.SUCCEEDED,
                      steps: int = 50) -> ClusterDir:
     """A cluster as a supervisor leaves it on disk: state.json (``roles``: name -> attempts) and each attempt's

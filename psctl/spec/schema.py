@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from psctl.home import CLUSTER_NAME
 from psctl.launch.cpus import CPU_BINDINGS
 from psctl.spec.checks import Checker, seconds_text, show, suggestion
 from psctl.spec.framework import check_command
@@ -53,7 +54,6 @@ MAX_REPLICAS = 1000
 #: Variables psctl sets for every role itself; a user's value would break cluster discovery.
 RESERVED_ENV = re.compile(r"PSCTL_.*|TF_CONFIG")
 
-_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _ADDRESS = re.compile(r"[A-Za-z0-9:][A-Za-z0-9_.:%-]{0,252}")
 #: Four dot-separated numbers: meant as an IPv4 address, never a host name (a DNS name's last label is no number).
@@ -238,8 +238,8 @@ def _check_evaluator_host(
 def _name(c: Checker, top: dict[str, Any], default_name: str) -> str:
     rule = "lowercase letters, digits and dashes, at most 63, not starting with a dash"
     if "name" in top:
-        return c.string(("name",), top["name"], pattern=_NAME, rule=rule, fix="write e.g. name: digits")
-    if _NAME.fullmatch(default_name):
+        return c.string(("name",), top["name"], pattern=CLUSTER_NAME, rule=rule, fix="write e.g. name: digits")
+    if CLUSTER_NAME.fullmatch(default_name):
         return default_name
     better = re.sub(r"[^a-z0-9]+", "-", default_name.lower()).strip("-")[:63] or "cluster"
     c.fail(
