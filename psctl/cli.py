@@ -24,6 +24,7 @@ from psctl import __version__, completion, observe
 from psctl.errors import EXIT_INTERRUPTED, ClusterStopped, PsctlError, TrainingFailed, UsageError
 from psctl.home import ClusterDir, list_clusters
 from psctl.render import (
+    checkpoint_text,
     host_table,
     newest_global_step,
     plan_table,
@@ -285,13 +286,15 @@ def _finish_line(cdir: ClusterDir, record: Any) -> None:
         result = record.result or {}
         metrics = result.get("metrics", {})
         shown = metrics_text(metrics)
-        where = result.get("checkpoint") or "no checkpoint configured"
         console.print(
             f"[bold green]training finished[/bold green]: {escape(_steps_text(record, result))}; test split: {shown}; "
-            f"checkpoint: {escape(str(where))}",
+            f"checkpoint: {escape(checkpoint_text(result))}",
             highlight=False,
             soft_wrap=True,  # one line, also in a pipe: scripts read it
         )
+        if result.get("checkpoint_failures"):
+            err_console.print(f"[yellow]warning:[/yellow] checkpoints of {record.name!r} failed; the chief's log "
+                              f"says why: `psctl logs chief {record.name}`", highlight=False, soft_wrap=True)
         return
     if record.state == ClusterState.STOPPED:
         step = newest_global_step(record, progress(cdir, record))

@@ -87,6 +87,21 @@ def result_of(cdir: ClusterDir, record: ClusterRecord) -> dict[str, Any] | None:
     return found if isinstance(found, dict) else None
 
 
+def checkpoint_text(result: Mapping[str, Any]) -> str:
+    """Where a finished run's model is: its latest checkpoint, and whether saves failed (then the latest may be
+    older than the end of training, or there may be none)."""
+    where = result.get("checkpoint")
+    failures = result.get("checkpoint_failures")
+    if not isinstance(failures, Mapping) or not failures.get("count"):
+        return str(where) if where else "no checkpoint configured"
+    failed = f"{failures['count']} save(s) failed, the last at {failures.get('last')}"
+    if not where:
+        return f"none written ({failed})"
+    if failures.get("final_failed"):
+        return f"{where}, from before the end of training ({failed})"
+    return f"{where} ({failed})"
+
+
 def progress_line(cdir: ClusterDir, record: ClusterRecord) -> str:
     """One plain line of progress, for output that is not a terminal."""
     prog = progress(cdir, record)
@@ -180,8 +195,9 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
     if result:
         shown = metrics_text(result.get("metrics", {}))
         header.append(f"\nresult (test split): {shown}")
-        if result.get("checkpoint"):
-            header.append(f"  checkpoint {result['checkpoint']}")
+        if result.get("checkpoint") or result.get("checkpoint_failures"):
+            failed = bool(result.get("checkpoint_failures"))
+            header.append(f"  checkpoint {checkpoint_text(result)}", style="yellow" if failed else "")
     if record.reason and record.state.terminal:
         header.append(f"\nreason: {record.reason}")
     if not record.state.terminal:

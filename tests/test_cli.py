@@ -408,6 +408,30 @@ def test_the_finish_line_says_where_training_resumed() -> None:
     assert _steps_text(record, result) == "1500 steps; 500 in 2.0s since the chief resumed at global step 1000"
 
 
+def test_the_finish_line_and_status_say_that_checkpoints_failed(psctl_env) -> None:
+    """A run whose every save failed said "checkpoint: no checkpoint configured" and exited 0 silently."""
+    cdir = recorded_cluster("ck", {"chief-0": 1})
+    record = load_state(cdir.state_file)
+    record.result = {"global_step": 50, "steps_this_run": 50, "seconds": 1.0, "metrics": {}, "checkpoint": None,
+                     "checkpoint_failures": {"count": 3, "last": "step 50: [Errno 17] File exists: '/x'",
+                                             "final_failed": True}}
+    save_state(cdir.state_file, record)
+    from psctl.cli import _finish_line
+
+    runner = CliRunner()
+    with runner.isolation() as (out, err, _):
+        _finish_line(cdir, record)
+    line = " ".join(out.getvalue().decode().split())
+    assert "checkpoint: none written (3 save(s) failed, the last at step 50: [Errno 17] File exists: '/x')" in line
+    assert "checkpoints of 'ck' failed" in err.getvalue().decode() and "psctl logs chief ck" in err.getvalue().decode()
+    record.result["checkpoint"] = "/c/ckpt-000000000040"
+    save_state(cdir.state_file, record)
+    assert "/c/ckpt-000000000040, from before the end of training (3 save(s)" in flat(invoke("status", "ck").stdout)
+    record.result["checkpoint_failures"]["final_failed"] = False
+    save_state(cdir.state_file, record)
+    assert "/c/ckpt-000000000040 (3 save(s) failed" in flat(invoke("status", "ck").stdout)
+
+
 def test_the_commands_and_the_supervisor_import_no_ssh_library_for_a_cluster_on_this_machine() -> None:
     """paramiko is a third of what `psctl` imports (~0.15 s a start): only clusters with remote hosts load it."""
     script = ("import sys, psctl.cli, psctl.supervisor.__main__, psctl.agent.__main__; "

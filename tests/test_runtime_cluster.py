@@ -181,6 +181,27 @@ def test_auto_steps_per_call_checkpoint_at_their_step_not_a_queue_of_calls_later
 
 
 @pytest.mark.timeout(120)
+def test_checkpoints_that_cannot_be_written_are_counted_in_the_result(
+    make_cluster: MakeCluster, tmp_path: Path
+) -> None:
+    """A checkpoint folder under a file: every save failed, only in the chief's log, and the result said
+    "checkpoint: null" as for a run that kept none. The result counts the failures and says the final one
+    failed too."""
+    (tmp_path / "a-file").write_text("not a folder", encoding="utf-8")
+    checkpoint = {"dir": str(tmp_path / "a-file" / "ckpt"), "every_steps": 40, "every_seconds": 0.0,
+                  "max_to_keep": 5, "keep_every_hours": 0.0}  # fmt: skip
+    cluster = make_cluster({**mlp_training(100), "checkpoint": checkpoint}, num_workers=1, num_ps=1)
+    cluster.start_servers()
+    cluster.wait_serving()
+    cluster.start_chief()
+    result = run_to_completion(cluster, timeout=90)
+
+    assert result["global_step"] == 100 and result["checkpoint"] is None
+    failures = result["checkpoint_failures"]
+    assert failures["count"] >= 3 and failures["final_failed"] is True, failures  # at 40, 80 and the end
+    assert failures["last"].startswith("step 100: ") and "a-file" in failures["last"], failures
+
+
 def test_bounded_staleness_gives_one_step_per_call_however_fast_the_steps(make_cluster: MakeCluster) -> None:
     """steps_per_execution's auto default is for asynchronous training: the bounded mode's staleness bound counts
     steps as the chief hands them out, which a call of many steps would overrun."""

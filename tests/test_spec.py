@@ -1252,6 +1252,24 @@ def test_a_local_cluster_s_program_module_must_be_where_its_roles_will_import_it
         """))
 
 
+def test_a_local_cluster_s_checkpoint_folder_must_be_a_folder_and_its_data_path_a_file(tmp_path: Path) -> None:
+    """A checkpoint folder under a file passed, and every save of the run failed; a data path that is a folder
+    passed, and every role failed reading it."""
+    (tmp_path / "a-file").write_text("x", encoding="utf-8")
+    (tmp_path / "folder.npz").mkdir()
+    spec = """\
+        roles: {{chief: {{}}, ps: {{}}, worker: {{}}}}
+        training: {{program: psctl.models.mlp, data: {data}, steps: 10, checkpoint: {{dir: {folder}}}}}
+        """
+    error = spec_error(write(tmp_path, spec.format(data="{name: digits}", folder="a-file/ckpt")))
+    assert str(error) == (f"{tmp_path / 'cluster.yaml'}:2: training.checkpoint.dir: 'a-file/ckpt': "
+                          f"{tmp_path / 'a-file'} is a file, not a folder; give a folder's path")
+    error = spec_error(write(tmp_path, spec.format(data="{path: folder.npz}", folder="ckpt")))
+    assert str(error) == (f"{tmp_path / 'cluster.yaml'}:2: training.data.path: 'folder.npz' is a folder "
+                          f"({tmp_path / 'folder.npz'}), not a data file; give the path of the .npz or .csv file in it")
+    assert load_spec(write(tmp_path, spec.format(data="{name: digits}", folder="new/ckpt")))  # made when saved
+
+
 @pytest.mark.parametrize("program", sorted(BUILTIN_PROGRAMS))
 def test_every_arg_the_spec_lets_through_a_built_in_program_takes(program: str) -> None:
     """The table the spec checks with is the one the programs build with: each arg it lists, they accept."""

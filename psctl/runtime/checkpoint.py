@@ -393,6 +393,12 @@ class Checkpointer:
         self._writer: threading.Thread | None = None
         self.latest: Path | None = None
         self.saved = 0
+        #: Saves that failed (a full disk, a folder that cannot be written), and the last one's error: the
+        #: result says so, since a run whose checkpoints all failed loses its model with its ps.
+        self.failed = 0
+        self.last_error: str | None = None
+        #: The global step of the newest save that failed, to tell whether ``latest`` is the final state.
+        self.failed_step: int | None = None
 
     def mark(self, global_step: int) -> None:
         """Count the interval from ``global_step`` (after a restore or resume), not from an earlier save."""
@@ -426,6 +432,8 @@ class Checkpointer:
             log.info("checkpoint %s written in %.2fs", self.latest, time.monotonic() - started)
         except OSError as exc:
             log.error("checkpoint at step %d failed: %s", snapshot.global_step, exc)
+            self.failed += 1
+            self.last_error, self.failed_step = f"step {snapshot.global_step}: {exc}", snapshot.global_step
 
     def wait(self) -> None:
         if self._writer is not None:

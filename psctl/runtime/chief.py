@@ -203,6 +203,13 @@ class Chief:
             "metrics": metrics,
             "checkpoint": str(self.checkpointer.latest) if self.checkpointer and self.checkpointer.latest else None,
         }
+        if self.checkpointer is not None and self.checkpointer.failed:
+            result["checkpoint_failures"] = {
+                "count": self.checkpointer.failed,
+                "last": self.checkpointer.last_error,
+                # the latest checkpoint is older than the end of training (its model is not the trained one)
+                "final_failed": self.checkpointer.failed_step == global_step,
+            }
         self._report(final=True)
         self.metrics.write({"time": time.time(), "event": "final", **result})
         write_json_atomic(self.result_path, result)

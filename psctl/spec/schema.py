@@ -32,7 +32,13 @@ from psctl.spec.model import (
     parse_jump,
 )
 from psctl.spec.plan import LOCAL_HOST, conflict_error, layout, port_conflict
-from psctl.spec.training import check_confined, check_local_data, check_local_program, normalise_training
+from psctl.spec.training import (
+    check_confined,
+    check_local_checkpoint_folder,
+    check_local_data,
+    check_local_program,
+    normalise_training,
+)
 
 TOP_KEYS = ("name", "hosts", "roles", "training", "supervision", "security", "files", "setup", "backend", "slurm")
 BACKENDS = ("local", "ssh", "slurm")
@@ -108,6 +114,7 @@ def build_spec(data: Any, source: SourceMap, *, path: Path | None, base_dir: Pat
     roles = _role_commands(c, roles, top["roles"], training, base_dir)
     if backend == "local" and not top.get("setup"):  # (set-up may make them)
         check_local_data(c, training, (top["training"].get("data") or {}).get("path"))
+        check_local_checkpoint_folder(c, training, (top["training"].get("checkpoint") or {}).get("dir"))
     if backend == "local" and training.get("framework") != "tensorflow" and not top.get("setup"):
         check_local_program(c, training["program"], base_dir, pythonpath=[
             entry for spec in roles.values() for entry in spec.env.get("PYTHONPATH", "").split(":") if entry])

@@ -12,6 +12,7 @@ import dataclasses
 import importlib.machinery
 import importlib.util
 import math
+import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -189,6 +190,25 @@ def check_local_data(c: Checker, training: Mapping[str, Any], written: object) -
     if not resolved.exists():
         c.fail((*T, "data", "path"), f"{show(written)} does not exist (looked for {resolved})",
                "give a path relative to the spec's folder")
+    if resolved.is_dir():
+        c.fail((*T, "data", "path"), f"{show(written)} is a folder ({resolved}), not a data file",
+               "give the path of the .npz or .csv file in it")
+
+
+def check_local_checkpoint_folder(c: Checker, training: Mapping[str, Any], written: object) -> None:
+    """The checkpoint folder of a cluster whose roles all run on this machine: where it exists already it must
+    be a folder that can be written (else every save fails, and the trained model goes with the ps)."""
+    folder = (training.get("checkpoint") or {}).get("dir")
+    if folder is None:
+        return
+    resolved = Path(folder).expanduser()
+    existing = next(p for p in (resolved, *resolved.parents) if p.exists())  # (the root exists)
+    where = (*T, "checkpoint", "dir")
+    if not existing.is_dir():
+        c.fail(where, f"{show(written)}: {existing} is a file, not a folder", "give a folder's path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        c.fail(where, f"{show(written)}: {existing} cannot be written by this user",
+               "give a folder you can write, or change its permissions")
 
 
 def check_local_program(c: Checker, program: str, base_dir: Path, *, pythonpath: Sequence[str] = ()) -> None:
