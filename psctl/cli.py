@@ -370,6 +370,7 @@ def plot(names: tuple[str, ...], out: str) -> None:
     from psctl.plot import plot as draw
     from psctl.plot import resumed_curves
 
+    check_output_path(out, "--output")
     cdirs = observe.resolve_clusters(names)
     for cdir in cdirs:
         refuse_a_tensorflow_program(cdir, "writes no psctl metrics to plot",
@@ -382,6 +383,15 @@ def plot(names: tuple[str, ...], out: str) -> None:
         raise PsctlError(f"cannot write {out}: {exc.strerror or exc}",
                          hint="give --output a path in a folder you can write") from exc
     console.print(f"wrote {out}: {', '.join(drawn)}", markup=False, soft_wrap=True)
+
+
+def check_output_path(out: str, option: str) -> None:
+    """A file to write must not lie under a file (the error would say "File exists" or "Not a directory");
+    missing folders on its way are made."""
+    path = Path(out).expanduser().absolute()
+    existing = next(p for p in path.parents if p.exists())  # (the root exists)
+    if not existing.is_dir():
+        raise UsageError(f"{option} {out}: {existing} is a file, not a folder", hint="give a path in a folder")
 
 
 def refuse_a_tensorflow_program(cdir: ClusterDir, what: str, instead: str) -> None:
@@ -601,6 +611,7 @@ def export(name: str | None, checkpoint: str | None, out: str) -> None:
     from psctl.checkpoints import find_snapshot  # (numpy, and SSH for a checkpoint on another host)
     from psctl.runtime.checkpoint import export_arrays
 
+    check_output_path(out, "--out")
     cdir = record = None
     if checkpoint is None or (":" in checkpoint and not Path(checkpoint).exists()):
         cdir = observe.resolve_cluster(name)

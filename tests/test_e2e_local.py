@@ -10,11 +10,15 @@ training whenever the test looks at them.
 
 from __future__ import annotations
 
+import concurrent.futures
+import io
 import json
+import os
 import queue
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import textwrap
 import threading
@@ -318,9 +322,27 @@ def test_export_writes_the_newest_checkpoints_variables(psctl_env) -> None:
                                    "checkpoint, or their folder: the newest that verifies is taken)"), broken.stderr
     a_file = psctl_env.tmp_path / "a-file"
     a_file.write_text("")
-    unwritable = check(psctl_env.run("export", "exp", "-o", str(a_file / "model.npz")), 1)
-    assert flat(unwritable.stderr) == (f"error: cannot write {a_file}/model.npz: File exists (give --out a path in a "
-                                       "folder you can write)"), unwritable.stderr
+    unwritable = check(psctl_env.run("export", "exp", "-o", str(a_file / "model.npz")), 2)
+    assert flat(unwritable.stderr) == (f"error: --out {a_file}/model.npz: {a_file} is a file, not a folder (give a "
+                                       "path in a folder)"), unwritable.stderr
+    # a link is written through (it stays a link); a pipe is written into, not replaced by a file
+    link = psctl_env.tmp_path / "latest.npz"
+    link.symlink_to(out)
+    check(psctl_env.run("export", "exp", "-o", str(link)))
+    assert link.is_symlink() and np.load(out)["sm/bias"].shape == (10,)
+    pipe = psctl_env.tmp_path / "pipe.npz"
+    os.mkfifo(pipe)
+    with concurrent.futures.ThreadPoolExecutor(1) as reader:
+        read = reader.submit(pipe.read_bytes)
+        try:
+            check(psctl_env.run("export", "exp", "-o", str(pipe)))
+            through = read.result(timeout=60)
+        finally:
+            if not read.done():  # the reader waits for a writer: one that writes nothing lets it go
+                os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+    assert stat.S_ISFIFO(os.lstat(pipe).st_mode)  # (it became a regular file)
+    with np.load(io.BytesIO(through)) as arrays:
+        assert sorted(arrays.files) == ["hid/bias", "hid/kernel", "sm/bias", "sm/kernel"]
 
 
 def test_export_while_training_reads_the_spec_checkpoint_folder(psctl_env) -> None:

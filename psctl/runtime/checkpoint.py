@@ -364,8 +364,14 @@ def prune(directory: str | Path, *, max_to_keep: int | None, keep_every_hours: f
 
 
 def export_arrays(snapshot: Snapshot, out: str | Path) -> Path:
-    """The trained variables as plain arrays (sharded ones joined), for serving: one ``.npz``."""
-    out = Path(out)
+    """The trained variables as plain arrays (sharded ones joined), for serving: one ``.npz``. A regular file is
+    replaced whole (a link's target: the link stays); anything else that exists (a pipe, ``/dev/stdout``) is
+    written into, never replaced."""
+    out = Path(os.path.realpath(out))
+    if out.exists() and not out.is_file():
+        with open(out, "wb") as f:
+            np.savez(f, **snapshot.variables)  # type: ignore[arg-type]
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     try:
