@@ -1252,6 +1252,31 @@ def test_a_local_cluster_s_program_module_must_be_where_its_roles_will_import_it
         """))
 
 
+def test_numbers_are_read_as_yaml_1_2_writes_them_and_text_keys_take_them_as_written(tmp_path: Path) -> None:
+    """PyYAML's YAML 1.1 read `time: 1:30:00` as 5400 (base 60: Slurm took 5400 minutes), `0755` as 493 (octal),
+    `1.10` as 1.1, and refused `learning_rate: 1e-3` (a string to YAML 1.1)."""
+    spec = load_spec_text(textwrap.dedent("""\
+        backend: slurm
+        slurm: {partition: debug, time: 1:30:00}
+        roles:
+          chief: {port: 7001}
+          ps: {port: 7002}
+          worker: {port: 7003, env: {UMASK: 0022, VERSION: 1.10, SHORT: 1:30, HEX: 0x1f, N: 4}}
+        training:
+          program: psctl.models.mlp
+          data: {name: digits}
+          steps: 0o20
+          optimizer: {name: sgd, learning_rate: 1e-3}
+        """), filename="cluster.yaml")
+    assert spec.slurm is not None and spec.slurm.time == "1:30:00"
+    assert spec.roles["worker"].env == {"UMASK": "0022", "VERSION": "1.10", "SHORT": "1:30", "HEX": "0x1f", "N": "4"}
+    assert spec.training["steps"] == 16 and spec.training["optimizer"]["learning_rate"] == 0.001
+    # the same on the command line
+    over = load_spec_text(VALID, filename="cluster.yaml", overrides=[
+        "training.optimizer={name: sgd, learning_rate: 5e-4}", "roles.worker.env.UMASK=0027"])
+    assert over.training["optimizer"]["learning_rate"] == 0.0005 and over.roles["worker"].env == {"UMASK": "0027"}
+
+
 def test_a_local_cluster_s_checkpoint_folder_must_be_a_folder_and_its_data_path_a_file(tmp_path: Path) -> None:
     """A checkpoint folder under a file passed, and every save of the run failed; a data path that is a folder
     passed, and every role failed reading it."""

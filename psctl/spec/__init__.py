@@ -81,7 +81,8 @@ def _load(text: str, *, shown: str, path: Path | None, overrides: Sequence[str])
     parsed = [parse_override(o) for o in overrides]  # a malformed one is refused before the file is read
     data, source = load_yaml(text, filename=shown)
     data = apply_overrides(data, parsed, filename=shown)
-    source = replace(source, overrides={o.path: o.text for o in parsed})
+    numbers = {**source.numbers, **{(*o.path, *sub): text for o in parsed for sub, text in o.numbers.items()}}
+    source = replace(source, overrides={o.path: o.text for o in parsed}, numbers=numbers)
     base_dir = path.parent if path is not None else Path.cwd()
     default_name = path.stem if path is not None else shown.strip("<>")
     spec = build_spec(data, source, path=path, base_dir=base_dir, default_name=default_name)

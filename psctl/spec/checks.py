@@ -99,6 +99,13 @@ class Checker:
                 self.fail((*path, key), "unknown key", suggestion(key, allowed), key=True)
         return value
 
+    def as_written(self, path: KeyPath, value: object) -> object:
+        """A plain number at ``path`` as the file wrote it (``0755``, ``1.10``), for keys whose values are text
+        (an environment variable's, a Slurm time limit); anything else as it is."""
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return self.source.numbers.get(path, str(value) if isinstance(value, int) else repr(value))
+        return value
+
     def string_keys(self, path: KeyPath, value: dict[Any, Any]) -> None:
         for key in value:
             if not isinstance(key, str):

@@ -73,6 +73,8 @@ class SourceMap:
     value_lines: Mapping[KeyPath, int] = field(default_factory=dict)
     #: The paths whose values came from the command line (``--set``), and how each was written there.
     overrides: Mapping[KeyPath, str] = field(default_factory=dict)
+    #: Each plain number as written (``0755``, ``1.10``): a key that wants a string (``env``) takes that text.
+    numbers: Mapping[KeyPath, str] = field(default_factory=dict)
 
     def line(self, path: KeyPath, *, key: bool = False) -> int:
         """The line of ``path``'s key (``key=True``) or value, else of its nearest recorded ancestor."""
@@ -151,7 +153,32 @@ def load_yaml(text: str, *, filename: str) -> tuple[Any, SourceMap]:
             loader.dispose()
     builder = _Builder(filename)
     data = None if node is None else builder.build(node, (), 0, set())
-    return data, SourceMap(filename, builder.key_lines, builder.value_lines)
+    return data, SourceMap(filename, builder.key_lines, builder.value_lines, numbers=builder.numbers)
+
+
+def load_value(text: str) -> tuple[Any, dict[KeyPath, str]]:
+    """One value written on the command line (``--set``), read as the spec's values are (YAML 1.2's numbers),
+    and its numbers as written; raises PyYAML's error for text that is not YAML."""
+    loader = _LineLoader(text)
+    try:
+        node = loader.get_single_node()
+    finally:
+        loader.dispose()
+    if node is None:
+        return None, {}
+    builder = _Builder("--set")
+    return builder.build(node, (), 0, set()), builder.numbers
+
+
+def _yaml_12_number(tag: str, text: str) -> int | float | None:
+    """A number in YAML 1.2's forms (``0o17``, ``0x1f``, ``007`` is 7); None for PyYAML's constructor to read
+    (``.inf``, an explicitly tagged YAML 1.1 form). Raises ValueError for a tagged scalar that is no number."""
+    if tag == _TAG + "int" and _INT.fullmatch(text):
+        base = {"0o": 8, "0x": 16}.get(text[:2], 10)
+        return int(text[2:] if base != 10 else text, base)
+    if tag == _TAG + "float" and _DECIMAL.fullmatch(text):
+        return float(text)
+    return None
 
 
 def _one_line(text: str) -> str:
@@ -172,9 +199,32 @@ def _target(node: Node) -> Node:
     return node.target if isinstance(node, _Alias) else node
 
 
+#: YAML 1.2's plain numbers (its core schema). PyYAML resolves YAML 1.1's, which read ``1:30:00`` as 5400
+#: (base 60), ``0755`` as 493 (octal), ``1_000`` as 1000, and ``1e-3`` (no dot) as a string.
+_INT = re.compile(r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+")
+_DECIMAL = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+_FLOAT = re.compile(rf"{_DECIMAL.pattern}|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)")
+
+
+def _yaml_12_numbers(resolvers: dict[str | None, list[tuple[str, re.Pattern[str]]]]) -> dict[Any, Any]:
+    """SafeLoader's implicit resolvers with its int and float ones replaced by YAML 1.2's."""
+    kept: dict[Any, list[tuple[str, re.Pattern[str]]]] = {
+        first: [(tag, regexp) for tag, regexp in pairs if tag not in (_TAG + "int", _TAG + "float")]
+        for first, pairs in resolvers.items()
+    }
+    for tag, pattern in ((_TAG + "int", _INT), (_TAG + "float", _FLOAT)):
+        anchored = re.compile(f"^(?:{pattern.pattern})$")
+        for first in "-+0123456789.":
+            kept.setdefault(first, []).append((tag, anchored))
+    return kept
+
+
 class _LineLoader(yaml.SafeLoader):
     """SafeLoader whose node tree keeps each alias's own position (the stock composer returns the anchored
-    node itself, so a value reached through an alias would be reported at the anchor's line)."""
+    node itself, so a value reached through an alias would be reported at the anchor's line), and whose plain
+    numbers are YAML 1.2's."""
+
+    yaml_implicit_resolvers = _yaml_12_numbers(yaml.SafeLoader.yaml_implicit_resolvers)
 
     def compose_node(self, parent: Node | None, index: object) -> Node:
         if self.check_event(AliasEvent):
@@ -197,6 +247,7 @@ class _Builder:
         self.key_lines: dict[KeyPath, int] = {}
         self.value_lines: dict[KeyPath, int] = {}
         self.count = 0
+        self.numbers: dict[KeyPath, str] = {}
         self._constructor = SafeConstructor()  # only for its scalar constructors
 
     def fail(self, node: Node, path: KeyPath, what: str, fix: str) -> NoReturn:
@@ -237,8 +288,13 @@ class _Builder:
     def scalar(self, node: ScalarNode, path: KeyPath) -> Scalar:
         if node.tag not in _SCALAR_TAGS:
             self.fail(node, path, f"unsupported YAML tag {node.tag!r}", "remove the tag (plain values only)")
-        construct = self._constructor.yaml_constructors[node.tag]
+        if node.tag in (_TAG + "int", _TAG + "float") and not node.style:
+            self.numbers[path] = node.value
         try:
+            number = _yaml_12_number(node.tag, node.value)
+            if number is not None:
+                return number
+            construct = self._constructor.yaml_constructors[node.tag]
             return construct(self._constructor, node)  # type: ignore[no-any-return]
         except Exception:  # PyYAML's constructors raise IndexError, KeyError... on odd tagged scalars
             self.fail(node, path, f"cannot read {_short_repr(node.value)} as its YAML type", "quote it or fix it")

@@ -11,14 +11,14 @@ file. A cluster remembers its overrides: a supervisor started again reads the sp
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
 from psctl.errors import SpecError
-from psctl.spec.loader import KeyPath, dotted
+from psctl.spec.loader import KeyPath, dotted, load_value
 
 #: One part of a key path: a key (``training``, ``learning_rate``) or a list index (``[1]``).
 _PART = re.compile(r"(?P<key>[A-Za-z0-9_-]+)|\[(?P<index>\d+)\]")
@@ -31,6 +31,8 @@ class Override:
     value: Any
     #: As the user wrote it (errors quote it).
     text: str
+    #: The value's plain numbers as written, by key path below ``path`` (see SourceMap.numbers).
+    numbers: Mapping[KeyPath, str] = field(default_factory=dict)
 
 
 def parse_override(text: str) -> Override:
@@ -40,12 +42,12 @@ def parse_override(text: str) -> Override:
         raise SpecError(f"--set {text}: no '=' between the key path and the value; {_EXAMPLE}")
     path = _key_path(key.strip(), text)
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
+        parsed, numbers = load_value(value) if value.strip() else (None, {})
     except yaml.YAMLError as e:
         problem = " ".join(str(getattr(e, "problem", None) or e).split())
         raise SpecError(f"--set {text}: the value is not valid YAML ({problem}); quote a string that YAML would "
                         f"read otherwise, e.g. --set name='\"my: run\"'") from None
-    return Override(path, parsed, text)
+    return Override(path, parsed, text, numbers)
 
 
 def _key_path(key: str, text: str) -> KeyPath:

@@ -172,7 +172,7 @@ def _backend(c: Checker, top: dict[str, Any], hosts: tuple[HostSpec, ...],
     text: dict[str, str | None] = {}
     for key in ("partition", "account", "qos", "time"):
         value = d.get(key)
-        text[key] = None if value is None else c.string((*p, key), str(value) if key == "time" else value,
+        text[key] = None if value is None else c.string((*p, key), c.as_written((*p, key), value),
                                                          fix=f"write the {key} as Slurm names it")
     if text["time"] is not None and not _SLURM_TIME.fullmatch(text["time"]):
         c.fail((*p, "time"), f"{text['time']!r} is not a Slurm time limit",
@@ -577,10 +577,8 @@ def _env(c: Checker, p: KeyPath, value: object) -> dict[str, str]:
             c.fail((*p, key), "not a valid environment variable name", "use letters, digits and '_'", key=True)
         if RESERVED_ENV.fullmatch(key):
             c.fail((*p, key), "psctl sets this variable for every role itself", "remove it", key=True)
-        if isinstance(raw, int) and not isinstance(raw, bool) and raw.bit_length() <= 64:
-            raw = str(raw)  # OMP_NUM_THREADS: 1 means "1"
-        elif isinstance(raw, float) and math.isfinite(raw):
-            raw = repr(raw)
+        if (isinstance(raw, int) and raw.bit_length() <= 64) or (isinstance(raw, float) and math.isfinite(raw)):
+            raw = c.as_written((*p, key), raw)  # OMP_NUM_THREADS: 1 means "1", UMASK: 0022 "0022"
         if not isinstance(raw, str) or "\x00" in raw:
             c.fail((*p, key), f"expected a string, got {show(raw)}", 'quote the value, e.g. "1"')
         env[key] = raw
