@@ -75,9 +75,16 @@ class PsctlGroup(click.Group):
             print_usage_error(exc, exc.ctx)
 
 
+#: click >= 8.2 raises this for a group called with no command (its help, not a mistake); 8.1 prints the help.
+_NO_ARGS_IS_HELP: type[click.UsageError] | None = getattr(click.exceptions, "NoArgsIsHelpError", None)
+
+
 def print_usage_error(exc: click.UsageError, ctx: click.Context | None) -> NoReturn:
     """A usage error in one line, with where to read the command's usage; exit 2."""
     context = exc.ctx or ctx
+    if _NO_ARGS_IS_HELP is not None and isinstance(exc, _NO_ARGS_IS_HELP) and context is not None:  # `psctl`
+        click.echo(context.get_help())
+        sys.exit(0)
     where = context.command_path if context is not None else "psctl"
     if exc.ctx is None and ctx is not None and ctx.meta.get(COMMAND_NAME):  # (an option's missing value)
         where = f"{ctx.command_path} {ctx.meta[COMMAND_NAME]}"
@@ -116,7 +123,8 @@ def validate(spec: str, overrides: tuple[str, ...]) -> None:
     """Check a cluster spec and print the plan (which role runs where)."""
     from psctl import operations
 
-    _spec, plan = operations.plan_spec(spec, overrides)
+    cluster_spec, plan = operations.plan_spec(spec, overrides)
+    operations.check_local_program(cluster_spec, plan)  # (as `up --dry-run` does: the two agree)
     console.print(plan_table(plan))
     console.print(f"[green]{escape(spec)}: valid[/green] ({len(plan.instances)} roles)")
 

@@ -330,6 +330,13 @@ def test_a_cluster_whose_supervisor_holds_its_lock_is_not_stale_before_it_record
     assert json.loads(check_ok(invoke("status", "starting", "--json")).stdout)["stale"] is True
 
 
+def test_psctl_alone_prints_its_help() -> None:
+    """click 8.2 made a group without a command a usage error: psctl printed its help headed "error: Usage:"."""
+    result = invoke()
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    assert result.stdout.startswith("Usage: ") and "Commands:" in result.stdout and result.stderr == ""
+
+
 def test_version() -> None:
     result = invoke("--version")
     assert result.exit_code == 0

@@ -850,8 +850,8 @@ def test_spec_mistakes_give_one_exact_line(
 
 def test_unreadable_spec_files(tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
-    assert str(spec_error(missing)) == f"{missing}: cannot read the spec: No such file or directory"
-    assert str(spec_error(tmp_path)) == f"{tmp_path}: cannot read the spec: Is a directory"
+    assert str(spec_error(missing)) == f"{missing}: cannot read the spec: No such file or directory; check the path"
+    assert str(spec_error(tmp_path)) == f"{tmp_path}: cannot read the spec: Is a directory; check the path"
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(b"name: \xff\xfe\n")
     assert str(spec_error(binary)) == f"{binary}: cannot read the spec: not UTF-8 text (byte 6)"
@@ -1346,6 +1346,9 @@ def test_set_overrides_replace_values_create_left_out_mappings_and_the_last_one_
                       "most 63, not starting with a dash; write e.g. --set name=digits"),
     ("roles.ps.threads=[1]", "--set roles.ps.threads=[1]: roles.ps.threads: expected an integer >= 1, got a list; "
                              "write e.g. --set roles.ps.threads=1"),
+    # prose that names a key is left as it is ("add --set training=with at least program:, ...")
+    ("training=null", "--set training=null: training: required but missing; add training: with at least program:, "
+                      "data: and steps:"),
     ("training.optimizer={name: adamw}", "--set training.optimizer={name: adamw}: training.optimizer.name: unknown "
                                          "optimizer 'adamw'; did you mean 'adam'? (one of: sgd, momentum, adagrad, "
                                          "adam)"),

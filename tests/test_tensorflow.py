@@ -83,7 +83,7 @@ def test_spec_mistakes_of_a_tensorflow_program_are_one_line_errors(psctl_env: Ps
 
 
 @pytest.mark.tensorflow
-def test_check_and_a_dry_run_find_a_command_missing_here_and_name_the_set_that_gave_it(
+def test_validate_check_and_a_dry_run_find_a_command_missing_here_and_name_the_set_that_gave_it(
         psctl_env: PsctlEnv) -> None:
     tensorflow_or_skip()
     folder = psctl_env.tmp_path
@@ -91,7 +91,7 @@ def test_check_and_a_dry_run_find_a_command_missing_here_and_name_the_set_that_g
     spec.write_text("roles: {chief: {}, ps: {}, worker: {}}\ntraining: {framework: tensorflow, command: "
                     "'python train.py'}\n")
     (folder / "train.py").write_text("print('hi')\n")
-    for command in (("check",), ("up", "--dry-run")):
+    for command in (("validate",), ("check",), ("up", "--dry-run")):  # (validate let it through)
         done = psctl_env.run(*command, str(spec), "--set", "training.command=nosuchprog --x")
         assert done.returncode == 2, (command, done.stdout, done.stderr)
         assert done.stderr.strip() == ("error: --set training.command=nosuchprog --x: training.command: 'nosuchprog' "

@@ -110,11 +110,11 @@ class SourceMap:
         at: KeyPath | None = None,
     ) -> SpecError:
         """The one-line error the spec promises: ``{file}:{line}: {key.path}: {what}; {fix}``, located at
-        ``line``, else where ``at`` (default: ``path``) was written. A value set by ``--set`` gets its fix in
-        that form: ``write e.g. threads: 1`` reads ``write e.g. --set roles.ps.threads=1``."""
+        ``line``, else where ``at`` (default: ``path``) was written. A value set by ``--set`` gets its fix's
+        example in that form: ``write e.g. threads: 1`` reads ``write e.g. --set roles.ps.threads=1``."""
         where = f"{self.filename}:{line}" if line is not None else self.where(path if at is None else at, key=key)
-        if where.startswith("--set ") and path and isinstance(path[-1], str):
-            fix = fix.replace(f"{path[-1]}: ", f"--set {dotted(path)}=")
+        if where.startswith("--set ") and path and isinstance(path[-1], str):  # (an example, not prose)
+            fix = fix.replace(f"e.g. {path[-1]}: ", f"e.g. --set {dotted(path)}=")
         return SpecError(f"{where}: {dotted(path)}: {what}; {fix}" if path else f"{where}: {what}; {fix}")
 
 

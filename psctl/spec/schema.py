@@ -527,7 +527,7 @@ def _ports(c: Checker, p: KeyPath, d: dict[str, Any], replicas: int, *,
         if len(ports) < replicas:
             c.fail(
                 p,
-                f"{many} but {len(ports)} ports",
+                f"{many} but {len(ports)} port{'s' if len(ports) != 1 else ''}",
                 f"list {replicas} ports or give a base `port:`",
                 at=(*p, "ports"),
                 key=True,
