@@ -74,9 +74,11 @@ def check_request(cdir: ClusterDir, spec: ClusterSpec, record: ClusterRecord, wa
             raise UsageError(f"{role}={n} is fewer than roles.{role}.min_replicas ({rs.min_replicas}) in "
                              f"{where}", hint=f"scale to at least {rs.min_replicas}")
         aggregated = spec.training.get("replicas_to_aggregate")
-        if role == "worker" and spec.training.get("mode") == "sync" and aggregated and n < int(aggregated):
-            raise UsageError(f"worker={n} is fewer than training.replicas_to_aggregate ({aggregated}): no "
-                             "synchronous step could complete", hint=f"scale to at least {aggregated}")
+        if (role == "worker" and spec.training.get("mode") == "sync" and spec.training.get("distinct_replicas")
+                and aggregated and n < int(aggregated)):  # (else fewer workers compute several batches a step)
+            raise UsageError(f"worker={n} is fewer than training.replicas_to_aggregate ({aggregated}), and "
+                             "distinct_replicas takes one gradient from each worker per step: no step could "
+                             "complete", hint=f"scale to at least {aggregated}")
         leaving = [r.name for r in record.roles if r.role == role and r.retired and r.pid is not None]
         if leaving:
             raise UsageError(f"{', '.join(leaving)} of the last scale-down are still leaving",

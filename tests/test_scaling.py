@@ -213,6 +213,23 @@ def test_scale_requests_outside_the_specs_bounds_name_the_line_to_change(tmp_pat
         check_request(ClusterDir(tmp_path), spec, record, {"worker": 3})
 
 
+@pytest.mark.parametrize("distinct", [False, True])
+def test_synchronous_workers_scale_below_the_replicas_aggregated_unless_each_must_give_one(
+    tmp_path: Path, distinct: bool
+) -> None:
+    """Fewer workers than replicas_to_aggregate compute several batches a step (the spec lets one start so):
+    `scale worker=1` was refused as "no synchronous step could complete"; with distinct_replicas it could not."""
+    text = SPEC.replace("min_replicas: 2, ", "").replace(
+        "steps: 10}", f"steps: 10, mode: sync, replicas_to_aggregate: 2, distinct_replicas: {str(distinct).lower()}}}")
+    spec, record = record_for(tmp_path, text)
+    if not distinct:
+        check_request(ClusterDir(tmp_path), spec, record, {"worker": 1})
+        return
+    with pytest.raises(UsageError, match=r"^worker=1 is fewer than training.replicas_to_aggregate \(2\), and "
+                                         r"distinct_replicas takes one gradient from each worker per step"):
+        check_request(ClusterDir(tmp_path), spec, record, {"worker": 1})
+
+
 def test_spec_bounds_are_checked_where_they_are_written(tmp_path: Path) -> None:
     def error(roles: str) -> str:
         text = (f"name: b\nroles:\n  chief: {{}}\n  {roles}\n"
