@@ -161,6 +161,29 @@ def test_wide_embedding_refuses_missing_rows_and_out_of_vocab_ids() -> None:
         program.embedding_ids({"x": np.array([[2, 30]]), "y": np.array([1])})
 
 
+def test_args_the_data_contradicts_are_refused_at_build_naming_the_arg(tmp_path) -> None:
+    """`num_features: 10` on digits failed at the first step ("batch has 64 features but the model expects 10"),
+    `vocab_size` below the data's ids likewise ("ids must be in [0, 100)"): refused when the program is built,
+    naming the arg, also for a data file (whose shape only the roles read)."""
+    path = tmp_path / "data.npz"
+    np.savez(path, x=np.zeros((20, 12), np.float32), y=np.arange(20) % 4)
+    data = {"path": str(path)}
+    with pytest.raises(ValueError, match=r"^args.num_features for psctl.models.mlp is 10, but the data has 12 "
+                                         r"features per example: remove args.num_features \(it is read from the "
+                                         r"data\) or give 12$"):
+        mlp.build({"num_features": 10}, data, 0)
+    with pytest.raises(ValueError, match=r"^args.num_classes for psctl.models.softmax is 3, but the data has 4 "
+                                         r"classes \(labels up to 3\)"):
+        softmax.build({"num_classes": 3}, data, 0)
+    ids = {"name": "synthetic_embedding", "vocab_size": 500}
+    with pytest.raises(ValueError, match=r"^args.vocab_size for psctl.models.wide_embedding is 100, but the data "
+                                         r"has 500 ids \(up to 499\): .* or give at least 500$"):
+        wide_embedding.build({"vocab_size": 100}, ids, 0)
+    # what agrees with the data, or leaves room beyond it, is taken
+    assert mlp.build({"num_features": 12, "num_classes": 6}, data, 0).num_classes == 6
+    assert wide_embedding.build({"vocab_size": 800}, ids, 0).vocab_size == 800
+
+
 def test_float32_params_give_float32_gradients_without_warnings() -> None:
     program = softmax.build({}, SMALL_CLS, seed=0)
     params = {k: (v * 1e4).astype(np.float32) for k, v in _random_params(program).items()}  # huge logits
@@ -241,10 +264,10 @@ def test_wide_embedding_learns_synthetic_embedding(zipf: float) -> None:
 def test_args_default_from_data_and_override() -> None:
     kernel = {v.name: v for v in softmax.build({}, SMALL_CLS, 0).variables()}["softmax/kernel"]
     assert kernel.shape == (5, 3)
-    names = [v.name for v in mlp.build({"num_classes": 4}, {"name": "digits"}, 0).variables()]
+    names = [v.name for v in mlp.build({"num_classes": 12}, {"name": "digits"}, 0).variables()]
     assert names == ["hid/kernel", "hid/bias", "sm/kernel", "sm/bias"]
-    shapes = {v.name: v.shape for v in mlp.build({"num_classes": 4}, {"name": "digits"}, 0).variables()}
-    assert shapes["hid/kernel"] == (64, 100) and shapes["sm/bias"] == (4,)
+    shapes = {v.name: v.shape for v in mlp.build({"num_classes": 12}, {"name": "digits"}, 0).variables()}
+    assert shapes["hid/kernel"] == (64, 100) and shapes["sm/bias"] == (12,)
     table = wide_embedding.build({}, SMALL_EMB, 0).variables()[0]
     assert (table.name, table.shape, table.embedding, table.initializer, table.init_scale) == (
         "emb/table",

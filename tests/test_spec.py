@@ -1277,6 +1277,22 @@ def test_numbers_are_read_as_yaml_1_2_writes_them_and_text_keys_take_them_as_wri
     assert over.training["optimizer"]["learning_rate"] == 0.0005 and over.roles["worker"].env == {"UMASK": "0027"}
 
 
+def test_a_built_in_program_s_args_that_its_named_data_contradicts_are_refused_at_the_arg() -> None:
+    spec = textwrap.dedent("""\
+        roles: {{chief: {{}}, ps: {{}}, worker: {{}}}}
+        training: {{program: psctl.models.{program}, data: {data}, steps: 10, args: {args}}}
+        """)
+    with pytest.raises(SpecError) as info:
+        load_spec_text(spec.format(program="mlp", data="{name: digits}", args="{num_features: 10}"),
+                       filename="cluster.yaml")
+    assert str(info.value) == ("cluster.yaml:2: training.args.num_features: is 10, but the data has 64 features per "
+                               "example; remove it (it is read from the data) or give 64")
+    with pytest.raises(SpecError, match=r"training.args.vocab_size: is 100, but the data has 20000 ids"):
+        load_spec_text(spec.format(program="wide_embedding", data="{name: synthetic_embedding, vocab_size: 20000}",
+                                   args="{vocab_size: 100}"), filename="cluster.yaml")
+    assert load_spec_text(spec.format(program="mlp", data="{name: digits}", args="{num_classes: 12}"))
+
+
 def test_a_local_cluster_s_checkpoint_folder_must_be_a_folder_and_its_data_path_a_file(tmp_path: Path) -> None:
     """A checkpoint folder under a file passed, and every save of the run failed; a data path that is a folder
     passed, and every role failed reading it."""

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from psctl.runtime.builtin_programs import BUILTIN_PROGRAMS, arg_expected
+from psctl.runtime.builtin_programs import BUILTIN_PROGRAMS, arg_expected, data_mismatch
 from psctl.runtime.program import EmbeddingRows, Params
 
 
@@ -37,6 +37,10 @@ def resolve_args(program: str, args: Mapping[str, Any], defaults: Mapping[str, i
         if expected is not None:
             raise ValueError(f"args.{key} for {program} must be {expected}, got {value!r}")
         resolved[key] = int(value)
+        mismatch = data_mismatch(key, resolved[key], default) if key in args else None
+        if mismatch is not None:
+            problem, fix = mismatch
+            raise ValueError(f"args.{key} for {program} {problem}: {fix.replace('it', f'args.{key}', 1)}")
     return resolved
 
 

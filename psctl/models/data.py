@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from psctl.runtime.data_config import is_int, parse_data_config
+from psctl.runtime.data_config import DataShape, is_int, named_data_shape, parse_data_config
 
 SPLITS = ("train", "test")
 #: Where in scikit-learn's package its copy of the digits lies.
@@ -81,15 +81,6 @@ class ArrayDataset:
         return order
 
 
-@dataclass(frozen=True)
-class DataShape:
-    """What a model can infer from a data config without the user repeating it in ``args``."""
-
-    num_features: int | None
-    num_classes: int | None
-    vocab_size: int | None
-
-
 def load_dataset(data: Mapping[str, Any], *, split: str, shard: int, num_shards: int, seed: int) -> ArrayDataset:
     """The examples of ``split`` that belong to ``shard``: every ``num_shards``-th one of the split."""
     if split not in SPLITS:
@@ -110,13 +101,9 @@ def load_dataset(data: Mapping[str, Any], *, split: str, shard: int, num_shards:
 
 def data_shape(data: Mapping[str, Any], seed: int) -> DataShape:
     """Features, classes and vocabulary size implied by a data config (files are read to find out)."""
-    kind, opts = parse_data_config(data)
-    if kind == "digits":
-        return DataShape(64, 10, None)
-    if kind == "synthetic_classification":
-        return DataShape(opts["num_features"], opts["num_classes"], None)
-    if kind == "synthetic_embedding":
-        return DataShape(opts["ids_per_example"], 2, opts["vocab_size"])
+    named = named_data_shape(data)
+    if named is not None:
+        return named
     x, y = _source_arrays(data, seed)
     num_classes = int(y.max()) + 1 if y.dtype.kind == "i" else None
     vocab_size = int(x.max()) + 1 if x.dtype.kind == "i" else None

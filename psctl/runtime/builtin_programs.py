@@ -29,3 +29,25 @@ def arg_expected(program: str, key: str, value: object) -> str | None:
     if values and all(not isinstance(v, bool) and isinstance(v, numbers.Integral) and int(v) >= 1 for v in values):
         return None
     return "a positive integer or a list of them" if many else "a positive integer"
+
+
+#: Args a built-in program reads from its data unless given: what the data needs of each (the step would fail
+#: at its first batch, naming no arg: "batch has 64 features but the model expects 10").
+FROM_DATA = {
+    "num_features": ("features per example", "equal"),
+    "num_classes": ("classes (labels up to {top})", "at least"),
+    "vocab_size": ("ids (up to {top})", "at least"),
+}
+
+
+def data_mismatch(key: str, given: int, data: int | None) -> tuple[str, str] | None:
+    """What is wrong with arg ``key`` given as ``given`` where the data implies ``data``, and the fix; None if
+    nothing is (or the data implies nothing)."""
+    if key not in FROM_DATA or data is None:
+        return None
+    what, rule = FROM_DATA[key]
+    if given == data or (rule == "at least" and given > data):
+        return None
+    need = f"give {data}" if rule == "equal" else f"give at least {data}"
+    return (f"is {given}, but the data has {data} {what.format(top=data - 1)}",
+            f"remove it (it is read from the data) or {need}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +114,24 @@ def _check_options(kind: str, opts: dict[str, Any]) -> None:
         refuse("label_column", "must be an integer")
     if "skip_header" in opts and not isinstance(opts["skip_header"], bool):
         refuse("skip_header", "must be true or false")
+
+
+@dataclass(frozen=True)
+class DataShape:
+    """What a model can infer from a data config without the user repeating it in ``args``."""
+
+    num_features: int | None
+    num_classes: int | None
+    vocab_size: int | None
+
+
+def named_data_shape(data: Mapping[str, Any]) -> DataShape | None:
+    """The shape of a named source's data, known from its config alone; None for a data file (read to know)."""
+    kind, opts = parse_data_config(data)
+    if kind == "digits":
+        return DataShape(64, 10, None)
+    if kind == "synthetic_classification":
+        return DataShape(opts["num_features"], opts["num_classes"], None)
+    if kind == "synthetic_embedding":
+        return DataShape(opts["ids_per_example"], 2, opts["vocab_size"])
+    return None

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from psctl.home import psctl_home
-from psctl.runtime.builtin_programs import BUILTIN_PREFIX, BUILTIN_PROGRAMS, arg_expected
+from psctl.runtime.builtin_programs import BUILTIN_PREFIX, BUILTIN_PROGRAMS, arg_expected, data_mismatch
 from psctl.runtime.call_size import AUTO
-from psctl.runtime.data_config import DataConfigError, parse_data_config
+from psctl.runtime.data_config import DataConfigError, named_data_shape, parse_data_config
 from psctl.runtime.optimizer_params import LEARNING_RATE, OPTIMIZER_PARAMS, Param, optimizer_config
 from psctl.runtime.partitioners import (
     PARTITIONER_KINDS,
@@ -81,6 +81,11 @@ def normalise_training(
         if expected is not None:
             c.fail((*T, "args", key), f"expected {expected}, got {show(out['args'][key])}", f"write e.g. {key}: 64")
     out["data"] = _data(c, t.get("data"), base_dir, allowed_paths, builtin=program in BUILTIN_PROGRAMS)
+    shape = named_data_shape(out["data"]) if valid_args else None  # (a data file's is the roles' to read)
+    for key, given in out["args"].items() if shape is not None else ():
+            mismatch = data_mismatch(key, given, getattr(shape, key, None))
+            if mismatch is not None:
+                c.fail((*T, "args", key), *mismatch)
     out["batch_size"] = _int(c, t, "batch_size", 100, minimum=1, example="100")
     out["optimizer"] = _optimizer(c, t.get("optimizer"))
     mode = c.choice((*T, "mode"), t.get("mode", "async"), MODES, noun="mode")
