@@ -51,3 +51,28 @@ def test_the_final_report_gives_the_whole_run_s_rates_not_its_last_interval() ->
     final = meter.report(final=True)
     assert abs(final["steps_per_sec"] - 99 / 9.9) < 1e-6 and abs(final["examples_per_sec"] - 32 * 99 / 9.9) < 1e-6
     assert final["global_step"] == 100
+
+
+def test_synchronous_training_reports_global_steps_per_second_not_the_workers_batches() -> None:
+    """A synchronous round computes N batches (3 here, a backup among them) for one global step: status, top,
+    the metrics and the chief's log showed 3x the global step's rate. A resumed run's first result (at global
+    step 5000) is where it starts, not 5000 steps done."""
+    now = [100.0]
+    meter = TrainingMeter(get_time=lambda: now[0], by_global_step=True)
+    meter.record(loss=0.5, examples=32, global_step=5000)
+    assert meter.report()["steps_per_sec"] == 0.0  # (where it starts)
+    for step in range(5001, 5101):  # 10 global steps/s, three workers' results each
+        for _ in range(3):
+            now[0] += 0.1 / 3
+            meter.record(loss=0.5, examples=32, global_step=step - 1 if _ < 2 else step)
+        if step % 10 == 0:
+            report = meter.report()
+            assert abs(report["steps_per_sec"] - 10.0) < 1e-6, report
+            assert abs(report["examples_per_sec"] - 3 * 32 * 10.0) < 1e-6  # (the batches computed)
+    meter.reset(4900)  # restored from a checkpoint: the steps trained again count again
+    for step in range(4901, 4911):
+        now[0] += 0.1
+        meter.record(loss=0.5, examples=32, global_step=step)
+    assert abs(meter.report()["steps_per_sec"] - 10.0) < 1e-6
+    final = meter.report(final=True)
+    assert abs(final["steps_per_sec"] - 110 / 11.0) < 1e-6 and final["global_step"] == 4910

@@ -313,6 +313,24 @@ def test_fewer_workers_than_replicas_to_aggregate(psctl_env: PsctlEnv) -> None:
     assert min(computed.get("worker-0", 0), computed.get("worker-1", 0)) > 0, computed
 
 
+def test_one_worker_left_computes_no_backup_to_drop_and_trains_every_shard(psctl_env: PsctlEnv) -> None:
+    """N = 3 for R = 2 with a single worker: it computed the round's third batch after the two that completed
+    the step, always stale, and always of the same shard: that shard's data was read and never trained on
+    (positions [910, -1, 893], 900 stale). With no worker to race, a round is the R batches it aggregates."""
+    steps = 120
+    spec = write_spec(psctl_env, "alone", steps=steps, workers=1, replicas_to_aggregate=2, total_replicas=3,
+                      data_shards=3)
+    result = up(psctl_env, spec, "alone")
+    assert result["global_step"] == steps, result
+    assert result["sync"]["gradients_applied"] == steps * 2 and result["sync"]["stale_dropped"] == 0, result
+    positions = result["shard_positions"]  # each shard's last batch, from 0: every shard read and trained on
+    assert min(positions) >= 0 and sum(p + 1 for p in positions) == steps * 2, result
+    # the rate status, top and the log show is global steps/s: it counted the batches (R per step, here 2x)
+    records = (psctl_env.home / "alone" / "run" / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    final = [r for r in map(json.loads, records) if r.get("event") == "progress"][-1]  # (the whole run's)
+    assert final["steps_per_sec"] <= 1.25 * steps / result["seconds"], (final, result)
+
+
 # -- a dead replica ---------------------------------------------------------------------------------------------------
 #: worker-1 hangs in this step (computed, not pushed) and is SIGKILLed there.
 HANG_AT = 20

@@ -80,7 +80,7 @@ class Chief:
         PROGRESS.metrics = {**PROGRESS.metrics, "ps_layout": len(info.ps)}  # the supervisor retires ps by it
         #: The ps addresses of a layout with another ps count (psctl scale ps=N), until resharded onto it.
         self._ps_wanted: list[str] | None = None
-        self.meter = TrainingMeter()
+        self.meter = TrainingMeter(by_global_step=cfg.mode == "sync")
         #: Asynchronous steps per call to a worker (training.steps_per_execution); one in bounded mode, whose
         #: staleness bound counts the steps as the chief hands them out.
         self._call_size = CallSizer(cfg.steps_per_execution if cfg.mode == "async" else 1)
@@ -289,9 +289,9 @@ class Chief:
         log.info("stopping: checkpoint %s taken at global step %d", self.checkpointer.latest, self.meter.global_step)
 
     def _train_sync(self, coordinator: ClusterCoordinator) -> None:
-        """One round per global step: schedule max(N, R) steps, wait until every PS applied the step (R fresh
-        gradients averaged), drop the round's unstarted steps. Stragglers' late gradients are stale and
-        dropped by the PS. Missing replicas: after replica_timeout the step proceeds with what arrived if at
+        """One round per global step: schedule its steps (``_replicas_per_round``), wait until every PS applied
+        the step (R fresh gradients averaged), drop the round's unstarted steps. Stragglers' late gradients are
+        stale and dropped by the PS. Missing replicas: after replica_timeout the step proceeds with what arrived if at
         least min_replicas did, else training fails saying so."""
         cfg = self.config
         r = int(cfg.replicas_to_aggregate or len(self.info.workers))
@@ -304,14 +304,14 @@ class Chief:
             if self._ps_wanted is not None:
                 self._reshard(coordinator)
                 continue
-            # a round for every worker there is now (psctl scale), and at least the replicas it aggregates
-            n = max(int(cfg.total_replicas or 0), coordinator.active_workers())
+            n = _replicas_per_round(r, int(cfg.total_replicas or 0), coordinator.active_workers(),
+                                    coordinator.live_workers())
             if self._leaving and self.checkpointer is not None:
                 self._hand_over(coordinator)
                 continue
             if self.checkpointer is not None and self.checkpointer.due(step):
                 self._checkpoint()  # between rounds nothing fresh is in flight: the PS are consistent
-            for _ in range(max(n, r)):
+            for _ in range(n):
                 coordinator.schedule("train", sync_step=step)
             # The replica timeout counts from the round's first gradient (missing replicas are the ones that
             # did not follow it); a round with none at all gets the start-up allowance on top.
@@ -654,3 +654,14 @@ def _follow_workers(coordinator: ClusterCoordinator, addresses: dict[str, str]) 
     workers = tasks_of("worker", addresses)
     if workers:
         coordinator.set_workers(workers)
+
+
+def _replicas_per_round(aggregated: int, total: int, workers: int, live: int) -> int:
+    """The steps of a synchronous round: the total the spec asks for and one for every worker there is now
+    (psctl scale), at least the replicas it aggregates. Backups (steps beyond those aggregated) let fast workers
+    cover for slow ones; a single live worker has none to cover for: it would compute them after its own
+    batches, always too late, and the same data shard's batches would be the ones dropped, every round (a third
+    of the data never trained on, with one worker of three left)."""
+    if live <= 1:
+        return aggregated
+    return max(aggregated, total, workers)

@@ -345,6 +345,11 @@ class ClusterCoordinator:
         with self._cond:
             return sum(not w.removed for w in self.workers)
 
+    def live_workers(self) -> int:
+        """Workers answering now (not lost, not restarting, not scaled away)."""
+        with self._cond:
+            return sum(w.alive and not w.removed for w in self.workers)
+
     def set_workers(self, addresses: Mapping[int, str]) -> None:
         """The workers are now exactly ``{index: address}`` (psctl scale, or a move): a new index gets a
         worker (probed before its first step), a missing one is removed once its step is done (a removed

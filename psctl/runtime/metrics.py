@@ -89,10 +89,16 @@ def last_record(path: str | Path, event: str, *, tail_bytes: int = 64 << 10) -> 
 
 class TrainingMeter:
     """Counts steps and examples and reports rates over the last reporting interval (the final report: over the
-    whole run, from the first result to the last)."""
+    whole run, from the first result to the last).
 
-    def __init__(self, *, get_time: Callable[[], float] = time.monotonic) -> None:
+    ``steps_per_sec`` is global steps per second. Asynchronous training applies each worker step as one global
+    step, so the workers' steps are counted; synchronous training (``by_global_step``) computes N batches per
+    global step (the replicas, backups included), so the global step itself is (counting the workers' steps
+    showed N times its rate). ``examples_per_sec`` is the examples the workers computed."""
+
+    def __init__(self, *, get_time: Callable[[], float] = time.monotonic, by_global_step: bool = False) -> None:
         self._time = get_time
+        self._by_global_step = by_global_step
         self._lock = threading.Lock()
         self.steps = 0
         self.examples = 0
@@ -100,10 +106,12 @@ class TrainingMeter:
         self.loss = float("nan")
         self._loss_sum = 0.0
         self._loss_n = 0
+        #: (time, steps counted, examples) at the last report, at the first result; the time of the latest
         self._mark = (get_time(), 0, 0)
-        #: (time, steps, examples) at the first result, and the time of the latest
         self._first: tuple[float, int, int] | None = None
         self._latest = 0.0
+        #: global steps counted (by_global_step): each result's advance over the highest seen before
+        self._advanced = 0
 
     def record(self, *, loss: float, examples: int, global_step: int, steps: int = 1) -> None:
         """``steps`` steps finished (one call of several: ``loss`` is their mean, ``examples`` their sum)."""
@@ -111,14 +119,20 @@ class TrainingMeter:
             self.steps += steps
             self.examples += examples
             self._latest = self._time()
+            if self._first is not None:  # (the first says where training is: a resumed run starts far on)
+                self._advanced += max(0, global_step - self.global_step)
             if self._first is None:  # (the steps of this first result took a time not known here)
-                self._first = (self._latest, self.steps, self.examples)
+                self._first = (self._latest, self._counted(), self.examples)
             self.global_step = max(self.global_step, global_step)
             self._loss_sum += loss * steps
             self._loss_n += steps
 
+    def _counted(self) -> int:
+        return self._advanced if self._by_global_step else self.steps
+
     def reset(self, global_step: int) -> None:
-        """After a restore the global step goes back: forget the higher one seen before."""
+        """After a restore the global step goes back: forget the higher one seen before (the steps trained
+        again from there count again)."""
         with self._lock:
             self.global_step = global_step
 
@@ -137,9 +151,9 @@ class TrainingMeter:
             out = {
                 "global_step": self.global_step,
                 "loss": self.loss,
-                "steps_per_sec": (self.steps - steps) / elapsed,
+                "steps_per_sec": (self._counted() - steps) / elapsed,
                 "examples_per_sec": (self.examples - examples) / elapsed,
             }
-            self._mark = (now, self.steps, self.examples)
+            self._mark = (now, self._counted(), self.examples)
             self._loss_sum, self._loss_n = 0.0, 0
             return out
