@@ -424,6 +424,7 @@ def _tear_down(
     unreachable.update(still_unreachable)
     unreachable.update({h: e.format_message() if isinstance(e, PsctlError) else str(e) for h, e in errors.items()})
     record = load_state(cdir.state_file)
+    changed = not record.state.terminal or any(not role.state.terminal for role in record.roles)
     if not record.state.terminal:
         record.state = ClusterState.STOPPED
         record.reason = "stopped by psctl down"
@@ -431,7 +432,8 @@ def _tear_down(
         if not role.state.terminal:
             role.state = RoleState.STOPPED
             role.reason = "stopped by psctl down"
-    save_state(cdir.state_file, record)
+    if changed:  # (a finished cluster's record, and the time `ls` shows it ended, stay as they were)
+        save_state(cdir.state_file, record)
     # A pool host that no attempt of any role ran on holds nothing of the cluster: its silence is no failure.
     ran = {r.host for r in record.roles} | {where for r in record.roles for _, where in r.hosts_by_attempt}
     spares = tuple(sorted(h for h in unreachable if h not in ran))

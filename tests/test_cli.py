@@ -311,6 +311,11 @@ def test_ls_lists_clusters(psctl_env) -> None:
     assert "result (test split): accuracy 0.7500" in status.stdout, status.stdout
     assert "training finished, but the supervisor of 'gone' died before it stopped the other roles" in " ".join(
         status.stderr.split()), status.stderr
+    # `down` of a cluster that had finished changes nothing of it: ls showed the down's time as when it ended
+    check_ok(invoke("down", "done"))
+    assert load_state(done.state_file).updated_at == record.updated_at
+    check_ok(invoke("down", "orphan"))
+    assert load_state(ClusterDir.named("orphan").state_file).state == ClusterState.STOPPED
 
 
 def test_a_cluster_whose_supervisor_holds_its_lock_is_not_stale_before_it_records_its_pid(psctl_env) -> None:

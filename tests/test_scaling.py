@@ -70,6 +70,8 @@ def test_scaling_workers_up_starts_the_new_ones_and_tells_the_chief(c: FakeClust
     assert [a for a in actions if isinstance(a, policy.RebindCpus)] == [policy.RebindCpus("localhost")]
     assert {"worker:2", "worker:3"} <= set(chief_view(c))
     assert [e.reason for e in c.events("cluster")][-1] == "psctl scale worker=4: worker 2 -> 4"
+    added = c.events("worker-3")[0]  # (its "from" was empty: `psctl events` showed "-> pending")
+    assert (added.was, added.to, added.reason) == ("new", "pending", "psctl scale worker=4: added on localhost")
     c.step(1)
     assert c.role("worker-3").state == RoleState.RUNNING
 
@@ -91,6 +93,7 @@ def test_scaling_workers_down_drains_the_highest_with_the_preemption_grace_and_n
     assert c.record.state == ClusterState.RUNNING
 
     c.step(observations=[ScaleRequested("worker", 2, slots("worker", 1))])
+    assert [(e.was, e.to) for e in c.events("worker-1") if "added on" in e.reason][-1] == ("stopped", "pending")
     again = c.role("worker-1")
     assert not again.retired and again.attempt == 2  # its attempts go on: the first one's log stays
     c.step(1)

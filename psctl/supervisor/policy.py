@@ -940,12 +940,14 @@ class _Decision:
     def add_role(self, role_name: str, slot: Slot, why: str) -> None:
         name = f"{role_name}-{slot.index}"
         role = RoleRecord(name, role_name, slot.index, slot.host, slot.address, slot.port, node=slot.node)
+        was = "new"  # (the events table's "from" column)
         with contextlib.suppress(KeyError):
             old = self.record.role(name)  # scaled away before: its attempts (and their logs) count on
             role.attempt, role.hosts_by_attempt, role.restarts = old.attempt, old.hosts_by_attempt, old.restarts
+            was = old.state.value
         self.record.put_role(role)
         self.s.roles[name] = RoleLive()
-        self.actions.append(WriteEvent(name, "", role.state.value, f"{why}: added on {slot.host}"))
+        self.actions.append(WriteEvent(name, was, role.state.value, f"{why}: added on {slot.host}"))
 
     def retire(self, role: RoleRecord, why: str) -> None:
         if role.state.terminal:
