@@ -125,6 +125,19 @@ def test_a_failed_setup_command_stops_up_in_one_line_before_anything_starts(psct
                                      f"wheel; fix the command under setup: (its output: {log})"), failed.stderr
     assert (spec.parent / "ran").read_text() == "first\n"  # the commands after it did not run
     assert psctl_env.processes() == []  # nothing started: no supervisor, agent or role
+    # the failed run is the cluster's record: status says why, and down --purge finds the name ("no cluster")
+    status = check(psctl_env.run("status", "setupfail"))
+    assert "cluster setupfail failed" in status.stdout and "setup[1]" in flat(status.stdout), status.stdout
+    # a run before it of the same name is not what status shows once a later run's setup failed
+    spec.write_text(spec.read_text().replace("exit 3", "exit 0"))
+    check(psctl_env.run("up", str(spec)))
+    spec.write_text(spec.read_text().replace("exit 0", "exit 4"))
+    check(psctl_env.run("up", str(spec), "--detach"), 1)
+    assert psctl_env.state("setupfail")["state"] == "failed"
+    assert (psctl_env.home / "setupfail" / "history" / "2" / "run" / "result.json").is_file()  # (the run before)
+    purged = check(psctl_env.run("down", "--purge", "setupfail"))
+    assert "logs and state deleted" in flat(purged.stdout)
+    assert not (psctl_env.home / "setupfail" / "state.json").exists()
 
 
 # in-process, the supervisor is this process's child, whose Popen `up` drops as it returns (psctl's own process
