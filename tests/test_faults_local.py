@@ -369,6 +369,37 @@ def test_a_restarted_supervisor_adopts_the_running_roles_and_training_ends_exact
     assert cluster.progress() == steps
 
 
+def test_a_training_that_ends_while_no_supervisor_runs_leaves_no_role_running(
+        cluster_factory: MakeCluster, psctl_env: PsctlEnv) -> None:
+    """The supervisor stops the ps and workers once the chief finishes; one that died left them serving, with
+    nothing to do, until `psctl down` or `supervise` (hosts paid for, idle). Told by the chief that training is
+    over, they end by themselves (here after 2 s; 60 by default), and a later supervisor takes their ends as
+    the training's, restarting nothing."""
+    psctl_env.env["PSCTL_TRAINING_OVER_LINGER"] = "2"
+    steps = 1500
+    cluster = cluster_factory("ownend", steps)
+    cluster_id = cluster.up()
+    cluster.wait_progress(200)
+    pids = {role: cluster.process(role).pid for role in ROLES}
+    sigkill(psutil.Process(cluster.state()["supervisor_pid"]))
+
+    def roles_left() -> list[psutil.Process]:
+        return [p for p in psctl_env.processes(cluster_id) if "psctl.agent" not in " ".join(p.cmdline())]
+
+    wait_until(lambda: not roles_left(), timeout=90, what="every role to end by itself",
+               detail=lambda: psctl_env.describe(roles_left()))
+    assert cluster.result()["global_step"] == steps
+    ended = re.compile(r"ps:1 stopping: training is over, and nothing stopped this role within 2s")
+    assert ended.search(cluster.log("ps-1")), cluster.log("ps-1")
+
+    done = psctl_env.run("supervise", cluster.name, "--detach")
+    assert done.returncode == 0, done.stderr
+    cluster.wait_finished()
+    assert_finished_with_exactly(cluster, steps)
+    assert_none_restarted(cluster, pids)
+    wait_until(lambda: not psctl_env.processes(cluster_id), timeout=30, what="the agent to go with its cluster")
+
+
 def test_a_supervisor_stopped_longer_than_the_heartbeat_timeout_restarts_nothing(cluster_factory: MakeCluster) -> None:
     """SIGSTOP of the supervisor (a paused VM, swap, an overloaded launch machine) for longer than the heartbeat
     timeout, while its roles train on and beat to their agent: on SIGCONT it takes in what they sent meanwhile

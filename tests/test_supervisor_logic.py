@@ -187,6 +187,26 @@ def test_the_chief_finishing_stops_everyone_and_succeeds(c: FakeCluster) -> None
     assert c.running() == set()
 
 
+def test_ps_and_workers_that_end_by_themselves_before_the_chief_is_seen_finishing_are_not_restarted(
+    c: FakeCluster,
+) -> None:
+    """psctl's ps and workers exit 0 only once the chief said training is over and nothing stopped them (their
+    supervisor had died): a new supervisor may see them end before the chief does. Not losses: nothing is
+    restarted, and the chief's end finishes the cluster."""
+    running(c)
+    for name in ("ps-0", "worker-1"):
+        c.process(name).exit_code = 0
+    actions = c.step()
+    assert [c.role(n).state for n in ("ps-0", "worker-1")] == [RoleState.SUCCEEDED] * 2
+    assert c.role("ps-0").reason == "training is over: it ended by itself"
+    assert not [a for a in actions if isinstance(a, policy.StartRole)] and c.record.state == ClusterState.RUNNING
+    later = [a for _ in range(5) for a in c.step(1)]
+    assert not [a for a in later if isinstance(a, policy.StartRole)], later
+    c.process("chief-0").exit_code = 0
+    c.step()
+    assert c.record.state == ClusterState.SUCCEEDED and c.role("worker-0").state == RoleState.STOPPED
+
+
 def test_the_step_a_role_reports_as_it_exits_is_its_last(c: FakeCluster) -> None:
     """A watched program's step is read from its log, also from the lines it printed just before it exited; the
     report that says it exited carries that step, and it counts (it was lost, and the chief showed an old step)."""

@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from psctl.launch.cpus import bind_self, cpu_list, settle_priority
 from psctl.runtime.cluster import ClusterConfigError, ClusterInfo, from_env
@@ -35,6 +35,10 @@ from psctl.signals import RECORDED_SIGNALS, on_signals
 DEFAULT_PREEMPTION_GRACE = 30.0
 #: The longest a role on its way out waits for its last heartbeat (its final step and metrics) to be sent.
 FINAL_BEAT_WAIT = 1.0
+#: Seconds a ps or worker waits, once the chief said training is over, for the supervisor to stop it; then it
+#: ends by itself (exit 0). The supervisor stops it within a second or two: this is for a cluster whose
+#: supervisor died (or whose machine sleeps), whose roles would otherwise keep their hosts busy for nothing.
+TRAINING_OVER_LINGER = 60.0
 
 
 def _serve(info: ClusterInfo, stop: threading.Event) -> int:
@@ -96,7 +100,13 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
         worker = servicer
     server.start()
     logging.info("%s serving on %s (incarnation %d)", info.task, info.address, info.incarnation)
-    stop.wait()
+    linger = float(os.environ.get("PSCTL_TRAINING_OVER_LINGER", TRAINING_OVER_LINGER))
+    if _wait_for_stop(stop, lambda: bool(worker.training_over if worker is not None else
+                                         store is not None and store.training_over.is_set()), linger):
+        logging.info("%s stopping: training is over, and nothing stopped this role within %gs (its supervisor "
+                     "is gone?)", info.task, linger)
+        server.stop(grace=2).wait()
+        return EXIT_OK
     grace = float(os.environ.get("PSCTL_PREEMPTION_GRACE", DEFAULT_PREEMPTION_GRACE))
     if worker is not None:
         left = worker.drain(grace)
@@ -110,6 +120,18 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
     server.stop(grace=2).wait()
     logging.info("%s stopped", info.task)
     return EXIT_PREEMPTED
+
+
+def _wait_for_stop(stop: threading.Event, training_over: Callable[[], bool], linger: float) -> bool:
+    """Wait until the role is stopped (False), or training has been over for ``linger`` seconds (True)."""
+    over_since: float | None = None
+    while not stop.wait(min(1.0, linger)):
+        if not training_over():
+            continue
+        over_since = time.monotonic() if over_since is None else over_since
+        if time.monotonic() - over_since >= linger:
+            return True
+    return False
 
 
 def _chief(info: ClusterInfo, stop: threading.Event) -> int:

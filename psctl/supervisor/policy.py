@@ -811,6 +811,11 @@ class _Decision:
             elif role.role == "evaluator" and self.s.evaluator_deadline is not None:
                 self.finish(ClusterState.SUCCEEDED, "training finished")
             return
+        if code == 0 and role.role in ("ps", "worker") and "worker" not in finishing:  # (psctl's runtime's) they
+            # end by themselves once the chief says training is over and nothing stops them (a supervisor that
+            # died): not a loss, whatever is seen of the chief first
+            self.transition(role, R.SUCCEEDED, "training is over: it ended by itself")
+            return
         if self.s.evaluator_deadline is not None:  # training is over; nothing is restarted any more
             self.transition(role, R.FAILED, what)
             self.finish(ClusterState.SUCCEEDED, "training finished (the evaluator did not finish cleanly)")
