@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import sys
 import time
 import traceback
@@ -397,9 +398,17 @@ def check_output_path(out: str, option: str) -> None:
     """A file to write must not lie under a file (the error would say "File exists" or "Not a directory");
     missing folders on its way are made."""
     path = Path(out).expanduser().absolute()
-    existing = next(p for p in path.parents if p.exists())  # (the root exists)
-    if not existing.is_dir():
-        raise UsageError(f"{option} {out}: {existing} is a file, not a folder", hint="give a path in a folder")
+    for parent in path.parents:
+        try:
+            kind = parent.stat().st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # (made when written; or under a file, said next)
+        except OSError as exc:  # a folder on the way that cannot be entered
+            raise UsageError(f"{option} {out}: cannot reach {parent}: {exc.strerror}",
+                             hint="give a path in a folder you can write") from None
+        if not stat.S_ISDIR(kind):
+            raise UsageError(f"{option} {out}: {parent} is a file, not a folder", hint="give a path in a folder")
+        return
 
 
 def refuse_a_tensorflow_program(cdir: ClusterDir, what: str, instead: str) -> None:
@@ -634,7 +643,8 @@ def export(name: str | None, checkpoint: str | None, out: str) -> None:
         raise PsctlError(f"cannot write {out}: {exc.strerror or exc}",
                          hint="give --out a path in a folder you can write") from exc
     shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in snapshot.variables.items())
-    click.echo(f"exported {where} (global step {snapshot.global_step}) to {written}: {shapes}")
+    click.echo(f"exported {where} (global step {snapshot.global_step}) to {written}: {shapes}",
+               err=not written.is_file())  # (-o /dev/stdout: the arrays alone on standard output)
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import psutil
 import pytest
 from cluster_helpers import REPO_ROOT, wait_until
+from conftest import psctl_binary
 
 from psctl.launch.cpus import allowed_cpus, cpus_for_slot, host_slots
 from psctl.runtime.checkpoint import list_checkpoints
@@ -356,6 +357,13 @@ def test_export_writes_the_newest_checkpoints_variables(psctl_env) -> None:
     assert stat.S_ISFIFO(os.lstat(pipe).st_mode)  # (it became a regular file)
     with np.load(io.BytesIO(through)) as arrays:
         assert sorted(arrays.files) == ["hid/bias", "hid/kernel", "sm/bias", "sm/kernel"]
+    # standard output into a pipe (`export -o /dev/stdout | consumer`): the arrays alone, the line on stderr
+    piped = subprocess.run([psctl_binary(), "export", "exp", "-o", "/dev/stdout"], env=psctl_env.env,
+                           capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stderr.decode().startswith(f"exported {newest} (global step 200) to /dev/stdout")
+    with np.load(io.BytesIO(piped.stdout)) as arrays:
+        assert arrays["sm/kernel"].shape == (32, 10)
 
 
 def test_export_while_training_reads_the_spec_checkpoint_folder(psctl_env) -> None:

@@ -208,7 +208,8 @@ def test_plot_writes_a_png_of_the_curves_the_metrics_hold(tmp_path: Path) -> Non
     refused = CliRunner().invoke(cli, ["plot", "curves", "empty", "-o", str(out)], env={"PSCTL_HOME": str(home)})
     assert refused.exit_code == 2 and "no training metrics to plot yet for 'empty'" in refused.output
     under_a_file = CliRunner().invoke(cli, ["plot", "curves", "-o", str(out / "x.png")], env={"PSCTL_HOME": str(home)})
-    assert under_a_file.exit_code == 1 and under_a_file.output.startswith(f"error: cannot write {out / 'x.png'}: ")
+    assert under_a_file.exit_code == 2 and under_a_file.output.startswith(
+        f"error: --output {out / 'x.png'}: {out} is a file, not a folder")
     assert "Traceback" not in under_a_file.output
 
 

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import threading
 import time
 import zipfile
@@ -367,11 +368,16 @@ def export_arrays(snapshot: Snapshot, out: str | Path) -> Path:
     """The trained variables as plain arrays (sharded ones joined), for serving: one ``.npz``. A regular file is
     replaced whole (a link's target: the link stays); anything else that exists (a pipe, ``/dev/stdout``) is
     written into, never replaced."""
-    out = Path(os.path.realpath(out))
-    if out.exists() and not out.is_file():
+    out = Path(out)
+    try:
+        kind = os.stat(out).st_mode  # (followed as given: /dev/stdout to a pipe has no path of its own)
+    except FileNotFoundError:
+        kind = None
+    if kind is not None and not stat.S_ISREG(kind):
         with open(out, "wb") as f:
             np.savez(f, **snapshot.variables)  # type: ignore[arg-type]
         return out
+    out = Path(os.path.realpath(out))  # a link's target is replaced, the link stays
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     try:

@@ -14,6 +14,7 @@ import importlib.util
 import math
 import os
 import re
+import stat
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -207,13 +208,21 @@ def check_local_checkpoint_folder(c: Checker, training: Mapping[str, Any], writt
     if folder is None:
         return
     resolved = Path(folder).expanduser()
-    existing = next(p for p in (resolved, *resolved.parents) if p.exists())  # (the root exists)
     where = (*T, "checkpoint", "dir")
-    if not existing.is_dir():
-        c.fail(where, f"{show(written)}: {existing} is a file, not a folder", "give a folder's path")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        c.fail(where, f"{show(written)}: {existing} cannot be written by this user",
-               "give a folder you can write, or change its permissions")
+    for existing in (resolved, *resolved.parents):
+        try:
+            kind = existing.stat().st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # (made by the first save; or under a file, said next)
+        except OSError as exc:  # a folder on the way that cannot be entered
+            c.fail(where, f"{show(written)}: cannot reach {existing}: {exc.strerror}",
+                   "give a folder you can write, or change its permissions")
+        if not stat.S_ISDIR(kind):
+            c.fail(where, f"{show(written)}: {existing} is a file, not a folder", "give a folder's path")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            c.fail(where, f"{show(written)}: {existing} cannot be written by this user",
+                   "give a folder you can write, or change its permissions")
+        return
 
 
 def check_local_program(c: Checker, program: str, base_dir: Path, *, pythonpath: Sequence[str] = ()) -> None:
