@@ -276,6 +276,19 @@ def test_push_applies_sgd_exactly(ps: Ps) -> None:
     assert values["emb/part_1"].tobytes() == initial_value(EMB).tobytes()  # not pushed: untouched
 
 
+def test_training_over_holds_until_a_push_or_a_restore_says_training_goes_on(ps: Ps) -> None:
+    """A ps told that training is over ends by itself a minute later if nothing stops it; a chief restored
+    after that word (a ps lost in the final checkpoint) trains again, and the ps must not end in the middle."""
+    init(ps)
+    ps.client.state(0, training_over=True)
+    assert ps.store.training_over.is_set()
+    push(ps, 7, [Entry("w", DENSE, w_grad())])
+    assert not ps.store.training_over.is_set()
+    ps.client.state(0, training_over=True)
+    ps.client.assign({0: [Entry(n, DENSE, v) for n, v in pull_dense(ps).items()]}, 1, [])
+    assert not ps.store.training_over.is_set()
+
+
 def test_a_huge_finite_gradient_whose_squares_overflow_is_applied(ps: Ps) -> None:
     """The finiteness check sums squares first; an overflow there is no NaN: the exact check decides."""
     init(ps)

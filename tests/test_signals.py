@@ -75,3 +75,32 @@ def test_the_callback_may_take_a_lock_the_main_thread_held_when_the_signal_came(
         assert where == [(signal.SIGUSR1, False)]
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+class _Clock:
+    """A stop event whose waits advance a fake clock instead of sleeping (never set)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def wait(self, timeout: float) -> bool:
+        self.now += timeout
+        return False
+
+
+def test_a_role_ends_by_itself_only_after_training_has_been_over_for_the_whole_linger() -> None:
+    """Told that training is over, a ps or worker nothing stops ends after the linger; a step or push
+    meanwhile (a chief training again, restored after the end was said) starts the count again."""
+    from psctl.runtime.__main__ import _wait_for_stop
+
+    clock = _Clock()
+    over_from, back_at = 10.0, 40.0  # over at 10 s, training again at 40 s (a restored chief), over at 50 s
+
+    def over() -> bool:
+        return over_from <= clock.now < back_at or clock.now >= back_at + 10
+
+    assert _wait_for_stop(clock, over, 60.0, clock=lambda: clock.now) is True  # type: ignore[arg-type]
+    assert 110.0 <= clock.now <= 112.0, clock.now  # 60 s on end from 50 s, not from 10 s
+    stopped = threading.Event()
+    stopped.set()
+    assert _wait_for_stop(stopped, lambda: True, 60.0) is False  # stopped first: the usual way out

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from policy_driver import FakeCluster
 
+from psctl.runtime.exits import EXIT_TRAINING_OVER
 from psctl.supervisor import policy
 from psctl.supervisor.state import ClusterState, RoleRecord, RoleState
 
@@ -195,7 +196,7 @@ def test_ps_and_workers_that_end_by_themselves_before_the_chief_is_seen_finishin
     restarted, and the chief's end finishes the cluster."""
     running(c)
     for name in ("ps-0", "worker-1"):
-        c.process(name).exit_code = 0
+        c.process(name).exit_code = EXIT_TRAINING_OVER
     actions = c.step()
     assert [c.role(n).state for n in ("ps-0", "worker-1")] == [RoleState.SUCCEEDED] * 2
     assert c.role("ps-0").reason == "training is over: it ended by itself"
@@ -205,6 +206,15 @@ def test_ps_and_workers_that_end_by_themselves_before_the_chief_is_seen_finishin
     c.process("chief-0").exit_code = 0
     c.step()
     assert c.record.state == ClusterState.SUCCEEDED and c.role("worker-0").state == RoleState.STOPPED
+
+
+def test_a_ps_exit_0_is_not_taken_for_the_training_s_end(c: FakeCluster) -> None:
+    """Only the runtime's own code says training is over: a program that calls sys.exit(0) as a ps loads it,
+    say, is a ps lost, and restarted."""
+    running(c)
+    c.process("ps-0").exit_code = 0
+    c.step()
+    assert c.role("ps-0").state == RoleState.RESTARTING and c.record.state == ClusterState.RUNNING
 
 
 def test_the_step_a_role_reports_as_it_exits_is_its_last(c: FakeCluster) -> None:

@@ -386,6 +386,10 @@ def test_training_over_is_heard_from_the_current_chief_only(make_cluster: MakeCl
         assert made.worker.training_over is False
         new.tell_training_over()
         assert made.worker.training_over is True
+        # a step after it (a chief restored after the end was said, training again): training is not over, and
+        # the worker does not end by itself a minute later in the middle of it
+        new.schedule("train").fetch(timeout=30)
+        assert made.worker.training_over is False
     finally:
         old.shutdown()
         new.shutdown()

@@ -3,7 +3,8 @@
 Exit codes (psctl.runtime.exits): 0 done, 1 unexpected failure, 2 bad configuration (permanent: restarting
 cannot help), 3 training failed (a non-retryable error in the program; also permanent), 75 stopped by SIGTERM
 within its grace (preempted, or ``psctl down``): a worker first finishes the steps it is running and refuses new
-ones (``PSCTL_PREEMPTION_GRACE`` seconds at most), so that the chief hands them to another worker.
+ones (``PSCTL_PREEMPTION_GRACE`` seconds at most), so that the chief hands them to another worker; 80 a ps or
+worker that ended by itself, training being over and nothing having stopped it (``TRAINING_OVER_LINGER``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from psctl.runtime.exits import (
     EXIT_OK,
     EXIT_PREEMPTED,
     EXIT_TRAINING_FAILED,
+    EXIT_TRAINING_OVER,
     write_exit_file,
 )
 from psctl.runtime.log_format import LOG_FORMAT
@@ -36,7 +38,7 @@ DEFAULT_PREEMPTION_GRACE = 30.0
 #: The longest a role on its way out waits for its last heartbeat (its final step and metrics) to be sent.
 FINAL_BEAT_WAIT = 1.0
 #: Seconds a ps or worker waits, once the chief said training is over, for the supervisor to stop it; then it
-#: ends by itself (exit 0). The supervisor stops it within a second or two: this is for a cluster whose
+#: ends by itself (EXIT_TRAINING_OVER). The supervisor stops it within a second or two: this is for a cluster whose
 #: supervisor died (or whose machine sleeps), whose roles would otherwise keep their hosts busy for nothing.
 TRAINING_OVER_LINGER = 60.0
 
@@ -106,7 +108,7 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
         logging.info("%s stopping: training is over, and nothing stopped this role within %gs (its supervisor "
                      "is gone?)", info.task, linger)
         server.stop(grace=2).wait()
-        return EXIT_OK
+        return EXIT_TRAINING_OVER
     grace = float(os.environ.get("PSCTL_PREEMPTION_GRACE", DEFAULT_PREEMPTION_GRACE))
     if worker is not None:
         left = worker.drain(grace)
@@ -122,14 +124,17 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
     return EXIT_PREEMPTED
 
 
-def _wait_for_stop(stop: threading.Event, training_over: Callable[[], bool], linger: float) -> bool:
-    """Wait until the role is stopped (False), or training has been over for ``linger`` seconds (True)."""
+def _wait_for_stop(stop: threading.Event, training_over: Callable[[], bool], linger: float, *,
+                   clock: Callable[[], float] = time.monotonic) -> bool:
+    """Wait until the role is stopped (False), or training has been over for ``linger`` seconds on end (True:
+    a step or push meanwhile says training goes on, and the count starts again)."""
     over_since: float | None = None
-    while not stop.wait(min(1.0, linger)):
+    while not stop.wait(min(1.0, max(linger, 0.05))):
         if not training_over():
+            over_since = None
             continue
-        over_since = time.monotonic() if over_since is None else over_since
-        if time.monotonic() - over_since >= linger:
+        over_since = clock() if over_since is None else over_since
+        if clock() - over_since >= linger:
             return True
     return False
 

@@ -304,8 +304,11 @@ class Chief:
             if self._ps_wanted is not None:
                 self._reshard(coordinator)
                 continue
-            n = _replicas_per_round(r, int(cfg.total_replicas or 0), coordinator.active_workers(),
-                                    coordinator.live_workers())
+            # One step per live worker, at least the R aggregated: the workers beyond R are the backups, racing
+            # the slow ones, as in TensorFlow. More would be computed after a worker's own batch, always too late,
+            # and the same data shard's batches would be the ones dropped every round (with one worker of three
+            # left and N = 3, R = 2: a third of the data read and never trained on).
+            n = max(r, coordinator.live_workers())
             if self._leaving and self.checkpointer is not None:
                 self._hand_over(coordinator)
                 continue
@@ -655,13 +658,3 @@ def _follow_workers(coordinator: ClusterCoordinator, addresses: dict[str, str]) 
     if workers:
         coordinator.set_workers(workers)
 
-
-def _replicas_per_round(aggregated: int, total: int, workers: int, live: int) -> int:
-    """The steps of a synchronous round: the total the spec asks for and one for every worker there is now
-    (psctl scale), at least the replicas it aggregates. Backups (steps beyond those aggregated) let fast workers
-    cover for slow ones; a single live worker has none to cover for: it would compute them after its own
-    batches, always too late, and the same data shard's batches would be the ones dropped, every round (a third
-    of the data never trained on, with one worker of three left)."""
-    if live <= 1:
-        return aggregated
-    return max(aggregated, total, workers)

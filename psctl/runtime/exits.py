@@ -19,6 +19,10 @@ EXIT_TRAINING_FAILED = 3
 #: Restarted, but never counted as a failure (sysexits' EX_TEMPFAIL: try again later).
 EXIT_PREEMPTED = 75
 
+#: A ps or worker that ended by itself once the chief had said training is over and nothing stopped it (its
+#: supervisor died): the training's end, not a loss. Its own code, so that no other exit is taken for it.
+EXIT_TRAINING_OVER = 80
+
 #: Where a role leaves its exit code as it ends (read by an agent that adopted it, not its parent).
 EXIT_FILE_VARIABLE = "PSCTL_EXIT_FILE"
 

@@ -253,6 +253,8 @@ class VariableStore:
         ``pull_rows``: the IDS entries whose rows the push asks back (PULL_IDS on the wire), checked here with
         the gradients."""
         self.last_push = time.monotonic()
+        if self.training_over.is_set():  # (a chief that trains again: one restored after the end was said)
+            self.training_over.clear()
         if self._optimizer is None:
             raise NotInitializedError("this PS has no variables yet (the chief has not initialised it)")
         updates = self._validate_update(entries, split or {})
@@ -429,6 +431,7 @@ class VariableStore:
     ) -> None:
         """Replace every shard's value and slots (restoring a checkpoint), and the synchronous training's counters
         where given (else they are kept). Validates all, then applies all."""
+        self.training_over.clear()  # (a chief restoring: training goes on)
         values: dict[str, np.ndarray] = {}
         slots: dict[str, dict[str, np.ndarray]] = {}
         for entry in entries:

@@ -213,6 +213,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def RunStep(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
         with self._steps:
             self._last_request = time.monotonic()
+            self.training_over = False  # (a chief that trains again: one restored after the end was said)
             draining = self._draining
             if not draining:
                 self._running += 1

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from psctl.proto import psctl_pb2 as pb
-from psctl.runtime.exits import EXIT_PREEMPTED
+from psctl.runtime.exits import EXIT_PREEMPTED, EXIT_TRAINING_OVER
 from psctl.runtime.log_format import LOG_TIME
 from psctl.spec import ClusterSpec
 from psctl.supervisor.hosts import DIALED_ROLES, HostBench, Occupant, restart_host
@@ -335,6 +335,8 @@ def cluster_view(state: PolicyState, *, for_chief: bool = True) -> pb.ClusterVie
 def describe_exit(code: int) -> str:
     if code == EXIT_PREEMPTED:
         return "preempted (stopped by SIGTERM, left within its grace)"
+    if code == EXIT_TRAINING_OVER:
+        return "ended by itself: training was over"
     if code == -255:
         return "exited (code unknown)"
     if code < 0:
@@ -418,7 +420,7 @@ class _Decision:
         event = transition(role, to, reason)
         if event is not None:
             self.actions.append(event)
-        if to == R.LOST and role.role == "ps" and self.s.spec.training.get("framework") == "tensorflow":
+        if to == R.LOST and role.role == "ps" and self.runs_tensorflow():
             self.restart_chief(f"restarted with {role.name}: a TensorFlow coordinator does not outlive a ps; "
                                "the program resumes from its checkpoint")
 
@@ -803,7 +805,7 @@ class _Decision:
     def on_exit(self, role: RoleRecord, code: int, tail: str) -> None:
         what = describe_exit(code)
         # a TensorFlow program's worker ends by itself when its session does (TF1 scripts); psctl's serve
-        finishing = FINISHING_ROLES + (("worker",) if self.s.spec.training.get("framework") == "tensorflow" else ())
+        finishing = FINISHING_ROLES + (("worker",) if self.runs_tensorflow() else ())
         if code == 0 and role.role in finishing:
             self.transition(role, R.SUCCEEDED, "finished")
             if role.role == "chief":
@@ -811,9 +813,9 @@ class _Decision:
             elif role.role == "evaluator" and self.s.evaluator_deadline is not None:
                 self.finish(ClusterState.SUCCEEDED, "training finished")
             return
-        if code == 0 and role.role in ("ps", "worker") and "worker" not in finishing:  # (psctl's runtime's) they
-            # end by themselves once the chief says training is over and nothing stops them (a supervisor that
-            # died): not a loss, whatever is seen of the chief first
+        if code == EXIT_TRAINING_OVER and role.role in ("ps", "worker") and not self.runs_tensorflow():
+            # told by the chief that training is over, nothing stopped it (a supervisor that died): the
+            # training's end, not a loss, whether or not the chief's end is seen first
             self.transition(role, R.SUCCEEDED, "training is over: it ended by itself")
             return
         if self.s.evaluator_deadline is not None:  # training is over; nothing is restarted any more
@@ -828,6 +830,10 @@ class _Decision:
             self.restart_uncounted(role, "preempted")
             return
         self.lose(role, exit_text(code, tail), code)
+
+    def runs_tensorflow(self) -> bool:
+        """Whether the roles run a TensorFlow program of the user's rather than psctl's runtime."""
+        return self.s.spec.training.get("framework") == "tensorflow"
 
     def on_training_done(self) -> None:
         """Stop ps and workers at once; give a running evaluator time to evaluate the final checkpoint."""
