@@ -327,11 +327,13 @@ def status(name: str | None, as_json: bool) -> None:
         click.echo(json.dumps(status_dict(cdir, record, stale=stale), indent=2, default=str))
         return
     console.print(status_view(cdir, record, stale=stale))
-    if stale and result_of(cdir, record) is not None:  # (its ps and workers end by themselves a minute later)
+    if stale and result_of(cdir, record) is not None:  # (psctl's ps and workers end by themselves a minute later)
+        by_themselves = "" if record.framework == "tensorflow" else " (its ps and workers end by themselves a minute " \
+            "after the end)"
         err_console.print(
             f"[yellow]hint:[/yellow] training finished, but the supervisor of {record.name!r} died before it "
-            f"stopped the other roles (they end by themselves within a minute): `psctl supervise {record.name}` "
-            f"sees the cluster to its end, `psctl down {record.name}` stops whatever is left"
+            f"stopped the other roles{by_themselves}: `psctl supervise {record.name}` sees the cluster to its end, "
+            f"`psctl down {record.name}` stops whatever is left"
         )
     elif stale:
         err_console.print(

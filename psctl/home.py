@@ -164,7 +164,9 @@ def list_clusters() -> list[ClusterDir]:
     home = psctl_home()
     if not home.is_dir():
         return []
-    return sorted((ClusterDir(p) for p in home.iterdir() if (p / "state.json").is_file()), key=lambda c: c.name)
+    # (a folder whose name no cluster can have, a hand-made copy say, is no cluster: no command could name it)
+    return sorted((ClusterDir(p) for p in home.iterdir() if CLUSTER_NAME.fullmatch(p.name)
+                   and (p / "state.json").is_file()), key=lambda c: c.name)
 
 
 def exclusive_lock(path: Path, *, wait: float = 0.0) -> int | None:

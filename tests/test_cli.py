@@ -220,6 +220,10 @@ def test_a_cluster_name_that_is_a_path_is_refused_and_nothing_outside_psctl_home
         line = assert_one_line_error(result, EXIT_USAGE, f"{name!r} is not a cluster name")
         assert "psctl ls" in line
     assert sorted(p.name for p in victim.iterdir()) == ["logs", "run", "state.json"]
+    copied = ClusterDir.named("victim").root.with_name("victim.bak")  # a hand-made copy in PSCTL_HOME: no
+    shutil.copytree(victim, copied)  # command could name it, so ls does not list it either
+    assert "victim.bak" not in invoke("ls").stdout and json.loads(invoke("ls", "--json").stdout) == []
+    shutil.rmtree(copied)
     gone = invoke("status", "missing.yaml")  # a spec path that is not there: said so, as not found
     assert_one_line_error(gone, EXIT_NOT_FOUND, "no cluster named 'missing.yaml', and no spec file there")
 

@@ -1362,6 +1362,12 @@ def test_set_overrides_replace_values_create_left_out_mappings_and_the_last_one_
                       "most 63, not starting with a dash; write e.g. --set name=digits"),
     ("roles.ps.threads=[1]", "--set roles.ps.threads=[1]: roles.ps.threads: expected an integer >= 1, got a list; "
                              "write e.g. --set roles.ps.threads=1"),
+    # what the spec refuses in a value's YAML is said as for the file's, at the --set and the key path
+    ("training.optimizer={a: 1, a: 2}", "--set training.optimizer={a: 1, a: 2}: training.optimizer.a: duplicate "
+                                        "key; remove one of the two"),
+    # an example given as "write key: value" is the --set to write
+    ("roles.worker.hosts=3", "--set roles.worker.hosts=3: roles.worker.hosts: expected a list, got 3; write "
+                             "--set roles.worker.hosts=[a, b]"),
     # prose that names a key is left as it is ("add --set training=with at least program:, ...")
     ("training=null", "--set training=null: training: required but missing; add training: with at least program:, "
                       "data: and steps:"),

@@ -37,10 +37,10 @@ def resolve_args(program: str, args: Mapping[str, Any], defaults: Mapping[str, i
         if expected is not None:
             raise ValueError(f"args.{key} for {program} must be {expected}, got {value!r}")
         resolved[key] = int(value)
-        mismatch = data_mismatch(key, resolved[key], default) if key in args else None
+        mismatch = data_mismatch(key, resolved[key], default, named=f"args.{key}") if key in args else None
         if mismatch is not None:
             problem, fix = mismatch
-            raise ValueError(f"args.{key} for {program} {problem}: {fix.replace('it', f'args.{key}', 1)}")
+            raise ValueError(f"args.{key} for {program} {problem}: {fix}")
     return resolved
 
 

@@ -40,9 +40,9 @@ FROM_DATA = {
 }
 
 
-def data_mismatch(key: str, given: int, data: int | None) -> tuple[str, str] | None:
-    """What is wrong with arg ``key`` given as ``given`` where the data implies ``data``, and the fix; None if
-    nothing is (or the data implies nothing)."""
+def data_mismatch(key: str, given: int, data: int | None, *, named: str = "it") -> tuple[str, str] | None:
+    """What is wrong with arg ``key`` given as ``given`` where the data implies ``data``, and the fix (which
+    calls the arg ``named``); None if nothing is (or the data implies nothing)."""
     if key not in FROM_DATA or data is None:
         return None
     what, rule = FROM_DATA[key]
@@ -50,4 +50,4 @@ def data_mismatch(key: str, given: int, data: int | None) -> tuple[str, str] | N
         return None
     need = f"give {data}" if rule == "equal" else f"give at least {data}"
     return (f"is {given}, but the data has {data} {what.format(top=data - 1)}",
-            f"remove it (it is read from the data) or {need}")
+            f"remove {named} (it is read from the data) or {need}")

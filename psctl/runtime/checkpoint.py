@@ -409,8 +409,6 @@ class Checkpointer:
         #: result says so, since a run whose checkpoints all failed loses its model with its ps.
         self.failed = 0
         self.last_error: str | None = None
-        #: The global step of the newest save that failed, to tell whether ``latest`` is the final state.
-        self.failed_step: int | None = None
 
     def mark(self, global_step: int) -> None:
         """Count the interval from ``global_step`` (after a restore or resume), not from an earlier save."""
@@ -445,7 +443,7 @@ class Checkpointer:
         except OSError as exc:
             log.error("checkpoint at step %d failed: %s", snapshot.global_step, exc)
             self.failed += 1
-            self.last_error, self.failed_step = f"step {snapshot.global_step}: {exc}", snapshot.global_step
+            self.last_error = f"step {snapshot.global_step}: {exc}"
 
     def wait(self) -> None:
         if self._writer is not None:

@@ -208,7 +208,7 @@ class Chief:
                 "count": self.checkpointer.failed,
                 "last": self.checkpointer.last_error,
                 # the latest checkpoint is older than the end of training (its model is not the trained one)
-                "final_failed": self.checkpointer.failed_step == global_step,
+                "final_failed": self.checkpointer.latest is None or step_of(self.checkpointer.latest) < global_step,
             }
         self._report(final=True)
         self.metrics.write({"time": time.time(), "event": "final", **result})

@@ -60,7 +60,8 @@ def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> ClusterSpec:
     except UnicodeDecodeError as e:
         raise SpecError(f"{shown}: cannot read the spec: not UTF-8 text (byte {e.start})") from None
     except OSError as e:
-        fix = "check the path" if isinstance(e, FileNotFoundError | IsADirectoryError) else "check its permissions"
+        fix = ("check the path" if isinstance(e, FileNotFoundError | IsADirectoryError | NotADirectoryError)
+               else "check its permissions")
         raise SpecError(f"{shown}: cannot read the spec: {e.strerror or e}; {fix}") from None
     except ValueError as e:  # e.g. a NUL in the path
         raise SpecError(f"{shown}: cannot read the spec: {e}") from None

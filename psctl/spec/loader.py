@@ -114,7 +114,8 @@ class SourceMap:
         example in that form: ``write e.g. threads: 1`` reads ``write e.g. --set roles.ps.threads=1``."""
         where = f"{self.filename}:{line}" if line is not None else self.where(path if at is None else at, key=key)
         if where.startswith("--set ") and path and isinstance(path[-1], str):  # (an example, not prose)
-            fix = fix.replace(f"e.g. {path[-1]}: ", f"e.g. --set {dotted(path)}=")
+            for lead in ("e.g. ", "write "):
+                fix = fix.replace(f"{lead}{path[-1]}: ", f"{lead}--set {dotted(path)}=")
         return SpecError(f"{where}: {dotted(path)}: {what}; {fix}" if path else f"{where}: {what}; {fix}")
 
 
@@ -156,9 +157,10 @@ def load_yaml(text: str, *, filename: str) -> tuple[Any, SourceMap]:
     return data, SourceMap(filename, builder.key_lines, builder.value_lines, numbers=builder.numbers)
 
 
-def load_value(text: str) -> tuple[Any, dict[KeyPath, str]]:
-    """One value written on the command line (``--set``), read as the spec's values are (YAML 1.2's numbers),
-    and its numbers as written; raises PyYAML's error for text that is not YAML."""
+def load_value(text: str, *, shown: str, at: KeyPath) -> tuple[Any, dict[KeyPath, str]]:
+    """One value written on the command line (``--set``) for key path ``at``, read as the spec's values are
+    (YAML 1.2's numbers), and its numbers as written; raises PyYAML's error for text that is not YAML, and a
+    SpecError located at ``shown`` (the --set as written) for what the spec refuses in any file (a tag)."""
     loader = _LineLoader(text)
     try:
         node = loader.get_single_node()
@@ -166,7 +168,7 @@ def load_value(text: str) -> tuple[Any, dict[KeyPath, str]]:
         loader.dispose()
     if node is None:
         return None, {}
-    builder = _Builder("--set")
+    builder = _Builder(shown, at=at)
     return builder.build(node, (), 0, set()), builder.numbers
 
 
@@ -242,8 +244,10 @@ class _LineLoader(yaml.SafeLoader):
 class _Builder:
     """Builds data from a node tree, recording lines; stops recursion, bombs and odd tags."""
 
-    def __init__(self, filename: str) -> None:
+    def __init__(self, filename: str, *, at: KeyPath | None = None) -> None:
         self.filename = filename
+        #: Building a value given on the command line for this key path (its errors name no line).
+        self.at = at
         self.key_lines: dict[KeyPath, int] = {}
         self.value_lines: dict[KeyPath, int] = {}
         self.count = 0
@@ -251,6 +255,8 @@ class _Builder:
         self._constructor = SafeConstructor()  # only for its scalar constructors
 
     def fail(self, node: Node, path: KeyPath, what: str, fix: str) -> NoReturn:
+        if self.at is not None:
+            raise SpecError(f"{self.filename}: {dotted((*self.at, *path))}: {what}; {fix}")
         raise SourceMap(self.filename).error(path, what, fix, line=node.start_mark.line + 1)
 
     def _tick(self, node: Node, path: KeyPath) -> None:
@@ -285,10 +291,10 @@ class _Builder:
         finally:
             active.discard(id(node))
 
-    def scalar(self, node: ScalarNode, path: KeyPath) -> Scalar:
+    def scalar(self, node: ScalarNode, path: KeyPath, *, is_key: bool = False) -> Scalar:
         if node.tag not in _SCALAR_TAGS:
             self.fail(node, path, f"unsupported YAML tag {node.tag!r}", "remove the tag (plain values only)")
-        if node.tag in (_TAG + "int", _TAG + "float") and not node.style:
+        if node.tag in (_TAG + "int", _TAG + "float") and not node.style and not is_key:
             self.numbers[path] = node.value
         try:
             number = _yaml_12_number(node.tag, node.value)
@@ -346,4 +352,4 @@ class _Builder:
         node = _target(written)
         if not isinstance(node, ScalarNode):
             self.fail(written, path, "a mapping key must be a plain value, not a list or mapping", "use a string key")
-        return self.scalar(node, path)
+        return self.scalar(node, path, is_key=True)

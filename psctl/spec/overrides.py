@@ -42,7 +42,7 @@ def parse_override(text: str) -> Override:
         raise SpecError(f"--set {text}: no '=' between the key path and the value; {_EXAMPLE}")
     path = _key_path(key.strip(), text)
     try:
-        parsed, numbers = load_value(value) if value.strip() else (None, {})
+        parsed, numbers = load_value(value, shown=f"--set {text}", at=path) if value.strip() else (None, {})
     except yaml.YAMLError as e:
         problem = " ".join(str(getattr(e, "problem", None) or e).split())
         raise SpecError(f"--set {text}: the value is not valid YAML ({problem}); quote a string that YAML would "

@@ -83,7 +83,8 @@ def normalise_training(
             c.fail((*T, "args", key), f"expected {expected}, got {show(out['args'][key])}", f"write e.g. {key}: 64")
     out["data"] = _data(c, t.get("data"), base_dir, allowed_paths, builtin=program in BUILTIN_PROGRAMS)
     shape = named_data_shape(out["data"]) if valid_args else None  # (a data file's is the roles' to read)
-    for key, given in out["args"].items() if shape is not None else ():
+    if shape is not None:
+        for key, given in out["args"].items():
             mismatch = data_mismatch(key, given, getattr(shape, key, None))
             if mismatch is not None:
                 c.fail((*T, "args", key), *mismatch)
