@@ -1293,6 +1293,25 @@ def test_a_built_in_program_s_args_that_its_named_data_contradicts_are_refused_a
     assert load_spec_text(spec.format(program="mlp", data="{name: digits}", args="{num_classes: 12}"))
 
 
+def test_data_shards_beyond_a_named_source_s_training_examples_are_refused() -> None:
+    """`data_shards: 100000` on digits (1,438 training examples) was accepted, and the run trained almost
+    nothing (accuracy 0.09): shards of no example."""
+    spec = textwrap.dedent("""\
+        roles: {{chief: {{}}, ps: {{}}, worker: {{replicas: {workers}}}}}
+        training: {{program: psctl.models.mlp, data: {data}, steps: 10{shards}}}
+        """)
+    with pytest.raises(SpecError) as info:
+        load_spec_text(spec.format(workers=2, data="{name: digits}", shards=", data_shards: 100000"),
+                       filename="cluster.yaml")
+    assert str(info.value) == ("cluster.yaml:2: training.data_shards: data_shards 100000 for 1438 training examples "
+                               "leaves shards empty; write data_shards: 1438 or fewer (each shard is read whole, in "
+                               "order)")
+    with pytest.raises(SpecError, match=r"one data shard per worker \(9\) for 8 training examples"):
+        load_spec_text(spec.format(workers=9, data="{name: synthetic_classification, num_examples: 10}",
+                                   shards=""), filename="cluster.yaml")
+    assert load_spec_text(spec.format(workers=2, data="{name: digits}", shards=", data_shards: 1438"))
+
+
 def test_a_local_cluster_s_checkpoint_folder_must_be_a_folder_and_its_data_path_a_file(tmp_path: Path) -> None:
     """A checkpoint folder under a file passed, and every save of the run failed; a data path that is a folder
     passed, and every role failed reading it."""

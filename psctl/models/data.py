@@ -19,12 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from psctl.runtime.data_config import DataShape, is_int, named_data_shape, parse_data_config
+from psctl.runtime.data_config import TEST_FRACTION, DataShape, is_int, named_data_shape, parse_data_config
 
 SPLITS = ("train", "test")
 #: Where in scikit-learn's package its copy of the digits lies.
 DIGITS_FILE = ("datasets", "data", "digits.csv.gz")
-TEST_FRACTION = 0.2
 #: The train/test split ignores the run's seed, so the test set stays the same from run to run.
 _SPLIT_SEED = 0x5EED5
 _SEED_MASK = (1 << 64) - 1

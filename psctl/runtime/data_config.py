@@ -116,6 +116,12 @@ def _check_options(kind: str, opts: dict[str, Any]) -> None:
         refuse("skip_header", "must be true or false")
 
 
+#: The share of a source's examples held out as its test split (the rest is the train split).
+TEST_FRACTION = 0.2
+#: The UCI digits' examples (scikit-learn's copy).
+DIGITS_EXAMPLES = 1797
+
+
 @dataclass(frozen=True)
 class DataShape:
     """What a model can infer from a data config without the user repeating it in ``args``."""
@@ -123,15 +129,21 @@ class DataShape:
     num_features: int | None
     num_classes: int | None
     vocab_size: int | None
+    #: Examples in the source, both splits (None: not known without reading it).
+    examples: int | None = None
+
+    @property
+    def train_examples(self) -> int | None:
+        return None if self.examples is None else self.examples - round(self.examples * TEST_FRACTION)
 
 
 def named_data_shape(data: Mapping[str, Any]) -> DataShape | None:
     """The shape of a named source's data, known from its config alone; None for a data file (read to know)."""
     kind, opts = parse_data_config(data)
     if kind == "digits":
-        return DataShape(64, 10, None)
+        return DataShape(64, 10, None, DIGITS_EXAMPLES)
     if kind == "synthetic_classification":
-        return DataShape(opts["num_features"], opts["num_classes"], None)
+        return DataShape(opts["num_features"], opts["num_classes"], None, opts["num_examples"])
     if kind == "synthetic_embedding":
-        return DataShape(opts["ids_per_example"], 2, opts["vocab_size"])
+        return DataShape(opts["ids_per_example"], 2, opts["vocab_size"], opts["num_examples"])
     return None

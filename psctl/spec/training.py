@@ -139,6 +139,12 @@ def normalise_training(
     out["steps"] = _int(c, t, "steps", None, minimum=1, example="1000")
     # Fixed for the cluster's life: workers come and go (psctl scale), the data's split does not.
     out["data_shards"] = _int(c, t, "data_shards", worker_replicas, minimum=1, example=str(worker_replicas))
+    train = shape.train_examples if shape is not None else None
+    if train is not None and out["data_shards"] > train:  # (a shard of none: its reader fails, or trains on nothing)
+        named = f"data_shards {out['data_shards']}" if "data_shards" in t else \
+            f"one data shard per worker ({out['data_shards']})"
+        c.fail((*T, "data_shards"), f"{named} for {train} training examples leaves shards empty",
+               f"write data_shards: {train} or fewer (each shard is read whole, in order)", key="data_shards" not in t)
     out["seed"] = _int(c, t, "seed", 0, minimum=0, example="0")
     out["partitioner"] = _partitioner(c, t.get("partitioner"))
     out["placement"] = c.choice((*T, "placement"), t.get("placement", "balanced"), PLACEMENTS, noun="placement")
