@@ -1293,7 +1293,7 @@ def test_a_built_in_program_s_args_that_its_named_data_contradicts_are_refused_a
     assert load_spec_text(spec.format(program="mlp", data="{name: digits}", args="{num_classes: 12}"))
 
 
-def test_data_shards_beyond_a_named_source_s_training_examples_are_refused() -> None:
+def test_data_shards_or_a_batch_beyond_a_named_source_s_training_examples_are_refused() -> None:
     """`data_shards: 100000` on digits (1,438 training examples) was accepted, and the run trained almost
     nothing (accuracy 0.09): shards of no example."""
     spec = textwrap.dedent("""\
@@ -1308,8 +1308,13 @@ def test_data_shards_beyond_a_named_source_s_training_examples_are_refused() -> 
                                "order)")
     with pytest.raises(SpecError, match=r"one data shard per worker \(9\) for 8 training examples"):
         load_spec_text(spec.format(workers=9, data="{name: synthetic_classification, num_examples: 10}",
-                                   shards=""), filename="cluster.yaml")
+                                   shards=", batch_size: 4"), filename="cluster.yaml")
     assert load_spec_text(spec.format(workers=2, data="{name: digits}", shards=", data_shards: 1438"))
+    # a batch above the training examples (1e8 was a MemoryError of 24 GiB in every worker)
+    with pytest.raises(SpecError, match=r"^cluster.yaml:2: training.batch_size: 100000000 is more than the data's "
+                                        r"1438 training examples; write batch_size: 100 \(at most 1438\)$"):
+        load_spec_text(spec.format(workers=2, data="{name: digits}", shards=", batch_size: 100000000"),
+                       filename="cluster.yaml")
 
 
 def test_a_local_cluster_s_checkpoint_folder_must_be_a_folder_and_its_data_path_a_file(tmp_path: Path) -> None:

@@ -140,6 +140,10 @@ def normalise_training(
     # Fixed for the cluster's life: workers come and go (psctl scale), the data's split does not.
     out["data_shards"] = _int(c, t, "data_shards", worker_replicas, minimum=1, example=str(worker_replicas))
     train = shape.train_examples if shape is not None else None
+    if train is not None and out["batch_size"] > train:  # (each batch would hold every example many times over;
+        # 1e8 of digits took a worker's 24 GiB)
+        c.fail((*T, "batch_size"), f"{out['batch_size']} is more than the data's {train} training examples",
+               f"write batch_size: {min(100, train)} (at most {train})")
     if train is not None and out["data_shards"] > train:  # (a shard of none: its reader fails, or trains on nothing)
         named = f"data_shards {out['data_shards']}" if "data_shards" in t else \
             f"one data shard per worker ({out['data_shards']})"
