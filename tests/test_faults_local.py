@@ -120,6 +120,15 @@ def assert_finished_with_exactly(cluster: Cluster, steps: int) -> dict[str, Any]
 ROLES = ("chief-0", "ps-0", "ps-1", "worker-0", "worker-1")
 
 
+def training_without_its_supervisor(cluster: Cluster, at_step: int) -> tuple[str, dict[str, int]]:
+    """Start ``cluster``, and SIGKILL its supervisor once training reached ``at_step``; its id and each role's pid."""
+    cluster_id = cluster.up()
+    cluster.wait_progress(at_step)
+    pids = {role: cluster.process(role).pid for role in ROLES}
+    sigkill(psutil.Process(cluster.state()["supervisor_pid"]))
+    return cluster_id, pids
+
+
 def assert_none_restarted(cluster: Cluster, pids: dict[str, int]) -> None:
     """Every role ended as the process it was (``pids``), on its first attempt, and none was ever lost."""
     for role in ROLES:
@@ -345,10 +354,7 @@ def test_a_restarted_supervisor_adopts_the_running_roles_and_training_ends_exact
         cluster_factory: MakeCluster, psctl_env: PsctlEnv) -> None:
     steps = 6000
     cluster = cluster_factory("adopt", steps)
-    cluster.up()
-    cluster.wait_progress(300)
-    pids = {role: cluster.process(role).pid for role in ROLES}
-    sigkill(psutil.Process(cluster.state()["supervisor_pid"]))
+    _, pids = training_without_its_supervisor(cluster, 300)
 
     # training goes on without a supervisor: its roles do not depend on it
     at_kill = cluster.progress()
@@ -378,10 +384,7 @@ def test_a_training_that_ends_while_no_supervisor_runs_leaves_no_role_running(
     psctl_env.env["PSCTL_TRAINING_OVER_LINGER"] = "2"
     steps = 1500
     cluster = cluster_factory("ownend", steps)
-    cluster_id = cluster.up()
-    cluster.wait_progress(200)
-    pids = {role: cluster.process(role).pid for role in ROLES}
-    sigkill(psutil.Process(cluster.state()["supervisor_pid"]))
+    cluster_id, pids = training_without_its_supervisor(cluster, 200)
 
     def roles_left() -> list[psutil.Process]:
         return [p for p in psctl_env.processes(cluster_id) if "psctl.agent" not in " ".join(p.cmdline())]
@@ -433,10 +436,7 @@ def test_two_supervise_at_once_start_one_supervisor_and_nothing_restarts(
     role silent and restarted them all, even after the cluster had finished)."""
     steps = 6000
     cluster = cluster_factory("twosup", steps)
-    cluster_id = cluster.up()
-    cluster.wait_progress(300)
-    pids = {role: cluster.process(role).pid for role in ROLES}
-    sigkill(psutil.Process(cluster.state()["supervisor_pid"]))
+    cluster_id, pids = training_without_its_supervisor(cluster, 300)
     both = [psctl_env.popen("supervise", cluster.name, "--detach") for _ in range(2)]
     said = [(command.communicate(timeout=60), command.returncode) for command in both]
     # each either saw the other's supervisor (refused: supervised already) or started one; one of them did
