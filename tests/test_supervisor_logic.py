@@ -177,6 +177,21 @@ def test_a_role_whose_step_stops_while_others_progress_is_stalled_then_running_a
     assert c.role("worker-0").state == RoleState.RUNNING
 
 
+def test_a_restarted_worker_s_steps_count_from_its_start_not_its_last_attempt_s(c: FakeCluster) -> None:
+    """A worker stuck at step 0, killed and restarted, is at step 0 again when it starts: its new attempt was
+    called stalled at once, judged by when the last attempt last moved."""
+    running(c)
+    for step in range(1, 40):
+        c.process("worker-1").local_step = step
+        c.step(1)
+    assert c.role("worker-0").state == RoleState.STALLED
+    c.process("worker-0").exit_code = -9
+    for step in range(40, 60):  # restarted after its backoff; 20 s, within the 30 s stall timeout
+        c.process("worker-1").local_step = step
+        c.step(1)
+    assert (c.role("worker-0").attempt, c.role("worker-0").state) == (2, RoleState.RUNNING), c.role("worker-0")
+
+
 def test_the_chief_finishing_stops_everyone_and_succeeds(c: FakeCluster) -> None:
     running(c)
     c.process("chief-0").exit_code = 0
@@ -378,6 +393,22 @@ def test_a_preempted_role_is_restarted_without_counting_it_as_a_failure(tmp_path
     c.process("worker-0").exit_code = 1  # a real failure is still one
     c.step()
     assert c.role("worker-0").state == RoleState.FAILED
+
+
+def test_a_tensorflow_program_s_workers_are_never_called_stalled(tmp_path: Path) -> None:
+    """A TensorFlow program's worker prints no step of its own (its step stays 0): the one whose first heartbeat
+    came first was reported "stalled ... while others progress" after the stall timeout, every run."""
+    (tmp_path / "train.py").write_text("")
+    spec = SPEC.replace("training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}",
+                        "training: {framework: tensorflow, command: 'python train.py'}")
+    c = FakeCluster(spec, tmp_path)
+    c.step()
+    c.step(0.5, silent=["worker-1"])  # worker-0's first heartbeat, then worker-1's
+    for step in range(1, 80):
+        c.process("chief-0").global_step = step  # (the chief prints the global step)
+        c.step(1)
+    assert {n: c.role(n).state for n in ("chief-0", "worker-0", "worker-1")} == dict.fromkeys(
+        ("chief-0", "worker-0", "worker-1"), RoleState.RUNNING)
 
 
 def test_a_tensorflow_chief_restarts_with_a_lost_ps_once_the_ps_runs_again(tmp_path: Path) -> None:

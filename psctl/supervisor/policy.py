@@ -715,8 +715,8 @@ class _Decision:
         """A worker or chief whose heartbeats go on but whose step stopped moving, while other workers' steps
         move, is reported STALLED (and RUNNING again once it moves). Reported, not restarted: a slow step is
         the coordinator's to re-schedule, a hang is caught by the heartbeat timeout."""
-        if role.role not in ("worker", "chief"):
-            return
+        if role.role not in ("worker", "chief") or (role.role == "worker" and self.runs_tensorflow()):
+            return  # (a TensorFlow program's worker prints no step of its own: its progress cannot be told)
         progress = role.local_step if role.role == "worker" else role.global_step
         if progress != live.progress:
             live.progress, live.progressed_at = progress, self.now
@@ -744,6 +744,7 @@ class _Decision:
         role.last_heartbeat = None
         role.pid = None
         live.restart_at, live.started, live.last_heartbeat, live.waits_for = None, self.now, None, None
+        live.progress, live.progressed_at = -1, self.now  # (a new attempt's steps count from its start)
         self.transition(role, R.STARTING, f"attempt {role.attempt} on {role.host}")
         self.actions.append(StartRole(role.name, role.host, role.incarnation, role.attempt))
         if was_chief:
