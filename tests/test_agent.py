@@ -4,6 +4,7 @@ replaced incarnation; keeps its roles when the supervisor goes and reports them 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import queue
@@ -22,7 +23,7 @@ import pytest
 from cluster_helpers import autogroup_nice, wait_until
 
 from psctl.agent import core
-from psctl.agent.core import Agent, RoleProcess
+from psctl.agent.core import Agent, RoleProcess, printed_step_rate
 from psctl.agent.exits import ExitWaiter
 from psctl.agent.orphans import find_orphans, find_records, kill_orphans
 from psctl.launch.cpus import CPUS_VARIABLE, YIELD_NICE, allowed_cpus
@@ -743,6 +744,22 @@ def test_a_watched_role_s_cpu_memory_and_step_rate_are_measured_by_its_agent(tmp
     finally:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+def test_a_watched_program_s_rate_is_taken_over_its_prints_not_one_report_s_interval() -> None:
+    """A TensorFlow program printing its step every 500 steps at 170 steps/s, read each second: its rate read 0
+    most seconds and ~500 the second a print came (top flipped between 0 and 499)."""
+    moves: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
+    rates = []
+    for second in range(1, 61):
+        printed = int(second * 170 // 500 * 500)  # the step as last printed
+        rates.append(printed_step_rate(moves, float(second), printed))
+    steady = rates[15:]
+    assert all(140 <= r <= 200 for r in steady), steady
+    # printing stops (hung, or between sparse prints for long): 0 after three of its usual gaps, 10 s at least
+    assert printed_step_rate(moves, 65.0, printed) > 0 and printed_step_rate(moves, 80.0, printed) == 0.0
+    # restarted from a checkpoint behind its last print: its rate starts again from there
+    assert printed_step_rate(moves, 81.0, 6000) == 0.0 and printed_step_rate(moves, 84.0, 6500) == 500 / 3
 
 
 #: Starts a child that ignores SIGTERM, in its group (``group``: the role's, or its program's under a keeper) or

@@ -16,6 +16,7 @@ Needs only what a role needs (the runtime's dependencies): it imports nothing of
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import logging
@@ -28,7 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
@@ -128,6 +129,30 @@ def host_path(path: str) -> str:
     return path if os.path.isabs(path) else os.path.join(os.path.expanduser("~"), path)
 
 
+#: Seconds of a watched program's printed steps its rate is taken over (it prints every N steps, not every one).
+STEP_RATE_WINDOW = 30.0
+
+
+def printed_step_rate(moves: collections.deque[tuple[float, int]], now: float, step: int) -> float:
+    """Steps per second of a program that prints its step now and then (every checkpoint, say): over the moves of
+    its printed step seen in the last STEP_RATE_WINDOW seconds (``moves`` is updated with ``step`` seen at
+    ``now``). Over one report's interval it read 0, then the whole print's steps in one second (0 and 499 for
+    170 steps/s). 0 once nothing was printed for three of its usual gaps (at least 10 s)."""
+    if moves and step < moves[-1][1]:  # (restarted from a checkpoint behind its last print)
+        moves.clear()
+    if not moves or step != moves[-1][1]:
+        moves.append((now, step))
+    while len(moves) > 2 and now - moves[0][0] > STEP_RATE_WINDOW:
+        moves.popleft()
+    if len(moves) < 2:
+        return 0.0
+    (first, first_step), (last, last_step) = moves[0], moves[-1]
+    gap = (last - first) / (len(moves) - 1)
+    if last <= first or now - last > max(10.0, 3 * gap):
+        return 0.0
+    return (last_step - first_step) / (last - first)
+
+
 @dataclass
 class RoleProcess:
     """One role the agent started (or failed to start)."""
@@ -149,8 +174,10 @@ class RoleProcess:
     watched_only: bool = False
     #: A watched role's step was read from its log after it exited: there is nothing more to read.
     final_step_read: bool = False
-    #: A watched role's last sample of its processes: (when, CPU seconds, step), for its rates.
-    sampled: tuple[float, float, int] | None = None
+    #: A watched role's last sample of its processes: (when, CPU seconds), for its CPU use.
+    sampled: tuple[float, float] | None = None
+    #: A watched role's printed step, each time it was seen to change: (when, step), for its steps per second.
+    step_moves: collections.deque[tuple[float, int]] = field(default_factory=lambda: collections.deque(maxlen=64))
     #: The supervisor gave it a CPU slot (it is bound where the host's roles outnumber its CPUs) ...
     cpu_managed: bool = False
     #: ... and the CPUs it is bound to now (None: every CPU).
@@ -202,10 +229,9 @@ class RoleProcess:
             return beat
         cpu_seconds, beat.rss_bytes = usage
         if self.sampled is not None and now > self.sampled[0]:
-            took = now - self.sampled[0]
-            beat.metrics[CPU_METRIC] = max(0.0, cpu_seconds - self.sampled[1]) / took
-            beat.steps_per_second = max(0, step - self.sampled[2]) / took
-        self.sampled = (now, cpu_seconds, step)
+            beat.metrics[CPU_METRIC] = max(0.0, cpu_seconds - self.sampled[1]) / (now - self.sampled[0])
+        self.sampled = (now, cpu_seconds)
+        beat.steps_per_second = printed_step_rate(self.step_moves, now, step)
         return beat
 
     def report(self, now: float) -> pb.RoleReport:
