@@ -58,11 +58,15 @@ def _age(since: float | None, now: float) -> str:
     if since is None:
         return "-"
     seconds = max(0.0, now - since)
-    if seconds < 60:
-        return f"{seconds:.0f}s" if seconds >= 10 else f"{seconds:.1f}s"
-    if seconds < 3600:
-        return f"{seconds // 60:.0f}m{seconds % 60:02.0f}s"
-    return f"{seconds // 3600:.0f}h{seconds % 3600 // 60:02.0f}m"
+    if seconds < 9.95:
+        return f"{seconds:.1f}s"
+    whole = round(seconds)  # (rounded before it is split: 119.6 s read "1m60s")
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    minutes = round(seconds / 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m"
 
 
 def progress(cdir: ClusterDir, record: ClusterRecord | None = None) -> dict[str, Any]:

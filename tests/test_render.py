@@ -108,3 +108,14 @@ def test_a_tensorflow_program_s_workers_show_the_step_they_printed_or_none(tmp_p
     steps = {line.split()[0]: line.split()[-1] for line in console.export_text().splitlines()
              if line.split() and line.split()[0] in printed}
     assert steps == {"chief-0": "300", "ps-0": "-", "worker-0": "-", "worker-1": "250"}, steps
+
+
+@pytest.mark.parametrize(("seconds", "shown"), [
+    (0.0, "0.0s"), (9.94, "9.9s"), (9.96, "10s"), (59.4, "59s"), (59.6, "1m00s"), (119.6, "2m00s"),
+    (61.0, "1m01s"), (3599.6, "1h00m"), (3600 + 59 * 60 + 45, "2h00m"), (7384.0, "2h03m"),
+])
+def test_an_age_is_rounded_before_it_is_split(seconds: float, shown: str) -> None:
+    """An uptime of 119.6 s read "1m60s" (the seconds rounded after the minutes were taken), 59.6 s "60s"."""
+    from psctl.render import _age
+
+    assert _age(1000.0, 1000.0 + seconds) == shown
