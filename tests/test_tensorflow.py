@@ -75,6 +75,11 @@ def test_spec_mistakes_of_a_tensorflow_program_are_one_line_errors(psctl_env: Ps
         "error: --set training.program=psctl.models.mlp: training.program: is for psctl's own runtime, not used "
         "with training.framework: tensorflow; remove program (the program's own flags say how it trains)"
     ), done.stderr
+    # psctl's checkpoint schedule is not the program's (it was accepted and did nothing): only its folder is
+    checkpoint = psctl_env.run("validate", str(spec), "--set", "training.checkpoint={dir: ck, every_steps: 7}")
+    assert checkpoint.returncode == 2 and "training.checkpoint.every_steps: is for psctl's own runtime" in " ".join(
+        checkpoint.stderr.split()), checkpoint.stderr
+    assert psctl_env.run("validate", str(spec), "--set", "training.checkpoint={dir: ck}").returncode == 0
     spec = folder / "own.yaml"
     spec.write_text("roles: {chief: {}, ps: {command: 'python train.py'}, worker: {}}\n"
                     "training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}\n")

@@ -79,6 +79,11 @@ def normalise_tensorflow(c: Checker, t: dict[str, Any], path: KeyPath, base_dir:
         if key not in TENSORFLOW_KEYS:
             c.fail((*path, key), "is for psctl's own runtime, not used with training.framework: tensorflow",
                    f"remove {key} (the program's own flags say how it trains)", key=True)
+    for key in t.get("checkpoint") or {}:  # (the folder is handed to the program; it saves by its own flags)
+        if key != "dir":
+            c.fail((*path, "checkpoint", key), "is for psctl's own runtime, not used with training.framework: "
+                   "tensorflow", f"remove {key} (the program's own flags say when it checkpoints; psctl gives it "
+                   "checkpoint.dir as {checkpoint_dir})", key=True)
     command = check_command(c, (*path, "command"),
                             c.require(path, t, "command", 'add command: "python train.py ..." (the chief runs it)'),
                             base_dir)
