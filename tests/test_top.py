@@ -278,3 +278,18 @@ def test_plot_of_a_resumed_cluster_continues_the_curves_of_its_earlier_runs(tmp_
     assert drawn.exit_code == 0 and "loss (5 points)" in drawn.output, drawn.output
     run(cdir.run_dir, [50, 100])  # a run started afresh (another checkpoint folder): the earlier ones are hidden
     assert resumed_curves([*(p / "run" for p in cdir.kept_runs()), cdir.run_dir])["loss"][0] == [50, 100]
+
+
+def test_a_worker_s_step_summary_is_also_its_heartbeat_s_own_rate() -> None:
+    """`status --json` showed steps_per_sec 0.0 for every worker (only the chief's was set) while top showed
+    their rate from the same summary."""
+    from psctl.runtime.heartbeat import Progress
+    from psctl.runtime.stepstats import StepStats
+
+    now = [0.0]
+    progress = Progress()
+    stats = StepStats(progress=progress, get_time=lambda: now[0])
+    for _ in range(40):  # 40 steps/s, 25 ms each
+        now[0] += 0.025
+        stats.record(pull=0.005, compute=0.015, push=0.005, nbytes=1000)
+    assert progress.steps_per_second == pytest.approx(40.0) == progress.metrics["steps_per_s"]

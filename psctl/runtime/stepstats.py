@@ -65,6 +65,7 @@ class StepStats:
             self._phases, self._bytes, self._count, self._since = [0.0, 0.0, 0.0], 0, 0, now
         # replaced, not changed in place: the heartbeat thread may be reading the old one
         self.progress.metrics = {**self.progress.metrics, **summary}
+        self.progress.steps_per_second = summary["steps_per_s"]  # (the role's own rate: status --json's)
 
 
 class RequestRate:
