@@ -34,6 +34,7 @@ from psctl.render import (
     result_of,
     status_dict,
     status_view,
+    step_of_steps,
 )
 from psctl.runtime.metrics import metrics_text
 from psctl.supervisor.state import ClusterRecord, ClusterState, DamagedState, load_state
@@ -459,7 +460,7 @@ def list_command(as_json: bool) -> None:
     for record, result, stale, step in listed:
         metrics = (result or {}).get("metrics")
         table.add_row(record.name, record.state.value + ("*" if stale else ""), str(len(record.roles)),
-                      f"{step}/{record.steps}", time.strftime("%m-%d %H:%M", time.localtime(record.updated_at)),
+                      step_of_steps(step, record), time.strftime("%m-%d %H:%M", time.localtime(record.updated_at)),
                       metrics_text(metrics) if metrics else "-")  # (80 columns: a mark, a footnote for stale)
     for unread in damaged:
         table.add_row(unread.path.parent.name, "damaged", "-", "-", "-", "-")

@@ -106,6 +106,11 @@ def checkpoint_text(result: Mapping[str, Any]) -> str:
     return f"{where} ({failed})"
 
 
+def step_of_steps(step: int, record: ClusterRecord) -> str:
+    """``1453/20000``; the step alone where the spec names no end (a TensorFlow program that counts its own)."""
+    return f"{step}/{record.steps}" if record.steps else str(step)
+
+
 def progress_line(cdir: ClusterDir, record: ClusterRecord) -> str:
     """One plain line of progress, for output that is not a terminal."""
     prog = progress(cdir, record)
@@ -113,7 +118,7 @@ def progress_line(cdir: ClusterDir, record: ClusterRecord) -> str:
     for role in record.roles:
         counts[role.state.value] = counts.get(role.state.value, 0) + 1
     roles = ", ".join(f"{n} {state}" for state, n in counts.items())
-    line = f"{record.name}: {record.state.value}; step {newest_global_step(record, prog)}/{record.steps}"
+    line = f"{record.name}: {record.state.value}; step {step_of_steps(newest_global_step(record, prog), record)}"
     if prog.get("loss") is not None:
         # the newest training batch's loss (the final line's is the test split's, not comparable)
         line += f", train loss {metric_text(prog['loss'])}, {prog.get('steps_per_sec', 0):.1f} steps/s"
@@ -185,7 +190,7 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
         header.append(f"\nSlurm job {job_id(record) or '-'}{where}{again}")
     if record.spec_overrides:  # what tells the runs of a sweep over one file apart
         header.append("\nspec: " + " ".join([record.spec_path or "-", *(f"--set {o}" for o in record.spec_overrides)]))
-    header.append(f"\nglobal step {step}/{record.steps}")
+    header.append(f"\nglobal step {step_of_steps(step, record)}")
     if prog.get("loss") is not None:
         header.append(f"  train loss {metric_text(prog['loss'])}")
     if prog.get("steps_per_sec"):

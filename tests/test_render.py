@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from psctl.home import ClusterDir
-from psctl.render import status_view
+from psctl.render import progress_line, status_view
 from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState
 
 ROLES = [("chief", "chief", 0), ("ps-0", "ps", 0), ("worker-0", "worker", 0), ("worker-11", "worker", 11),
@@ -108,6 +108,12 @@ def test_a_tensorflow_program_s_workers_show_the_step_they_printed_or_none(tmp_p
     steps = {line.split()[0]: line.split()[-1] for line in console.export_text().splitlines()
              if line.split() and line.split()[0] in printed}
     assert steps == {"chief-0": "300", "ps-0": "-", "worker-0": "-", "worker-1": "250"}, steps
+    # a program that counts its own steps (no training.steps): its step alone, not "300/0"
+    record.steps = 0
+    console = Console(width=120, record=True)
+    console.print(status_view(ClusterDir(tmp_path / "tf"), record, stale=False, now=now))
+    assert console.export_text().splitlines()[1] == "global step 300"
+    assert "step 300;" in progress_line(ClusterDir(tmp_path / "tf"), record)
 
 
 @pytest.mark.parametrize(("seconds", "shown"), [
