@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -189,7 +190,9 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
         again = f", requeued {record.slurm['restarts']}x" if record.slurm.get("restarts") else ""
         header.append(f"\nSlurm job {job_id(record) or '-'}{where}{again}")
     if record.spec_overrides:  # what tells the runs of a sweep over one file apart
-        header.append("\nspec: " + " ".join([record.spec_path or "-", *(f"--set {o}" for o in record.spec_overrides)]))
+        # as a shell would take it back (`psctl up` followed by this line runs the same spec)
+        header.append("\nspec: " + shlex.join([record.spec_path or "-",
+                                               *(a for o in record.spec_overrides for a in ("--set", o))]))
     header.append(f"\nglobal step {step_of_steps(step, record)}")
     if prog.get("loss") is not None:
         header.append(f"  train loss {metric_text(prog['loss'])}")

@@ -125,3 +125,17 @@ def test_an_age_is_rounded_before_it_is_split(seconds: float, shown: str) -> Non
     from psctl.render import _age
 
     assert _age(1000.0, 1000.0 + seconds) == shown
+
+
+def test_the_spec_line_of_a_run_with_set_values_is_taken_back_whole_by_a_shell(tmp_path: Path) -> None:
+    """`spec: cluster.yaml --set training.optimizer={name: sgd}` could not be pasted back: the shell split it."""
+    import shlex
+
+    record = ClusterRecord(name="sweep-1", cluster_id="c", state=ClusterState.RUNNING, steps=10, roles=[],
+                           spec_path="/runs/my spec.yaml",
+                           spec_overrides=["training.optimizer={name: sgd, learning_rate: 0.1}", "name=sweep-1"])
+    console = Console(width=200, record=True)
+    console.print(status_view(ClusterDir(tmp_path / "sweep-1"), record, stale=False))
+    line = next(x for x in console.export_text().splitlines() if x.startswith("spec: "))
+    assert shlex.split(line.removeprefix("spec: ")) == [
+        "/runs/my spec.yaml", "--set", "training.optimizer={name: sgd, learning_rate: 0.1}", "--set", "name=sweep-1"]
