@@ -201,20 +201,27 @@ _LINE_TIME = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[.,](\d{3})")
 
 
 def merged_tail(logs: Sequence[RoleLog], n: int) -> tuple[list[str], dict[str, int]]:
-    """The last ``n`` lines (all if n <= 0) of every role's latest attempt, merged in time order and prefixed
-    ``role: `` (a line without a time, such as a traceback's, keeps the time of the line above it); and
-    where each role's log was read up to (to follow them from there)."""
+    """The last ``n`` lines (all if n <= 0) of every role's attempts, merged in time order and prefixed
+    ``role: `` (an earlier attempt's ``role (attempt K): ``; a line without a time, such as a traceback's, keeps
+    the time of the line above it); and where each role's latest log was read up to (to follow them from
+    there)."""
     streams: list[list[tuple[str, int, str]]] = []
     offsets: dict[str, int] = {}
-    for order, log in enumerate(logs):
-        lines, offsets[log.role] = tail_log(log, max(log.record.attempt, 1), n)
-        stamp, stream = "", []
-        for line in lines:
-            timed = _LINE_TIME.match(line)
-            if timed:
-                stamp = f"{timed[1]},{timed[2]}"
-            stream.append((stamp, order, f"{log.role}: {line}"))
-        streams.append(stream)
+    order = 0
+    for log in logs:
+        latest = max(log.record.attempt, 1)
+        for attempt in range(1, latest + 1):
+            lines, offset = tail_log(log, attempt, n)
+            prefix = f"{log.role}: " if attempt == latest else f"{log.role} (attempt {attempt}): "
+            stamp, stream = "", []
+            for line in lines:
+                timed = _LINE_TIME.match(line)
+                if timed:
+                    stamp = f"{timed[1]},{timed[2]}"
+                stream.append((stamp, order, f"{prefix}{line}"))
+            streams.append(stream)
+            order += 1
+        offsets[log.role] = offset
     merged = [text for _, _, text in heapq.merge(*streams, key=lambda item: (item[0], item[1]))]
     return (merged[-n:] if n > 0 else merged), offsets
 

@@ -90,6 +90,8 @@ def test_every_role_s_log_merged_in_time_order_with_its_role_as_prefix(tmp_path:
     result = runner.invoke(cli, ["logs", "--all", "merge"], env={"PSCTL_HOME": str(home)})
     assert result.exit_code == 0, result.output
     assert result.output.splitlines() == [
+        # an earlier attempt's lines too (why the role restarted is what one looks for), marked as such
+        "worker-0 (attempt 1): 2026-11-25 09:00:00,000 INFO an earlier attempt",
         "chief-0: 2026-11-25 10:00:01,000 INFO chief starting",
         "worker-0: 2026-11-25 10:00:02.000123: I tensorflow/core/server.cc:42] worker serving",
         "worker-0: worker step 7 of 9",  # keeps the time of the line above
