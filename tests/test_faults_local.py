@@ -387,7 +387,12 @@ def test_a_training_that_ends_while_no_supervisor_runs_leaves_no_role_running(
     cluster_id, pids = training_without_its_supervisor(cluster, 200)
 
     def roles_left() -> list[psutil.Process]:
-        return [p for p in psctl_env.processes(cluster_id) if "psctl.agent" not in " ".join(p.cmdline())]
+        def agent_or_gone(proc: psutil.Process) -> bool:
+            try:
+                return "psctl.agent" in " ".join(proc.cmdline())
+            except psutil.Error:  # (ended since it was listed)
+                return True
+        return [p for p in psctl_env.processes(cluster_id) if not agent_or_gone(p)]
 
     wait_until(lambda: not roles_left(), timeout=90, what="every role to end by itself",
                detail=lambda: psctl_env.describe(roles_left()))
