@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import psutil
 
 from psctl.errors import LaunchError, PsctlError, UsageError
-from psctl.home import ClusterDir
+from psctl.home import ClusterDir, lock_held
 from psctl.launch.base import ProcessHandle, Runner, on_their_hosts, stop_on_hosts
 from psctl.launch.fanout import HostsError, check_results, run_on_all
 from psctl.launch.hostset import RemoteHost, host_runners, ssh_runner
@@ -240,6 +240,7 @@ def _start(
 ) -> ClusterDir:
     cdir = ClusterDir.named(spec.name)
     if cdir.state_file.is_file():
+        _wait_for_the_last_supervisor(cdir)
         _refuse_if_left_on_hosts(spec.name, load_state(cdir.state_file), runners)
         cdir.keep_last_run()
     record = new_cluster_folder(cdir, spec, plan)
@@ -271,6 +272,23 @@ def _start(
         f"the supervisor of {spec.name!r} did not start within {wait_started:.0f}s; "
         f"see {cdir.supervisor_log}"
     )
+
+
+#: Seconds a new run of a name waits for the last run's supervisor to end (it writes its record last of all).
+LAST_SUPERVISOR_WAIT = 15.0
+
+
+def _wait_for_the_last_supervisor(cdir: ClusterDir) -> None:
+    """A run that just finished may still have its supervisor, ending: its last save of the record landed after
+    the new run's (whose `up` then showed the last run's result and exited 0), and the new run's supervisor
+    found the cluster's lock held and left. Wait (bounded) until it is gone; a UsageError if it does not go."""
+    deadline = time.monotonic() + LAST_SUPERVISOR_WAIT
+    while lock_held(cdir.supervisor_lock) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if lock_held(cdir.supervisor_lock):
+        raise UsageError(f"the supervisor of cluster {cdir.name!r}'s last run still runs (waited "
+                         f"{LAST_SUPERVISOR_WAIT:g}s for it to end)", hint=f"see `psctl status {cdir.name}`, or stop "
+                         f"it with `psctl down {cdir.name}`, then run up again")
 
 
 def new_cluster_folder(cdir: ClusterDir, spec: ClusterSpec, plan: Plan) -> ClusterRecord:

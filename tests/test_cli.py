@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -621,6 +622,45 @@ def test_a_damaged_state_file_is_named_in_one_line_listed_and_purged_with_what_o
         if role.poll() is None:
             role.kill()
             role.wait()
+
+
+# in-process, the supervisor is this process's child, whose Popen `up` drops as it returns: Python warns of a child
+# still running, which here is the point
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_new_run_of_a_name_waits_for_the_last_run_s_supervisor_to_end(
+    psctl_env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last run's supervisor, still ending as `up` of the same name began, saved its record over the new
+    run's: the new `up` printed the last run's result and exited 0 (and the new supervisor found the lock held)."""
+    from psctl import operations
+
+    spec = psctl_env.write_spec("again", ps=1, workers=1)
+    cdir = recorded_cluster("again", {"chief-0": 1})  # a run that finished...
+    held: list[int | None] = [take_supervision(cdir)]  # ...whose supervisor still runs
+
+    def end() -> None:
+        if held:
+            release(held.pop())
+
+    ended = threading.Timer(0.5, end)  # it ends while the second `up` below waits
+    try:
+        monkeypatch.setattr(operations, "LAST_SUPERVISOR_WAIT", 0.5, raising=False)
+        line = assert_one_line_error(invoke("up", str(spec), "--detach"), EXIT_USAGE,
+                                     "the supervisor of cluster 'again''s last run still runs (waited 0.5s")
+        assert "psctl down again" in line
+        assert load_state(cdir.state_file).state == ClusterState.SUCCEEDED and not cdir.history.exists()
+        monkeypatch.setattr(operations, "LAST_SUPERVISOR_WAIT", 30.0, raising=False)
+        ended.start()
+        started = invoke("up", str(spec), "--detach")
+    finally:
+        ended.cancel()
+        if ended.ident is not None:
+            ended.join()
+        end()
+
+    assert started.exit_code == 0, (started.stdout, started.stderr)
+    assert load_state(cdir.state_file).cluster_id != "again-0000"  # the new run's record, kept as it saved it
+    assert [run.name for run in cdir.kept_runs()] == ["1"]
 
 
 def test_up_says_in_one_line_that_psctl_home_cannot_hold_a_cluster(psctl_env, monkeypatch: pytest.MonkeyPatch) -> None:

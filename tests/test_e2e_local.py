@@ -261,7 +261,8 @@ def test_the_readme_example_trains_and_status_shows_the_evaluation_of_its_last_c
     again = psctl_env.run("up", str(spec), timeout=180)
     assert again.returncode == 0, (again.stdout, again.stderr, cluster_logs(psctl_env, "digits"))
     line = again.stdout.rstrip("\n").splitlines()[-1]
-    # (its logs with it: once in a full suite run the second run trained again from step 0, not reproduced since)
+    # (its logs with it: once in a full suite run the last run's supervisor, still ending, saved its record over
+    # the new run's, and this line was the last run's; `up` now waits for it)
     assert line.startswith("training finished: nothing to train: an earlier run's checkpoint in "), (
         line, cluster_logs(psctl_env, "digits"))
     assert "is at global step 1000, at or past training.steps 1000" in line, line
