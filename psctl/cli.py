@@ -23,7 +23,7 @@ from rich.table import Table
 # start in ~0.13 s instead of ~0.3 (tests/test_cli.py holds them to it).
 from psctl import __version__, completion, observe
 from psctl.errors import EXIT_INTERRUPTED, ClusterStopped, PsctlError, TrainingFailed, UsageError
-from psctl.home import ClusterDir, list_clusters
+from psctl.home import ClusterDir, list_clusters, nearest_existing
 from psctl.render import (
     checkpoint_text,
     host_table,
@@ -400,18 +400,13 @@ def plot(names: tuple[str, ...], out: str) -> None:
 def check_output_path(out: str, option: str) -> None:
     """A file to write must not lie under a file (the error would say "File exists" or "Not a directory");
     missing folders on its way are made."""
-    path = Path(out).expanduser().absolute()
-    for parent in path.parents:
-        try:
-            kind = parent.stat().st_mode
-        except (FileNotFoundError, NotADirectoryError):
-            continue  # (made when written; or under a file, said next)
-        except OSError as exc:  # a folder on the way that cannot be entered
-            raise UsageError(f"{option} {out}: cannot reach {parent}: {exc.strerror}",
-                             hint="give a path in a folder you can write") from None
-        if not stat.S_ISDIR(kind):
-            raise UsageError(f"{option} {out}: {parent} is a file, not a folder", hint="give a path in a folder")
-        return
+    try:
+        parent, kind = nearest_existing(Path(out).expanduser().absolute().parent)
+    except OSError as exc:
+        raise UsageError(f"{option} {out}: cannot reach {exc.filename}: {exc.strerror}",
+                         hint="give a path in a folder you can write") from None
+    if not stat.S_ISDIR(kind):
+        raise UsageError(f"{option} {out}: {parent} is a file, not a folder", hint="give a path in a folder")
 
 
 def refuse_a_tensorflow_program(cdir: ClusterDir, what: str, instead: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -158,6 +159,17 @@ class ClusterDir(RoleFolders[Path]):
             except OSError as exc:  # PSCTL_HOME a file, read-only, not ours
                 raise UsageError(f"cannot create {path}: {exc.strerror or exc}",
                                  hint=f"set PSCTL_HOME (now {psctl_home()}) to a folder you can write") from exc
+
+
+def nearest_existing(path: Path) -> tuple[Path, int]:
+    """The nearest of ``path`` and the folders above it that exists, and its ``st_mode`` (where a file written at
+    ``path`` would go); OSError for one on the way that cannot be entered (EACCES)."""
+    for existing in (path, *path.parents):
+        try:
+            return existing, existing.stat().st_mode
+        except (FileNotFoundError, NotADirectoryError):  # (made when written; or under a file: the caller says)
+            continue
+    raise FileNotFoundError(errno.ENOENT, "no folder of it exists", str(path))  # (the root always does)
 
 
 def list_clusters() -> list[ClusterDir]:

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from psctl.home import psctl_home
+from psctl.home import nearest_existing, psctl_home
 from psctl.runtime.builtin_programs import BUILTIN_PREFIX, BUILTIN_PROGRAMS, arg_expected, data_mismatch
 from psctl.runtime.call_size import AUTO
 from psctl.runtime.data_config import DataConfigError, named_data_shape, parse_data_config
@@ -218,22 +218,17 @@ def check_local_checkpoint_folder(c: Checker, training: Mapping[str, Any], writt
     folder = (training.get("checkpoint") or {}).get("dir")
     if folder is None:
         return
-    resolved = Path(folder).expanduser()
     where = (*T, "checkpoint", "dir")
-    for existing in (resolved, *resolved.parents):
-        try:
-            kind = existing.stat().st_mode
-        except (FileNotFoundError, NotADirectoryError):
-            continue  # (made by the first save; or under a file, said next)
-        except OSError as exc:  # a folder on the way that cannot be entered
-            c.fail(where, f"{show(written)}: cannot reach {existing}: {exc.strerror}",
-                   "give a folder you can write, or change its permissions")
-        if not stat.S_ISDIR(kind):
-            c.fail(where, f"{show(written)}: {existing} is a file, not a folder", "give a folder's path")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            c.fail(where, f"{show(written)}: {existing} cannot be written by this user",
-                   "give a folder you can write, or change its permissions")
-        return
+    try:
+        existing, kind = nearest_existing(Path(folder).expanduser())
+    except OSError as exc:
+        c.fail(where, f"{show(written)}: cannot reach {exc.filename}: {exc.strerror}",
+               "give a folder you can write, or change its permissions")
+    if not stat.S_ISDIR(kind):
+        c.fail(where, f"{show(written)}: {existing} is a file, not a folder", "give a folder's path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        c.fail(where, f"{show(written)}: {existing} cannot be written by this user",
+               "give a folder you can write, or change its permissions")
 
 
 def check_local_program(c: Checker, program: str, base_dir: Path, *, pythonpath: Sequence[str] = ()) -> None:
