@@ -94,7 +94,7 @@ def operations(client: PsClient, nbytes: int, step_ids: list[int]) -> dict[str, 
 
     def push() -> None:
         step_ids[0] += 1
-        header = PushHeader(step_id=step_ids[0], task="bench:0", incarnation=1)
+        header = PushHeader(step_id=step_ids[0], task="chief:0", incarnation=1)
         if not client.push(header, {0: [Entry(name, DENSE, grad)]})[0].applied:
             raise RuntimeError(f"push of step {step_ids[0]} was not applied")
 
@@ -125,9 +125,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     with ExitStack() as stack:
         run_dir = stack.enter_context(run_directory(args.run_dir))
         pki_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="psctl-bench-pki-")))
-        files = create_cluster_pki(pki_dir / "tls", "bench-tls", [("ps-0", "127.0.0.1"), ("client", "127.0.0.1")])
+        # The client is the chief's: a ps takes Init only from it (and a push only as the task its certificate names)
+        files = create_cluster_pki(pki_dir / "tls", "bench-tls", [("ps-0", "127.0.0.1"), ("chief-0", "127.0.0.1")])
         server_tls = {"plain": None, "tls": files["ps-0"]}
-        client_tls = {"plain": None, "tls": files["client"]}
+        client_tls = {"plain": None, "tls": files["chief-0"]}
         clusters: dict[str, PsProcess] = {}
         monitors: dict[str, Monitor] = {}
         clients: dict[str, PsClient] = {}

@@ -37,9 +37,9 @@ class CountingServicer(ParameterServerServicer):
         self.calls["pull"] += 1
         return super().pull_framed(request, context)
 
-    def push_framed(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+    def push_frame(self, request: bytes, context: grpc.ServicerContext, sender: str | None) -> bytes:
         self.calls["push"] += 1
-        return super().push_framed(request, context)
+        return super().push_frame(request, context, sender)
 
 
 @dataclass

@@ -238,8 +238,12 @@ def test_init_from_another_cluster_is_refused(ps: Ps) -> None:
         (SPECS, pb.OptimizerConfig(name="no-such-optimizer", learning_rate=0.1)),
         (SPECS, pb.OptimizerConfig(name="sgd", learning_rate=-1.0)),
         (SPECS, pb.OptimizerConfig(name="sgd", learning_rate=0.1, params={"bogus": 1.0})),
+        # 4 TiB: refused by its size before numpy is asked for it (an UNKNOWN "Unable to allocate" before)
+        ([pb.VariableSpec(name="x", dtype="float32", shape=[2**20, 2**20], initializer="zeros")], SGD),
+        ([pb.VariableSpec(name="x", dtype="float32", shape=[1] * 9, initializer="zeros")], SGD),
     ],
-    ids=["int-variable", "duplicate-name", "bad-initializer", "bad-optimizer", "negative-lr", "bad-param"],
+    ids=["int-variable", "duplicate-name", "bad-initializer", "bad-optimizer", "negative-lr", "bad-param",
+         "beyond-the-size-limit", "rank-9"],
 )
 def test_invalid_init_is_refused_and_leaves_the_ps_uninitialized(
     ps: Ps, specs: list[pb.VariableSpec], optimizer: pb.OptimizerConfig
@@ -1038,6 +1042,26 @@ def test_a_replaced_chief_cannot_init_restore_flush_or_checkpoint_and_changes_no
     finally:
         new.close()
         old.close()
+
+
+def test_a_restore_to_a_negative_global_step_is_refused_and_changes_nothing(ps: Ps) -> None:
+    """A global step below 0 would have the chief train again steps done (and report a step behind the ps's)."""
+    client = PsClient([ps.address], timeout=30)
+    try:
+        init(ps)
+        assert push(ps, 1, [GOOD_W]).applied
+        before = snapshot(ps)
+        restore = {0: [Entry(spec.name, DENSE, initial_value(spec)) for spec in SPECS]}
+        with pytest.raises(grpc.RpcError) as info:
+            client.assign(restore, -7, [])
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+        assert "global step must be >= 0, got -7" in info.value.details()  # type: ignore[attr-defined]
+        after = snapshot(ps)
+        assert (after.state, after.values, after.slots) == (before.state, before.values, before.slots)
+        client.assign(restore, 0, [])  # step 0 is a step
+        assert state(ps).global_step == 0
+    finally:
+        client.close()
 
 
 def test_a_replaced_chief_learns_it_even_when_another_ps_is_down(ps: Ps) -> None:

@@ -50,7 +50,10 @@ from psctl.runtime.rpc import TLS_SERVER_NAME, make_channel, make_server
 from psctl.runtime.wire import DENSE, Entry
 from psctl.spec import load_spec_text, make_plan
 
-MEMBERS = [("ps-0", "127.0.0.1"), ("worker-0", "127.0.0.1"), ("supervisor", "127.0.0.1"), ("client", "127.0.0.1")]
+MEMBERS = [("ps-0", "127.0.0.1"), ("worker-0", "127.0.0.1"), ("worker-1", "127.0.0.1"), ("chief-0", "127.0.0.1"),
+           ("supervisor", "127.0.0.1"), ("client", "127.0.0.1")]
+#: The member the probes speak as: they push and beat as worker:0, which only worker-0's certificate may.
+CLIENT = "worker-0"
 SERVER_OF = {"ps": "ps-0", "worker": "worker-0", "supervisor": "supervisor"}
 KINDS = tuple(SERVER_OF)
 #: Every rpc of these tests has a deadline: a refused handshake answers at once, a hang fails the test.
@@ -78,7 +81,7 @@ class Pki:
     c1: dict[str, TlsFiles]
     c2: dict[str, TlsFiles]
     #: A CA of our own, whose key we keep to mint certificates psctl never would: the servers' certificates,
-    #: a valid client ("client"), an expired one ("expired") and one not valid yet ("not-yet-valid").
+    #: valid members (MEMBERS), an expired one ("expired") and one not valid yet ("not-yet-valid").
     minted: dict[str, TlsFiles]
 
     def of(self, pki: str) -> dict[str, TlsFiles]:
@@ -300,16 +303,16 @@ def tls_channel(address: str, *, ca: str, cert: str | None = None, key: str | No
 #: how it connects. Those that trust the server's CA isolate the server's own check of the client.
 REFUSED: dict[str, tuple[str, Callable[[Pki, str], grpc.Channel]]] = {
     "plaintext": ("c1", lambda p, a: grpc.insecure_channel(a)),
-    "tls-without-client-certificate": ("c1", lambda p, a: tls_channel(a, ca=p.c1["client"].ca)),
+    "tls-without-client-certificate": ("c1", lambda p, a: tls_channel(a, ca=p.c1[CLIENT].ca)),
     "certificate-of-another-cluster": (
         "c1",
-        lambda p, a: tls_channel(a, ca=p.c1["client"].ca, cert=p.c2["client"].cert, key=p.c2["client"].key),
+        lambda p, a: tls_channel(a, ca=p.c1[CLIENT].ca, cert=p.c2[CLIENT].cert, key=p.c2[CLIENT].key),
     ),
-    "credentials-of-another-cluster": ("c1", lambda p, a: make_channel(a, p.c2["client"])),
+    "credentials-of-another-cluster": ("c1", lambda p, a: make_channel(a, p.c2[CLIENT])),
     "server-certificate-as-client-of-another-cluster": (
         "c1",
         lambda p, a: tls_channel(
-            a, ca=p.c1["client"].ca, cert=p.c2[SERVER_OF["ps"]].cert, key=p.c2[SERVER_OF["ps"]].key
+            a, ca=p.c1[CLIENT].ca, cert=p.c2[SERVER_OF["ps"]].cert, key=p.c2[SERVER_OF["ps"]].key
         ),
     ),
     "expired-certificate": ("minted", lambda p, a: make_channel(a, p.minted["expired"])),
@@ -331,7 +334,7 @@ def expect_refused(call: Callable[[], Any]) -> grpc.RpcError:
 def test_a_member_with_a_valid_certificate_is_served(servers: Servers, pki: Pki, kind: str, pki_name: str) -> None:
     files = pki.of(pki_name)
     target = servers.start(kind, files)
-    with make_channel(target.address, files["client"]) as channel:
+    with make_channel(target.address, files[CLIENT]) as channel:
         target.check_served(target.probe(channel, wait=True))
 
 
@@ -350,7 +353,7 @@ def test_a_client_without_a_valid_cluster_certificate_is_refused(
             expect_refused(lambda channel=channel: target.probe(channel))
     assert target.snapshot() == before, f"a refused {client} client reached the {kind} servicer: {target.calls}"
     # The server is up and serving its cluster: the refusal was the certificate check, not a dead server.
-    with make_channel(target.address, files["client"]) as channel:
+    with make_channel(target.address, files[CLIENT]) as channel:
         target.check_served(target.probe(channel, wait=True))
 
 
@@ -362,11 +365,11 @@ def test_a_member_refuses_a_server_that_is_not_of_its_cluster(
     """The other direction: a role never sends a gradient or a heartbeat to an impostor (make_channel checks the
     server's certificate against the cluster's CA, and its validity)."""
     if server == "plaintext":
-        target, client = servers.start(kind, None), pki.c1["client"]
+        target, client = servers.start(kind, None), pki.c1[CLIENT]
     elif server == "other-cluster":
-        target, client = servers.start(kind, pki.c2), pki.c1["client"]
+        target, client = servers.start(kind, pki.c2), pki.c1[CLIENT]
     else:
-        target, client = servers.start(kind, pki.minted, member="expired-server"), pki.minted["client"]
+        target, client = servers.start(kind, pki.minted, member="expired-server"), pki.minted[CLIENT]
     before = target.snapshot()
     with make_channel(target.address, client) as channel:
         expect_refused(lambda: target.probe(channel))
@@ -376,8 +379,8 @@ def test_a_member_refuses_a_server_that_is_not_of_its_cluster(
 def test_a_refused_push_leaves_the_ps_bit_for_bit_unchanged(servers: Servers, pki: Pki) -> None:
     target = servers.start("ps", pki.c1)
     assert target.store is not None
-    good = PsClient([target.address], tls=pki.c1["client"], timeout=RPC_TIMEOUT)
-    intruder = PsClient([target.address], tls=pki.c2["client"], timeout=RPC_TIMEOUT)
+    good = PsClient([target.address], tls=pki.c1[CLIENT], timeout=RPC_TIMEOUT)
+    intruder = PsClient([target.address], tls=pki.c2[CLIENT], timeout=RPC_TIMEOUT)
     try:
         good.wait_ready(RPC_TIMEOUT)  # a slow first handshake on a busy machine is not what is under test
         names = [Entry("w", DENSE, EMPTY), Entry("b", DENSE, EMPTY)]
@@ -418,6 +421,82 @@ def test_a_refused_push_leaves_the_ps_bit_for_bit_unchanged(servers: Servers, pk
     finally:
         good.close()
         intruder.close()
+
+
+def denied(call: Callable[[], Any]) -> str:
+    """The details of the PERMISSION_DENIED ``call`` gets."""
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    error: Any = info.value
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED, (error.code(), error.details())
+    return str(error.details())
+
+
+def test_a_member_acts_only_as_itself_and_only_the_chief_drives_the_ps(servers: Servers, pki: Pki) -> None:
+    """A certificate of the cluster proves that its holder is a member; its name says which, and that decides
+    what it may do. With worker-0's (a worker's, or a bug's in one): no Init (a reset ps), Assign (a negative
+    global step), SyncFlush or training-over of a ps, and no push as another worker, on any rpc form (its
+    incarnation would fence the task it names: training stalled for good). Each refused PERMISSION_DENIED, the
+    ps bit for bit unchanged; the chief's certificate does each one."""
+    target = servers.start("ps", pki.c1)
+    store = target.store
+    assert store is not None
+    grad = [Entry("w", DENSE, np.full((4, 3), 1.0, dtype=np.float32))]
+    as_worker1 = pb.PushRequest(step_id=5, task="worker:1", incarnation=2**62, increment_global_step=True)
+    wire.add_entries(as_worker1.entries, grad)
+    worker = PsClient([target.address], tls=pki.c1["worker-0"], timeout=RPC_TIMEOUT, sessions=True)  # (a worker's)
+    chief = PsClient([target.address], tls=pki.c1["chief-0"], timeout=RPC_TIMEOUT)
+    try:
+        worker.wait_ready(RPC_TIMEOUT)
+        stub = worker.stubs[0]
+        before = target.snapshot()[1:]
+        init = pb.InitRequest(variables=[W, B], optimizer=pb.OptimizerConfig(name="sgd", learning_rate=1000.0),
+                              cluster_id="c1", reset=True)
+        refusals = {
+            "Init": lambda: stub.Init(init, timeout=RPC_TIMEOUT),
+            "Assign": lambda: stub.Assign(pb.AssignRequest(global_step=1000), timeout=RPC_TIMEOUT),
+            "SyncFlush": lambda: stub.SyncFlush(pb.SyncFlushRequest(step=1, min_replicas=1), timeout=RPC_TIMEOUT),
+            "a state request that releases the ps or ends training":
+                lambda: stub.GetState(pb.StateRequest(training_over=True), timeout=RPC_TIMEOUT),
+            "a push of worker:1": lambda: stub.Push(as_worker1, timeout=RPC_TIMEOUT),
+            "a push of worker:1 (framed, over a session)": lambda: worker.push(
+                PushHeader(step_id=6, task="worker:1", incarnation=2**62), {0: grad}),
+        }
+        for what, attempt in refusals.items():
+            details = denied(attempt)
+            assert details.startswith(f"{what.split(' (')[0]} is ") and details.endswith(", not worker-0's"), details
+        assert target.calls[-1] == "PushFramedSession" and target.snapshot()[1:] == before, target.calls
+        assert not store.training_over.is_set()
+        # its own pushes go through; and the chief's certificate does what the worker's could not
+        worker.push(PushHeader(step_id=7, task="worker:0", incarnation=1), {0: grad})
+        chief.init({0: [W, B]}, ADAM, "c1", reset=True)
+        assert store.global_step == 0 and target.snapshot()[1:] != before
+    finally:
+        worker.close()
+        chief.close()
+
+
+def test_a_heartbeat_and_a_workers_steps_come_only_from_their_own_members(servers: Servers, pki: Pki) -> None:
+    """worker-0's certificate cannot beat as the chief (heartbeats in a hung chief's name hid it from the
+    supervisor: never declared lost, never restarted), run a step on a worker or tell it training is over."""
+    beats = servers.start("supervisor", pki.c1)
+    assert beats.recorder is not None
+    with make_channel(beats.address, pki.c1["worker-0"]) as channel:
+        stub = pb_grpc.SupervisorStub(channel)
+        spoof = pb.HeartbeatRequest(task="chief:0", incarnation=7, pid=1, global_step=123456789)
+        assert denied(lambda: stub.Heartbeat(spoof, timeout=RPC_TIMEOUT, wait_for_ready=True)) == (
+            "a heartbeat of chief:0 is chief-0's to send, not worker-0's")
+        assert beats.recorder.heartbeats == []
+        stub.Heartbeat(pb.HeartbeatRequest(task="worker:0", incarnation=7), timeout=RPC_TIMEOUT)
+        assert [hb.task for hb in beats.recorder.heartbeats] == ["worker:0"]
+    target = servers.start("worker", pki.c1)
+    with make_channel(target.address, pki.c1["worker-1"]) as channel:
+        stub = pb_grpc.WorkerStub(channel)
+        denied(lambda: stub.RunStep(pb.StepRequest(step_id=1, function="train"), timeout=RPC_TIMEOUT,
+                                    wait_for_ready=True))
+        denied(lambda: stub.Ping(pb.PingRequest(training_over=True), timeout=RPC_TIMEOUT))
+        assert stub.Ping(pb.PingRequest(), timeout=RPC_TIMEOUT).task == "worker:0"  # asking is anyone's
+    assert target.calls == ["RunStep", "Ping", "Ping"]
 
 
 # -- files --------------------------------------------------------------------------------------------------------
@@ -567,7 +646,7 @@ def test_up_runs_every_role_over_tls_and_keeps_its_files_private(psctl_env: Any,
     # ... and their servers use them: plaintext and another cluster's credentials are refused while it runs.
     with grpc.insecure_channel(ps) as channel:
         expect_refused(lambda: pb_grpc.ParameterServerStub(channel).GetState(pb.StateRequest(), timeout=RPC_TIMEOUT))
-    with make_channel(ps, pki.c2["client"]) as channel:
+    with make_channel(ps, pki.c2[CLIENT]) as channel:
         expect_refused(lambda: pb_grpc.ParameterServerStub(channel).GetState(pb.StateRequest(), timeout=RPC_TIMEOUT))
     with grpc.insecure_channel(worker) as channel:
         expect_refused(lambda: pb_grpc.WorkerStub(channel).Ping(pb.PingRequest(), timeout=RPC_TIMEOUT))

@@ -67,7 +67,7 @@ from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.cluster import TlsFiles
 from psctl.runtime.exits import EXIT_FILE_VARIABLE
 from psctl.runtime.metrics import CPU_METRIC
-from psctl.runtime.rpc import make_channel, make_server
+from psctl.runtime.rpc import make_channel, make_server, member_of_task, refuse_unless_from
 
 log = logging.getLogger("psctl.agent")
 
@@ -263,6 +263,7 @@ class HeartbeatEndpoint(pb_grpc.SupervisorServicer):
         self.agent = agent
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        refuse_unless_from(context, member_of_task(request.task), f"a heartbeat of {request.task}")
         return self.agent.on_heartbeat(request)
 
 

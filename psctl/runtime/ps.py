@@ -33,7 +33,7 @@ from psctl.runtime.fencing import ChiefFence, ChiefReplaced
 from psctl.runtime.initializers import initialize
 from psctl.runtime.optimizers import Optimizer, make_optimizer
 from psctl.runtime.rows import gather_rows
-from psctl.runtime.rpc import UNARY_THREADS
+from psctl.runtime.rpc import CHIEF_MEMBER, UNARY_THREADS, caller, member_of_task, refuse_unless_from
 from psctl.runtime.sessions import SESSIONS_PER_PS, SessionSlots
 from psctl.runtime.wire import (
     DENSE,
@@ -177,6 +177,7 @@ class VariableStore:
                     raise ValueError(f"variable {spec.name!r} given twice")
                 if spec.dtype not in ("float16", "float32", "float64"):
                     raise ValueError(f"variable {spec.name!r}: trainable variables must be float, got {spec.dtype}")
+                _check_size(spec)
                 value = initialize(
                     spec.initializer or "zeros",
                     tuple(spec.shape),
@@ -431,7 +432,8 @@ class VariableStore:
     ) -> None:
         """Replace every shard's value and slots (restoring a checkpoint), and the synchronous training's counters
         where given (else they are kept). Validates all, then applies all."""
-        self.training_over.clear()  # (a chief restoring: training goes on)
+        if global_step < 0:
+            raise WireError(f"assign's global step must be >= 0, got {global_step}")
         values: dict[str, np.ndarray] = {}
         slots: dict[str, dict[str, np.ndarray]] = {}
         for entry in entries:
@@ -467,6 +469,7 @@ class VariableStore:
                 raise WireError(f"assign must give every slot of {name!r}; missing {lacking}")
         with self._lock:
             self.chief_fence.admit(chief_incarnation)
+            self.training_over.clear()  # (a chief restoring: training goes on)
             for name, shard in self._shards.items():
                 with shard.lock:
                     shard.value[...] = values[name]
@@ -512,6 +515,17 @@ class VariableStore:
                 pending_replicas=self._sync.count() if self._sync is not None else 0,
                 leaving=self.leaving.is_set(),
             )
+
+
+def _check_size(spec: pb.VariableSpec) -> None:
+    """A variable this PS could hold: a shape of at most MAX_RANK dimensions, none negative, within the wire's
+    limit on one array (it is sent whole in a checkpoint; a larger one belongs in more shards)."""
+    shape = tuple(spec.shape)
+    size = math.prod(shape) * np.dtype(spec.dtype).itemsize
+    if len(shape) > wire.MAX_RANK or min(shape, default=0) < 0 or size > wire.MAX_ARRAY_BYTES:
+        raise ValueError(f"variable {spec.name!r} of shape {list(shape)} is not one a PS holds: at most "
+                         f"{wire.MAX_RANK} dimensions, none negative, and {wire.MAX_ARRAY_BYTES >> 30} GiB "
+                         "(partition it over more shards)")
 
 
 def _check_ids(entry: Entry, shard: Shard) -> np.ndarray:
@@ -706,6 +720,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     def Init(self, request: pb.InitRequest, context: grpc.ServicerContext) -> pb.InitResponse:
+        refuse_unless_from(context, CHIEF_MEMBER, "Init")
         if request.cluster_id != self.store.cluster_id:
             context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -726,6 +741,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         except ValueError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION if "already" in str(exc) else
                           grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except MemoryError as exc:  # (nothing was kept: the shards replace the old ones only once all are made)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this PS has no memory for these variables: {exc}")
         return pb.InitResponse(already_initialized=already, global_step=self.store.global_step)
 
     # -- shared by both forms -------------------------------------------------------------------------
@@ -749,11 +766,16 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         request: pb.PushRequest,
         entries: list[Entry],
         context: grpc.ServicerContext,
+        sender: str | None,
         split: Mapping[str, SplitArray] | None = None,
     ) -> tuple[pb.PushResponse, list[Entry]]:
-        """Apply a push; the response, and the shards its pull_dense names and the rows its PULL_IDS entries ask
-        for, as they are after it."""
+        """Apply a push from ``sender`` (the caller's certificate name; None without TLS); the response, and the
+        shards its pull_dense names and the rows its PULL_IDS entries ask for, as they are after it."""
         self.requests += 1
+        if sender is not None and sender != member_of_task(request.task):
+            # (a worker's push can fence the task it names, by its incarnation: only that task's own)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"a push of {request.task or 'no task'} is {member_of_task(request.task)}'s, not {sender}'s")
         try:
             gradients, rows = _pull_rows_apart(entries, streamed=split is not None)
             outcome = self.store.push(request, gradients, split, rows)
@@ -796,6 +818,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def _assign(
         self, request: pb.AssignRequest, entries: list[Entry], context: grpc.ServicerContext
     ) -> pb.AssignResponse:
+        refuse_unless_from(context, CHIEF_MEMBER, "Assign")
         try:
             self.store.assign(entries, request.global_step, list(request.shard_positions),
                               chief_incarnation=request.chief_incarnation,
@@ -823,14 +846,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         yield from wire.frames(pulled, pb.PullResponse(global_step=step))
 
     def push_framed(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        return self.push_frame(request, context, caller(context))
+
+    def push_frame(self, request: bytes, context: grpc.ServicerContext, sender: str | None) -> bytes:
+        """A framed push from ``sender`` (see ``_push``): every framed push's way in, unary or a session's."""
         header, entries = self._decoded(lambda: wire.read_frame(request, pb.PushRequest), context)
-        return wire.encode_frame(*self._push(header, entries, context))
+        return wire.encode_frame(*self._push(header, entries, context, sender))
 
     def push_framed_stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         header, entries, split = self._read_stream(
             _framed_parts(requests, pb.PushRequest), _push_header, context, split_dense=True
         )
-        return wire.encode_frame(*self._push(self._streamed_push(header, context), entries, context, split))
+        return wire.encode_frame(*self._push(self._streamed_push(header, context), entries, context, caller(context),
+                                             split))
 
     def assign_framed_stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         header, entries, _ = self._read_stream(_framed_parts(requests, pb.AssignRequest), _assign_header, context)
@@ -840,7 +868,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return self.sessions.serve(requests, context, self.pull_framed)
 
     def push_framed_session(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        return self.sessions.serve(requests, context, self.push_framed)
+        sender = caller(context)  # (once a session: its pushes all come over the one connection)
+        return self.sessions.serve(requests, context, lambda request, ctx: self.push_frame(request, ctx, sender))
 
     def framed_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         """Handlers of the framed rpcs with no (de)serializer: gRPC hands over the received bytes as they are."""
@@ -904,7 +933,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushResponse:
         entries = self._decoded(lambda: wire.decode_entries(request.entries), context)
-        response, pulled = self._push(request, entries, context)
+        response, pulled = self._push(request, entries, context, caller(context))
         wire.add_entries(response.entries, pulled)
         return response
 
@@ -912,7 +941,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         request, entries, split = self._read_stream(
             _plain_parts(request_iterator), _push_header, context, split_dense=True
         )
-        response, _ = self._push(self._streamed_push(request, context), entries, context, split)
+        response, _ = self._push(self._streamed_push(request, context), entries, context, caller(context), split)
         return response
 
     def Assign(self, request: pb.AssignRequest, context: grpc.ServicerContext) -> pb.AssignResponse:
@@ -926,6 +955,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return self._assign(request, entries, context)
 
     def SyncFlush(self, request: pb.SyncFlushRequest, context: grpc.ServicerContext) -> pb.SyncFlushResponse:
+        refuse_unless_from(context, CHIEF_MEMBER, "SyncFlush")
         try:
             applied, arrived = self.store.sync_flush(request.step, request.min_replicas,
                                                      chief_incarnation=request.chief_incarnation)
@@ -935,6 +965,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return pb.SyncFlushResponse(applied=applied, replicas=arrived, global_step=self.store.global_step)
 
     def GetState(self, request: pb.StateRequest, context: grpc.ServicerContext) -> pb.StateResponse:
+        if request.release or request.training_over:
+            refuse_unless_from(context, CHIEF_MEMBER, "a state request that releases the ps or ends training")
         try:
             return self.store.state(include_step_ids=request.include_step_ids,
                                     chief_incarnation=request.chief_incarnation, release=request.release,

@@ -60,6 +60,32 @@ def make_channel(
     return grpc.secure_channel(address, creds, options=options)
 
 
+#: The chief's certificate: only it initialises, restores and flushes a ps and runs a worker's steps.
+CHIEF_MEMBER = "chief-0"
+
+
+def member_of_task(task: str) -> str:
+    """The certificate name of a runtime task: ``worker:0`` -> ``worker-0``."""
+    job, _, index = task.partition(":")
+    return f"{job}-{index}"
+
+
+def caller(context: grpc.ServicerContext) -> str | None:
+    """The cluster member that made this call: its certificate's name (``worker-0``, ``chief-0``); None on a
+    server without TLS (``security: {tls: false}``), whose callers name no one. A TLS server of psctl's takes no
+    client without a certificate of the cluster's CA, so on it every call has a name."""
+    names = context.auth_context().get("x509_common_name") or []
+    return names[0].decode() if names else None
+
+
+def refuse_unless_from(context: grpc.ServicerContext, member: str, what: str) -> None:
+    """PERMISSION_DENIED unless ``member``'s certificate made this call: a certificate of the cluster proves
+    that a caller is one of its members, this proves which (a worker cannot reset a ps or beat as the chief)."""
+    name = caller(context)
+    if name is not None and name != member:
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{what} is {member}'s to send, not {name}'s")
+
+
 #: How long a replaced channel stays open: a call another thread took its stub for just before the swap must
 #: not hit a closed channel (a ValueError, not an RpcError); calls to a dead peer fail by keepalive meanwhile.
 REPLACED_CHANNEL_GRACE = 60.0

@@ -53,6 +53,7 @@ from psctl.runtime.limits import UNARY_MAX_BYTES
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import Batch, Dataset
 from psctl.runtime.ps_client import PsClient, PsUnavailable, PushHeader
+from psctl.runtime.rpc import CHIEF_MEMBER, refuse_unless_from
 from psctl.runtime.stepstats import StepStats
 from psctl.runtime.wire import DENSE, IDS, Entry, payload_bytes
 
@@ -198,6 +199,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return self._datasets[key]
 
     def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
+        if request.training_over or request.feeding_stopped:
+            refuse_unless_from(context, CHIEF_MEMBER, "a ping that says training is over or feeding stopped")
         if request.chief_incarnation >= self.chief_fence.newest:  # not a replaced chief's word
             if request.training_over:
                 self.training_over = True
@@ -211,6 +214,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.PingResponse(incarnation=self.incarnation, task=self.task)
 
     def RunStep(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
+        refuse_unless_from(context, CHIEF_MEMBER, "RunStep")
         with self._steps:
             self._last_request = time.monotonic()
             self.training_over = False  # (a chief that trains again: one restored after the end was said)
