@@ -1217,19 +1217,19 @@ def test_a_program_of_the_users_own_takes_any_args(tmp_path: Path) -> None:
 
 def test_a_local_cluster_s_program_module_must_be_where_its_roles_will_import_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every role on this machine: a module no role could import is refused before anything starts, at the
-    key; found beside the spec (the roles' folder), under a role's PYTHONPATH, or installed, it is not. Nothing
-    of the user's is imported to find it out."""
+    """Every role on this machine: a module a role that imports it could not find is refused before anything
+    starts, at the key; found beside the spec (the roles' folder), under each such role's PYTHONPATH, or
+    installed, it is not. Nothing of the user's is imported to find it out."""
     monkeypatch.chdir(tmp_path.parent)  # (not the spec's folder: the roles' folder is what counts)
     spec = """\
-        roles: {{chief: {{}}, ps: {{}}, worker: {{{worker}}}}}
+        roles: {{chief: {{{chief}}}, ps: {{}}, worker: {{{worker}}}}}
         training: {{program: {program}, data: {{name: digits}}, steps: 10}}
         {extra}"""
 
-    def load(program: str, worker: str = "", extra: str = "") -> object:
-        return load_spec(write(tmp_path, spec.format(program=program, worker=worker, extra=extra)))
+    def load(program: str, worker: str = "", extra: str = "", chief: str = "") -> object:
+        return load_spec(write(tmp_path, spec.format(program=program, worker=worker, extra=extra, chief=chief)))
 
-    error = spec_error(write(tmp_path, spec.format(program="my_modelz.tower", worker="", extra="")))
+    error = spec_error(write(tmp_path, spec.format(program="my_modelz.tower", worker="", extra="", chief="")))
     assert str(error) == (
         f"{tmp_path / 'cluster.yaml'}:2: training.program: no module 'my_modelz' for the roles to import: not in "
         f"the spec's folder ({tmp_path}) nor installed for {sys.executable}; give the path of a .py file, put the "
@@ -1240,7 +1240,13 @@ def test_a_local_cluster_s_program_module_must_be_where_its_roles_will_import_it
     (tmp_path / "lib" / "elsewhere").mkdir(parents=True)
     (tmp_path / "lib" / "elsewhere" / "__init__.py").write_text(boom)
     assert load("beside.model")
-    assert load("elsewhere.model", worker="env: {PYTHONPATH: lib}")
+    assert load("elsewhere.model", worker="env: {PYTHONPATH: lib}", chief="env: {PYTHONPATH: lib}")
+    # a ps imports no program: it needs no PYTHONPATH; the chief does (it passed validate, failed at its start)
+    only_workers = write(tmp_path, spec.format(program="elsewhere.model", worker="env: {PYTHONPATH: lib}", extra="",
+                                               chief=""))
+    assert str(spec_error(only_workers)) == (
+        f"{only_workers}:2: training.program: no module 'elsewhere' for chief to import: only the PYTHONPATH of "
+        "worker (roles.<role>.env) has it; give chief the same env PYTHONPATH, or put the module beside the spec")
     assert load("json")  # installed (here: the standard library)
     assert "beside" not in sys.modules and "elsewhere" not in sys.modules
     # not where the roles run, or made by the spec's own set-up: not checked here

@@ -116,8 +116,9 @@ def build_spec(data: Any, source: SourceMap, *, path: Path | None, base_dir: Pat
         check_local_data(c, training, (top["training"].get("data") or {}).get("path"))
         check_local_checkpoint_folder(c, training, (top["training"].get("checkpoint") or {}).get("dir"))
     if backend == "local" and training.get("framework") != "tensorflow" and not top.get("setup"):
-        check_local_program(c, training["program"], base_dir, pythonpath=[
-            entry for spec in roles.values() for entry in spec.env.get("PYTHONPATH", "").split(":") if entry])
+        check_local_program(c, training["program"], base_dir, pythonpaths={  # (a ps imports no program)
+            role: [entry for entry in spec.env.get("PYTHONPATH", "").split(":") if entry]
+            for role, spec in roles.items() if role != "ps"})
     if training.get("framework") == "tensorflow":
         for role, spec in roles.items():
             if spec.max_replicas is not None and spec.max_replicas > spec.replicas:

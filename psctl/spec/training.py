@@ -231,20 +231,32 @@ def check_local_checkpoint_folder(c: Checker, training: Mapping[str, Any], writt
                "give a folder you can write, or change its permissions")
 
 
-def check_local_program(c: Checker, program: str, base_dir: Path, *, pythonpath: Sequence[str] = ()) -> None:
+def check_local_program(c: Checker, program: str, base_dir: Path, *,
+                        pythonpaths: Mapping[str, Sequence[str]] | None = None) -> None:
     """A program module of the user's, on a cluster whose roles all run on this machine: its top-level package
-    must be where the roles will look (their working folder, the spec's; ``pythonpath``, from their ``env``;
-    this Python's own path), else the cluster would start only for every role to fail at import. Found
-    without importing it (nothing of the user's runs here); a .py path was checked already."""
+    must be where each role that imports it will look (their working folder, the spec's; ``pythonpaths``, each
+    such role's entries of its ``env`` PYTHONPATH; this Python's own path), else the cluster would start only
+    for those roles to fail at import. Found without importing it (nothing of the user's runs here); a .py path
+    was checked already."""
     if program.endswith(".py") or "/" in program or program in BUILTIN_PROGRAMS:
         return
     top = program.split(".")[0]
-    places = [str(base_dir), *(str((base_dir / p).resolve()) for p in pythonpath)]
-    try:
-        if importlib.machinery.PathFinder.find_spec(top, places) is not None or importlib.util.find_spec(top):
+    lacking = []
+    for role, pythonpath in (pythonpaths or {"": ()}).items():
+        places = [str(base_dir), *(str((base_dir / p).resolve()) for p in pythonpath)]
+        try:
+            if importlib.machinery.PathFinder.find_spec(top, places) is not None or importlib.util.find_spec(top):
+                continue
+        except (ImportError, ValueError):  # a finder that cannot tell, a name such as __main__: the roles will say
             return
-    except (ImportError, ValueError):  # a finder that cannot tell, a name such as __main__: the roles will say
+        lacking.append(role)
+    if not lacking:
         return
+    finding = [r for r in (pythonpaths or {}) if r not in lacking]
+    if finding:
+        c.fail((*T, "program"), f"no module {show(top)} for {', '.join(lacking)} to import: only the PYTHONPATH of "
+               f"{', '.join(finding)} (roles.<role>.env) has it",
+               f"give {', '.join(lacking)} the same env PYTHONPATH, or put the module beside the spec")
     c.fail((*T, "program"), f"no module {show(top)} for the roles to import: not in the spec's folder "
            f"({base_dir}) nor installed for {sys.executable}",
            "give the path of a .py file, put the module beside the spec, or install its package in this Python")
