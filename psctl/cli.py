@@ -305,6 +305,13 @@ def _finish_line(cdir: ClusterDir, record: Any) -> None:
         if result.get("checkpoint_failures"):
             err_console.print(f"[yellow]warning:[/yellow] checkpoints of {record.name!r} failed; the chief's log "
                               f"says why: `psctl logs chief {record.name}`", highlight=False, soft_wrap=True)
+        if result.get("damaged_checkpoints"):
+            start = result.get("global_step", 0) - result.get("steps_this_run", 0)
+            err_console.print(
+                f"[yellow]warning:[/yellow] {len(result['damaged_checkpoints'])} checkpoint(s) of {record.name!r} did "
+                f"not verify and were set aside as damaged-ckpt-*; training went on from "
+                f"{f'global step {start}' if start else 'its initializers'}: "
+                f"{escape('; '.join(result['damaged_checkpoints']))}", highlight=False, soft_wrap=True)
         return
     if record.state == ClusterState.STOPPED:
         step = newest_global_step(record, progress(cdir, record))

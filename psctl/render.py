@@ -97,14 +97,18 @@ def checkpoint_text(result: Mapping[str, Any]) -> str:
     older than the end of training, or there may be none)."""
     where = result.get("checkpoint")
     failures = result.get("checkpoint_failures")
+    damaged = result.get("damaged_checkpoints") or []
+    aside = f"; {len(damaged)} damaged checkpoint(s) set aside, the newest {damaged[0]}" if damaged else ""
     if not isinstance(failures, Mapping) or not failures.get("count"):
-        return str(where) if where else "no checkpoint configured"
+        if not where:
+            return aside[2:] if aside else "no checkpoint configured"
+        return f"{where}{aside}"
     failed = f"{failures['count']} save(s) failed, the last at {failures.get('last')}"
     if not where:
-        return f"none written ({failed})"
+        return f"none written ({failed}{aside})"
     if failures.get("final_failed"):
-        return f"{where}, from before the end of training ({failed})"
-    return f"{where} ({failed})"
+        return f"{where}, from before the end of training ({failed}{aside})"
+    return f"{where} ({failed}{aside})"
 
 
 def step_of_steps(step: int, record: ClusterRecord) -> str:

@@ -28,6 +28,7 @@ from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.checkpoint import (
     ABANDONED_AFTER,
+    DAMAGED_PREFIX,
     PREFIX,
     Checkpointer,
     CheckpointError,
@@ -37,6 +38,7 @@ from psctl.runtime.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     prune,
+    restorable_checkpoint,
     restore_snapshot,
     take_snapshot,
     verify_checkpoint,
@@ -241,6 +243,59 @@ def test_a_failed_write_leaves_no_temporary_behind(tmp_path: Path) -> None:
     with pytest.raises(TypeError):
         write_checkpoint(directory, broken)
     assert leftover_temporaries(directory) == [] and list_checkpoints(directory) == []
+
+
+@pytest.mark.parametrize("corrupt", [_truncate, _flip_byte], ids=["truncated", "flipped"])
+def test_a_damaged_checkpoint_at_the_step_a_write_comes_to_is_set_aside_and_written_anew(
+    tmp_path: Path, corrupt: Callable[[Path], None]
+) -> None:
+    """A run that resumed before an earlier run's damaged checkpoints reaches their steps again: "never
+    overwrite" kept the damaged one and reported it as the run's checkpoint (`export` then found none)."""
+    directory = tmp_path / "ckpts"
+    damaged = write_checkpoint(directory, sample_snapshot(50, scale=100.0))
+    corrupt(damaged)
+    written = write_checkpoint(directory, sample_snapshot(50))
+    assert written == damaged and list_checkpoints(directory) == [written]
+    assert_snapshots_equal(load_checkpoint(written), sample_snapshot(50))
+    aside = directory / f"{DAMAGED_PREFIX}{written.name}"
+    assert aside.is_dir() and (aside / "arrays.npz").is_file()  # kept to look at, out of the listing
+    corrupt(written)
+    write_checkpoint(directory, sample_snapshot(50))  # a second damaged one at that step: its own name
+    assert (directory / f"{DAMAGED_PREFIX}{written.name}-2").is_dir()
+    assert_snapshots_equal(load_checkpoint(written), sample_snapshot(50))
+    assert leftover_temporaries(directory) == []
+
+
+def test_damaged_checkpoints_newer_than_the_one_restored_are_set_aside_and_not_kept_by_pruning(
+    tmp_path: Path,
+) -> None:
+    """The newest checkpoint that verifies is restored; each newer one that does not is renamed out of the
+    listing with what was wrong. Left there, they outranked every checkpoint the run went on to write: pruning
+    by step deleted each new one (and with every one damaged, the run kept nothing)."""
+    directory = tmp_path / "ckpts"
+    good = write_checkpoint(directory, sample_snapshot(100))
+    for step in (200, 300):
+        _truncate(write_checkpoint(directory, sample_snapshot(step)))
+    bogus = directory / f"{PREFIX}000000900001"
+    bogus.mkdir()  # not a checkpoint's files at all
+    found, damaged = restorable_checkpoint(directory)
+    assert found is not None and found[0] == good
+    assert_snapshots_equal(found[1], sample_snapshot(100))
+    assert [d.split(":")[0] for d in damaged] == [f"{PREFIX}000000900001", f"{PREFIX}000000000300",
+                                                  f"{PREFIX}000000000200"]
+    assert "arrays.npz is missing or truncated" in damaged[1] and damaged[1].endswith(
+        f"(now {DAMAGED_PREFIX}{PREFIX}000000000300)")
+    assert list_checkpoints(directory) == [good]
+    new = [write_checkpoint(directory, sample_snapshot(step)) for step in (150, 200, 250)]
+    prune(directory, max_to_keep=2)
+    assert list_checkpoints(directory) == new[1:]  # the run's own newest, where the damaged ones were kept before
+    assert sorted(p.name for p in directory.iterdir() if p.name.startswith(DAMAGED_PREFIX)) == [
+        f"{DAMAGED_PREFIX}{PREFIX}000000000200", f"{DAMAGED_PREFIX}{PREFIX}000000000300",
+        f"{DAMAGED_PREFIX}{PREFIX}000000900001"]
+    for path in new[1:]:
+        _truncate(path)
+    assert restorable_checkpoint(directory)[0] is None  # nothing verifies: none to restore, each set aside
+    assert list_checkpoints(directory) == []
 
 
 def test_prune_keeps_the_newest(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from cluster_helpers import REPO_ROOT, wait_until
 from conftest import psctl_binary
 
 from psctl.launch.cpus import allowed_cpus, cpus_for_slot, host_slots
-from psctl.runtime.checkpoint import list_checkpoints
+from psctl.runtime.checkpoint import list_checkpoints, step_of
 
 pytestmark = pytest.mark.slow
 
@@ -300,6 +300,35 @@ def test_resuming_a_checkpoint_that_does_not_fit_the_spec_fails_at_once_and_trai
     assert (first / "logs" / "chief-0.1.log").is_file() and (first / "events.jsonl").is_file()
     assert json.loads((first / "state.json").read_text())["state"] == "succeeded"
     assert sorted(p.name for p in history.iterdir()) == ["1", "2", "3"]
+
+
+def test_a_run_over_damaged_checkpoints_sets_them_aside_says_so_and_keeps_its_own(psctl_env) -> None:
+    """An earlier run's newer checkpoints damaged (a disk that failed, a copy cut short): `up` goes on from the
+    newest that verifies. Before, it said nothing of them; wrote none of its own where a damaged one stood at the
+    same step (and reported that one as its checkpoint); and pruning by step deleted what it did write: `export`
+    then found no valid checkpoint, the run's training lost."""
+    spec = psctl_env.write_spec("dmg", steps=300, workers=1)
+    spec.write_text(spec.read_text().replace(
+        "  mode: async\n", "  mode: async\n  checkpoint: {every_steps: 100, max_to_keep: 2}\n"))
+    check(psctl_env.run("up", str(spec), timeout=180))
+    folder = psctl_env.home / "dmg" / "checkpoints"
+    kept = list_checkpoints(folder)
+    assert len(kept) == 2 and step_of(kept[-1]) == 300, kept
+    for path in kept[1:]:  # the newest damaged; the one before it still verifies
+        (path / "arrays.npz").write_bytes((path / "arrays.npz").read_bytes()[:1000])
+    again = check(psctl_env.run("up", str(spec), "--set", "training.steps=500", timeout=180))
+    start = step_of(kept[0])
+    warning = (f"warning: 1 checkpoint(s) of 'dmg' did not verify and were set aside as damaged-ckpt-*; training "
+               f"went on from global step {start}: ckpt-000000000300: arrays.npz is missing or truncated (now "
+               "damaged-ckpt-000000000300)")
+    assert warning in flat(again.stderr), again.stderr
+    newest = folder / "ckpt-000000000500"
+    assert f"checkpoint: {newest}; 1 damaged checkpoint(s) set aside" in flat(again.stdout), again.stdout
+    assert [step_of(p) for p in list_checkpoints(folder)][-1] == 500  # the run's own, kept by pruning
+    assert (folder / "damaged-ckpt-000000000300" / "manifest.json").is_file()
+    out = psctl_env.tmp_path / "model.npz"
+    assert check(psctl_env.run("export", "dmg", "-o", str(out))).stdout.startswith(
+        f"exported {newest} (global step 500)")
 
 
 def test_export_writes_the_newest_checkpoints_variables(psctl_env) -> None:

@@ -13,6 +13,7 @@ counter restarts at 1 in a process that did not restore).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -41,6 +42,9 @@ log = logging.getLogger("psctl.checkpoint")
 P = TypeVar("P", bound=PurePath)
 
 PREFIX = "ckpt-"
+#: A checkpoint that did not verify, set aside under this prefix (``damaged-ckpt-<step>``): out of the listed
+#: checkpoints, so that it neither blocks a new one at its step nor counts against ``max_to_keep``; kept to look at.
+DAMAGED_PREFIX = "damaged-"
 #: Beside the checkpoints: which cluster last finished training into this folder (see mark_finished).
 FINISHED = "finished.json"
 _NAME = re.compile(r"ckpt-(\d+)")
@@ -182,7 +186,11 @@ def write_checkpoint(directory: str | Path, snapshot: Snapshot) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(directory, snapshot.global_step)
     if final.exists():
-        return final  # the same global step is already saved: never overwrite
+        try:
+            verify_checkpoint(final)
+            return final  # the same global step is already saved: never overwrite
+        except CheckpointError as exc:
+            set_aside(final, exc)  # (a damaged one from an earlier run must not stand in for this one)
     _remove_abandoned_writes(directory)
     tmp = directory / f".tmp-{final.name}-{_HOST}-{os.getpid()}-{threading.get_ident()}"
     tmp.mkdir()
@@ -324,6 +332,31 @@ def load_checkpoint(path: str | Path, *, verify: bool = True) -> Snapshot:
 def latest_checkpoint(directory: str | Path) -> tuple[Path, Snapshot] | None:
     """The newest checkpoint that verifies; a corrupt newer one is skipped with a warning."""
     return first_that_loads(reversed(list_checkpoints(directory)), load_checkpoint)
+
+
+def restorable_checkpoint(directory: str | Path) -> tuple[tuple[Path, Snapshot] | None, list[str]]:
+    """The newest checkpoint that verifies, for training to go on from, and what was wrong with each newer one,
+    each set aside (``set_aside``). Training goes on from an older step: were they left, a damaged one would
+    stand at a step the new run writes again, and newer than every new checkpoint, be what pruning keeps."""
+    damaged: list[str] = []
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            return (path, load_checkpoint(path)), damaged
+        except CheckpointError as exc:
+            damaged.append(f"{path.name}: {str(exc).removeprefix(f'{path}: ')} (now {set_aside(path, exc).name})")
+    return None, damaged
+
+
+def set_aside(path: Path, why: Exception) -> Path:
+    """Rename a checkpoint that did not verify to ``damaged-ckpt-<step>`` (``-2``, ... where taken), beside it;
+    the new name."""
+    for n in itertools.count(1):
+        aside = path.with_name(f"{DAMAGED_PREFIX}{path.name}{'' if n == 1 else f'-{n}'}")
+        if not aside.exists():
+            break
+    os.rename(path, aside)
+    log.warning("set aside damaged checkpoint %s as %s: %s", path, aside.name, why)
+    return aside
 
 
 def first_that_loads(

@@ -19,13 +19,14 @@ import grpc
 from psctl.runtime.atomic import write_json_atomic
 from psctl.runtime.call_size import CallSizer
 from psctl.runtime.checkpoint import (
+    DAMAGED_PREFIX,
     Checkpointer,
     CheckpointError,
     Snapshot,
-    latest_checkpoint,
     list_checkpoints,
     mark_finished,
     reshard_onto,
+    restorable_checkpoint,
     restore_snapshot,
     step_of,
     take_snapshot,
@@ -98,6 +99,8 @@ class Chief:
         self.data_shards = cfg.data_shards or len(info.workers)
         self.ps_wait = 300.0
         self.restores = 0
+        #: The checkpoints that did not verify where a restore looked, each with why: set aside (``damaged-``).
+        self.damaged_checkpoints: list[str] = []
         #: The ps that said they are leaving (preempted): checkpointed, then restored into their successors.
         self._leaving: set[int] = set()
         #: The stop's checkpoint was taken already (by the hand-over to a leaving ps, as the chief was stopped).
@@ -203,6 +206,8 @@ class Chief:
             "metrics": metrics,
             "checkpoint": str(self.checkpointer.latest) if self.checkpointer and self.checkpointer.latest else None,
         }
+        if self.damaged_checkpoints:  # set aside: the run went on from an older one (or from its initializers)
+            result["damaged_checkpoints"] = self.damaged_checkpoints
         if self.checkpointer is not None and self.checkpointer.failed:
             result["checkpoint_failures"] = {
                 "count": self.checkpointer.failed,
@@ -406,7 +411,13 @@ class Chief:
         # the model (its successor would train again from there). The checkpoints' names are read first: the
         # newest one is loaded (and verified, the whole model) only when it may be ahead.
         ahead = held is None or self._checkpoint_ahead_of(held)
-        found = latest_checkpoint(self.checkpointer.directory) if ahead and self.checkpointer is not None else None
+        found = None
+        if ahead and self.checkpointer is not None:
+            found, damaged = restorable_checkpoint(self.checkpointer.directory)
+            self.damaged_checkpoints += damaged
+            if damaged and found is None:
+                log.warning("no checkpoint in %s verifies (%d set aside as %s*): training starts from the "
+                            "initializers", self.checkpointer.directory, len(damaged), DAMAGED_PREFIX)
         if held is not None and (found is None or found[1].global_step <= held):
             log.info("every ps holds the variables: resuming at global step %d", held)
             return
