@@ -561,6 +561,49 @@ def test_a_program_error_in_a_step_fails_the_cluster_saying_which_worker_and_wha
     assert not any(r["restarts"] for r in status_json(psctl_env, "buggy")["roles"])
 
 
+def test_a_worker_out_of_memory_is_restarted_and_its_step_run_by_another(psctl_env) -> None:
+    """Out of memory is the worker process's (a host short of memory, a leak), not the program's bug: the step
+    goes to another worker, the worker leaves as failed and is restarted by its policy, and training ends exactly.
+    It was taken for a program error: the whole cluster failed at once (exit 3), a healthy worker beside it."""
+    program = psctl_env.tmp_path / "hungry_program.py"
+    program.write_text(textwrap.dedent("""\
+        import os
+        from pathlib import Path
+
+        from psctl.models import mlp
+
+        def build(args, data, seed):
+            model = mlp.build(args, data, seed)
+            train = model.loss_and_grads
+            once = Path(__file__).with_name("ran-out-once")
+            calls = [0]
+
+            def loss_and_grads(params, batch):
+                calls[0] += 1
+                if os.environ["PSCTL_ROLE"] == "worker-1" and calls[0] == 20 and not once.exists():
+                    once.touch()
+                    raise MemoryError("Unable to allocate 586. KiB for an array")
+                return train(params, batch)
+
+            model.loss_and_grads = loss_and_grads
+            return model
+        """), encoding="utf-8")
+    spec = psctl_env.write_spec("oom", program=str(program), workers=2, steps=600)
+    done = psctl_env.run("up", str(spec), timeout=180)
+    assert done.returncode == 0, (done.stdout, done.stderr, cluster_logs(psctl_env, "oom"))
+    assert (psctl_env.tmp_path / "ran-out-once").exists()
+    state = status_json(psctl_env, "oom")
+    assert state["result"]["global_step"] == 600 and sum(p + 1 for p in state["result"]["shard_positions"]) == 600
+    roles = {r["name"]: r for r in state["roles"]}
+    assert (roles["worker-1"]["attempt"], roles["worker-1"]["restarts"]) == (2, 1), roles["worker-1"]
+    assert (roles["worker-0"]["attempt"], roles["chief-0"]["attempt"]) == (1, 1)
+    events = psctl_env.run("events", "oom").stdout
+    assert "worker-1" in events and "exit code 1" in events, events
+    log = psctl_env.run("logs", "worker-1", "oom", "--attempt", "1").stdout
+    assert "worker:1 ran out of memory in a train step (Unable to allocate 586. KiB for an array): it leaves, " \
+        "to be restarted" in log, log[-3000:]
+
+
 def test_program_that_fails_at_import_is_not_restarted(psctl_env) -> None:
     """An exception while importing the program is a program error: restarting cannot help, so the default
     restart policy must not restart it (the runtime's exit code 2), and the cluster fails at once."""

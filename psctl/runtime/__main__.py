@@ -93,6 +93,7 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
             relayout=layout,
             serial=not cfg.pipelined,
             on_first_step=settle_priority,  # bound, it yields its CPU to the ps and the chief from then on
+            on_out_of_memory=stop.set,  # (restarted, it starts with its memory as it was)
         )
         # a ps restarted on another host of its pool: push and pull there
         ADDRESSES.subscribe(lambda addresses: servicer.ps.follow(addresses))
@@ -121,7 +122,7 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
                      "no chief training (or none released it within the grace)")
     server.stop(grace=2).wait()
     logging.info("%s stopped", info.task)
-    return EXIT_PREEMPTED
+    return EXIT_FAILURE if worker is not None and worker.out_of_memory else EXIT_PREEMPTED
 
 
 def _wait_for_stop(stop: threading.Event, training_over: Callable[[], bool], linger: float, *,

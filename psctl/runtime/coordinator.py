@@ -45,6 +45,7 @@ _WORKER_LOST = {
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.PERMISSION_DENIED,  # a fenced zombie: its replacement will answer at the same address
+    grpc.StatusCode.RESOURCE_EXHAUSTED,  # out of memory: it leaves, to be restarted (see the worker)
 }
 
 

@@ -134,14 +134,19 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         relayout: Callable[[Sequence[str]], tuple[ShardedModel, PsClient]] | None = None,
         serial: bool = True,
         on_first_step: Callable[[], object] | None = None,
+        on_out_of_memory: Callable[[], object] | None = None,
     ) -> None:
         """``relayout(ps_addresses)``: the model and ps client of another ps layout (psctl scale ps=N), which a
         step from the chief may carry. ``serial``: training steps run one at a time (the chief keeps a second one
         queued here so that its round trip overlaps this worker's step); False
         for pipelined training, whose two steps compute at once. ``on_first_step``: called once, as the first
-        training step begins (the worker then yields its CPU to the ps and the chief where they share it)."""
+        training step begins (the worker then yields its CPU to the ps and the chief where they share it).
+        ``on_out_of_memory``: called when a step ran out of memory (the process should end, to be restarted)."""
         self.relayout = relayout
         self._on_first_step = on_first_step
+        self._on_out_of_memory = on_out_of_memory
+        #: A step ran out of memory: this process leaves as failed (restarted by its policy, counted).
+        self.out_of_memory = False
         self._serial = threading.Lock() if serial else None
         self._pipeline = threading.Lock()
         self.model = model
@@ -265,6 +270,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 self._ps_was_down = True
                 context.abort(code, f"ps unavailable: {exc.details()}")  # type: ignore[attr-defined]
             context.abort(code, f"{self.task}: {exc.details()}")  # type: ignore[attr-defined]
+        except MemoryError as exc:  # this process's resource, not the program's bug: another worker takes the step
+            log.error("%s ran out of memory in a %s step (%s): it leaves, to be restarted", self.task,
+                      request.function, exc)
+            self.out_of_memory = True
+            if self._on_out_of_memory is not None:
+                self._on_out_of_memory()
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{self.task} ran out of memory in a {request.function} step ({exc}): it leaves, to be "
+                          "restarted")
         except Exception as exc:  # the program's own code failed: report it, do not crash the server
             log.exception("program error in a %s step", request.function)  # (where: in the program's own lines)
             context.abort(grpc.StatusCode.INTERNAL, f"{self.task}: program error: {type(exc).__name__}: {exc} "
