@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -22,8 +23,8 @@ from rich.table import Table
 # numpy, certificates, the agents' gRPC): the read-only ones (status, logs, top, ls) need psctl.observe only, and
 # start in ~0.13 s instead of ~0.3 (tests/test_cli.py holds them to it).
 from psctl import __version__, completion, observe
-from psctl.errors import EXIT_INTERRUPTED, ClusterStopped, PsctlError, TrainingFailed, UsageError
-from psctl.home import ClusterDir, list_clusters, nearest_existing
+from psctl.errors import EXIT_FAILURE, EXIT_INTERRUPTED, ClusterStopped, PsctlError, TrainingFailed, UsageError
+from psctl.home import ClusterDir, list_clusters, nearest_existing, psctl_home
 from psctl.render import (
     checkpoint_text,
     host_table,
@@ -62,6 +63,11 @@ class PsctlGroup(click.Group):
             ctx.exit(exc.exit_code)
         except click.UsageError as exc:  # (click's own form is four lines: usage, a hint, a blank, the error)
             print_usage_error(exc, ctx)
+        except OSError as exc:  # the machine's, not psctl's: a full disk, a read-only folder, too many open files
+            if ctx.obj and ctx.obj.get("debug"):
+                traceback.print_exc()
+            print_error(os_error_text(exc))
+            ctx.exit(EXIT_FAILURE)
 
     def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None,
                                                                            list[str]]:
@@ -95,6 +101,16 @@ def print_usage_error(exc: click.UsageError, ctx: click.Context | None) -> NoRet
         sys.exit(exc.exit_code)
     print_error(f"{exc.format_message().rstrip('.')} (see `{where} --help`)")
     sys.exit(exc.exit_code)
+
+
+def os_error_text(exc: OSError) -> str:
+    """An OSError in one line: what, where, and for the usual ones of a machine, what to do."""
+    where = f"{exc.filename}: " if exc.filename else ""
+    what = exc.strerror or str(exc)
+    fix = {errno.ENOSPC: "free space there", errno.EDQUOT: "free space there (your quota is used up)",
+           errno.EROFS: "its file system is mounted read-only", errno.EMFILE: "raise the limit (ulimit -n)",
+           errno.EACCES: "check the permissions"}.get(exc.errno or 0)
+    return f"{where}{what}" + (f" ({fix}; `psctl --debug` shows where)" if fix else " (`psctl --debug` shows where)")
 
 
 def print_error(message: str) -> None:
@@ -654,6 +670,8 @@ def export(name: str | None, checkpoint: str | None, out: str) -> None:
 
 def main() -> None:
     os.umask(0o077)  # state, logs and keys psctl writes are private to their owner
+    if os.environ.get("PSCTL_HOME"):  # a relative one, as this folder names it, for the processes psctl starts
+        os.environ["PSCTL_HOME"] = str(psctl_home())
     try:
         cli(obj={})
     except KeyboardInterrupt:

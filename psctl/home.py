@@ -25,7 +25,8 @@ KEPT_RUNS = 5
 
 
 def psctl_home() -> Path:
-    return Path(os.environ.get("PSCTL_HOME", "~/.psctl")).expanduser()
+    """``$PSCTL_HOME`` (default ``~/.psctl``), made absolute: the supervisor and agents run in other folders."""
+    return Path(os.environ.get("PSCTL_HOME", "~/.psctl")).expanduser().absolute()
 
 
 @dataclass(frozen=True)

@@ -256,7 +256,7 @@ def _start(
         save_state(cdir.state_file, record)
         raise
     save_state(cdir.state_file, record)
-    spawn_supervisor(cdir, record)
+    supervisor = spawn_supervisor(cdir, record)
     # every host's agent is started (16 at a time) before its roles: allow for it with many hosts
     wait_started += 0.5 * len(record.hosts)
     deadline = time.monotonic() + wait_started
@@ -266,12 +266,28 @@ def _start(
             return cdir
         if current.state.terminal:
             return cdir
+        if supervisor.poll() is not None and not load_state(cdir.state_file).state.terminal:  # (ended since?)
+            tear_down(cdir)  # (it may have started an agent, or roles, before it ended)
+            raise LaunchError(f"the supervisor of {spec.name!r} ended as it started (exit code "
+                              f"{supervisor.returncode}): {last_line(cdir.supervisor_log)}",
+                              hint=f"the whole of it is in {cdir.supervisor_log}")
         time.sleep(0.1)
     tear_down(cdir)
     raise LaunchError(
         f"the supervisor of {spec.name!r} did not start within {wait_started:.0f}s; "
         f"see {cdir.supervisor_log}"
     )
+
+
+def last_line(log: Path) -> str:
+    """The last line a log holds (a traceback's ends with the error), or why there is none to read."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError as exc:
+        return f"its log cannot be read ({exc.strerror})"
+    return lines[-1] if lines else "its log is empty"
 
 
 #: Seconds a new run of a name waits for the last run's supervisor to end (it writes its record last of all).
@@ -319,11 +335,11 @@ def pki_members(spec: ClusterSpec, plan: Plan) -> list[tuple[str, list[str]]]:
     return members
 
 
-def spawn_supervisor(cdir: ClusterDir, record: ClusterRecord) -> None:
+def spawn_supervisor(cdir: ClusterDir, record: ClusterRecord) -> subprocess.Popen[bytes]:
     """Start the cluster's supervisor daemon (it outlives this command; Ctrl-C here does not reach it)."""
     fd = os.open(cdir.supervisor_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with os.fdopen(fd, "ab") as log:
-        subprocess.Popen(
+        return subprocess.Popen(
             [sys.executable, "-m", "psctl.supervisor", str(cdir.root)],
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -455,7 +471,11 @@ def _tear_down(
             role.state = RoleState.STOPPED
             role.reason = "stopped by psctl down"
     if changed:  # (a finished cluster's record, and the time `ls` shows it ended, stay as they were)
-        save_state(cdir.state_file, record)
+        try:
+            save_state(cdir.state_file, record)
+        except OSError:
+            if not purge:  # (purged, the record goes anyway: a full disk must not keep --purge from freeing it)
+                raise
     # A pool host that no attempt of any role ran on holds nothing of the cluster: its silence is no failure.
     ran = {r.host for r in record.roles} | {where for r in record.roles for _, where in r.hosts_by_attempt}
     spares = tuple(sorted(h for h in unreachable if h not in ran))

@@ -11,6 +11,7 @@ training whenever the test looks at them.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import io
 import json
 import os
@@ -602,6 +603,85 @@ def test_a_worker_out_of_memory_is_restarted_and_its_step_run_by_another(psctl_e
     log = psctl_env.run("logs", "worker-1", "oom", "--attempt", "1").stdout
     assert "worker:1 ran out of memory in a train step (Unable to allocate 586. KiB for an array): it leaves, " \
         "to be restarted" in log, log[-3000:]
+
+
+def test_up_says_at_once_why_its_supervisor_ended_as_it_started(psctl_env) -> None:
+    """A supervisor that cannot run (here a broken install, as too many open files or too little memory would
+    be): `up` waited its whole 30 s and said only that it did not start. It sees the supervisor end, says how
+    (its exit code, its log's last line), and leaves nothing running."""
+    site = psctl_env.tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent("""\
+        import os, sys
+        if sys.orig_argv[1:3] == ["-m", "psctl.supervisor"]:
+            sys.stderr.write("ImportError: this test broke the supervisor's install\\n")
+            sys.stderr.flush()
+            os._exit(7)
+        """))
+    spec = psctl_env.write_spec("broken", steps=LONG)
+    env = dict(psctl_env.env, PYTHONPATH=os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([psctl_binary(), "up", str(spec)], env=env, cwd=psctl_env.tmp_path, capture_output=True,
+                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+    log = psctl_env.home / "broken" / "supervisor.log"
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert flat(done.stderr) == (
+        "error: the supervisor of 'broken' ended as it started (exit code 7): ImportError: this test broke the "
+        f"supervisor's install (the whole of it is in {log})"), done.stderr
+
+
+def test_a_relative_psctl_home_is_taken_from_the_folder_psctl_runs_in(psctl_env) -> None:
+    """`PSCTL_HOME=runs psctl up ../spec.yaml`: the agent, started in the spec's folder, looked for its keys under
+    a `runs` there; `up` waited 30 s and said the supervisor did not start."""
+    elsewhere = psctl_env.tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    spec = psctl_env.write_spec("rel", steps=100)
+    env = dict(psctl_env.env, PSCTL_HOME="runs")
+    done = subprocess.run([psctl_binary(), "up", os.path.relpath(spec, elsewhere)], env=env, cwd=elsewhere,
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    state = elsewhere / "runs" / "rel" / "state.json"
+    if state.is_file():
+        psctl_env.cluster_ids.add(json.loads(state.read_text())["cluster_id"])
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert f"checkpoint: {elsewhere}/runs/rel/checkpoints/ckpt-000000000100" in flat(done.stdout), done.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root)")
+def test_a_full_disk_under_psctl_home_is_one_line_and_down_purge_still_frees_it(psctl_env) -> None:
+    """PSCTL_HOME's disk full: `down`'s save of the record failed with a traceback, and so did `down --purge` (it
+    saved before it purged): psctl could not free its own space. Now `down` says what and where in one line
+    (exit 1), `--purge` removes the cluster, and the failed save leaves no temporary file behind."""
+    home = psctl_env.tmp_path / "small-disk"
+    home.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(home)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    env = dict(psctl_env.env, PSCTL_HOME=str(home))
+    try:
+        def run(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([psctl_binary(), *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                                  timeout=60, stdin=subprocess.DEVNULL)
+
+        check(run("up", str(psctl_env.write_spec("full", steps=LONG)), "--detach"))
+        record = json.loads((home / "full" / "state.json").read_text())
+        psctl_env.cluster_ids.add(record["cluster_id"])
+        wait_until(lambda: len(psctl_env.processes()) >= 5, timeout=60, what="the supervisor, agent and roles")
+        # all killed outright (a machine that rebooted): none frees what it wrote as it ends, and down must save
+        for proc in psctl_env.processes():
+            proc.kill()
+        wait_until(lambda: not psctl_env.processes(), timeout=30, what="every process of it gone")
+        with open(home / "filler", "wb", buffering=0) as filler:
+            for size in (1 << 16, 1 << 12, 1):  # to the last byte
+                with contextlib.suppress(OSError):
+                    while True:
+                        filler.write(b"\0" * size)
+        down = run("down", "full")
+        assert down.returncode == 1 and "Traceback" not in down.stderr, down.stderr
+        assert flat(down.stderr) == (f"error: {home}/full/state.json: No space left on device (free space there; "
+                                     "`psctl --debug` shows where)"), down.stderr
+        assert not list((home / "full").glob(".*.tmp"))  # (what the failed save took, given back)
+        check(run("down", "full", "--purge"))
+        assert not (home / "full" / "state.json").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(home)], check=False)
 
 
 def test_program_that_fails_at_import_is_not_restarted(psctl_env) -> None:

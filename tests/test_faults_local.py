@@ -408,6 +408,44 @@ def test_a_training_that_ends_while_no_supervisor_runs_leaves_no_role_running(
     wait_until(lambda: not psctl_env.processes(cluster_id), timeout=30, what="the agent to go with its cluster")
 
 
+def test_a_state_file_that_cannot_be_written_for_a_while_ends_no_supervision(cluster_factory: MakeCluster) -> None:
+    """A full disk or a folder gone read-only: the supervisor's save of state.json fails. It ended there, leaving
+    the roles training unwatched (and `up` saying only that it died). It says so in its log, supervises on, and
+    writes the state again once it can; training ends exactly, nothing restarted."""
+    steps = 3000
+    cluster = cluster_factory("unwritable", steps)
+    cluster.up()
+    cluster.wait_progress(200)
+    pids = {r["name"]: r["pid"] for r in cluster.state()["roles"]}
+    supervisor = psutil.Process(cluster.state()["supervisor_pid"])
+    victim = cluster.process("worker-1")
+    state_file = cluster.root / "state.json"
+    state_file.unlink()
+    state_file.mkdir()  # what replaces it (os.replace onto a folder that holds a file) fails, as a full disk would
+    (state_file / "in-the-way").write_text("")
+    log = cluster.root / "supervisor.log"
+    try:
+        wait_until(lambda: f"cannot write {state_file}" in log.read_text(), timeout=30,
+                   what="the supervisor to say it cannot write its state")
+        sigkill(victim)  # a failure meanwhile is still seen to, and written once it can be
+        wait_until(lambda: log.read_text().count("worker-1: running -> lost") == 1, timeout=30,
+                   what="worker-1's loss seen while the state cannot be written")
+        assert supervisor.is_running() and supervisor.status() != psutil.STATUS_ZOMBIE
+        assert log.read_text().count(f"cannot write {state_file}") == 1  # said once, not every second
+    finally:
+        (state_file / "in-the-way").unlink()
+        state_file.rmdir()
+    wait_until(lambda: state_file.is_file(), timeout=30, what="state.json written again")
+    assert f"{state_file} written again" in log.read_text()
+    cluster.wait_finished()
+    assert_finished_with_exactly(cluster, steps)
+    assert cluster.role("worker-1")["attempt"] == 2
+    for role in ROLES:
+        if role != "worker-1":
+            assert (cluster.role(role)["pid"], cluster.role(role)["attempt"]) == (pids[role], 1), cluster.describe()
+    assert supervisor.pid == cluster.state()["supervisor_pid"]
+
+
 def test_a_supervisor_stopped_longer_than_the_heartbeat_timeout_restarts_nothing(cluster_factory: MakeCluster) -> None:
     """SIGSTOP of the supervisor (a paused VM, swap, an overloaded launch machine) for longer than the heartbeat
     timeout, while its roles train on and beat to their agent: on SIGCONT it takes in what they sent meanwhile

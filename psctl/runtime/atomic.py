@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -20,9 +21,16 @@ def write_json_atomic(path: Path, data: Any, *, compact: bool = False) -> None:
 def write_text_atomic(path: Path, text: str) -> None:
     """``text`` to ``path`` as ``write_json_atomic`` writes: whole or not at all, owner-only."""
     tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):  # (a full disk: what it took goes back)
+            tmp.unlink()
+        if isinstance(exc, OSError):  # named for the file meant, not its temporary (a write names none at all)
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise

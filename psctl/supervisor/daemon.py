@@ -109,6 +109,8 @@ class Supervisor:
         self._mirror_offsets: dict[str, int] = {}
         self._mirrored_at = float("-inf")
         self._last_save = float("-inf")
+        #: Why the state file could not be written last time (said once, until it can be again).
+        self._save_error: str | None = None
         #: Orders starter threads' changes to ``record.agents`` with saving the record.
         self._lock = threading.Lock()
         #: One copy of the chief's metrics at a time (in the background, and once more at the finish).
@@ -287,12 +289,15 @@ class Supervisor:
     def write_events(self, events: list[policy.WriteEvent]) -> None:
         """Lines of events.jsonl: ``subject`` (a role, "cluster" or "host NAME") went from ``was`` to ``to``."""
         now = time.time()
-        with open(self.cdir.events_file, "a", encoding="utf-8") as f:
-            for e in events:
-                log.info("%s: %s -> %s%s", e.subject, e.was, e.to, f" ({e.reason})" if e.reason else "")
-                extra = {} if e.attempt is None else {"attempt": e.attempt}
-                f.write(json.dumps({"time": now, "role": e.subject, "from": e.was, "to": e.to,
-                                    "reason": e.reason, **extra}) + "\n")
+        for e in events:
+            log.info("%s: %s -> %s%s", e.subject, e.was, e.to, f" ({e.reason})" if e.reason else "")
+        lines = "".join(json.dumps({"time": now, "role": e.subject, "from": e.was, "to": e.to, "reason": e.reason,
+                                    **({} if e.attempt is None else {"attempt": e.attempt})}) + "\n" for e in events)
+        try:
+            with open(self.cdir.events_file, "a", encoding="utf-8") as f:
+                f.write(lines)
+        except OSError as exc:  # (the supervisor's own log has them)
+            self._unwritten(self.cdir.events_file, exc)
         self._last_save = float("-inf")  # a change: persist it now
 
     # -- agents ---------------------------------------------------------------------------------------
@@ -459,9 +464,24 @@ class Supervisor:
     def save(self, *, force: bool = False) -> None:
         now = self.time()
         if force or now - self._last_save > 1.0:
-            with self._lock:
-                save_state(self.cdir.state_file, self.record)
+            try:
+                with self._lock:
+                    save_state(self.cdir.state_file, self.record)
+            except OSError as exc:
+                self._unwritten(self.cdir.state_file, exc)
+                return  # (the next save, a second on, tries again)
+            if self._save_error is not None:
+                log.info("%s written again", self.cdir.state_file)
+                self._save_error = None
             self._last_save = now
+
+    def _unwritten(self, path: Path, exc: OSError) -> None:
+        """A file of the cluster's that could not be written (a full disk, a folder gone read-only): said once,
+        and supervision goes on (it ended here before, leaving the roles training unwatched)."""
+        if self._save_error != str(exc):
+            self._save_error = str(exc)
+            log.error("cannot write %s (%s): supervising on, trying again every second; status shows the state as "
+                      "last written", path, exc)
 
     def _mirror_in_background(self) -> None:
         try:
