@@ -615,7 +615,11 @@ def down(names: tuple[str, ...], grace: float, purge: bool) -> None:
         kept = "logs and state deleted" if purge else f"logs kept in {cdir.logs}"
         spares = (f"; not answering, but no role ever ran there: {', '.join(report.unanswered_spares)}"
                   if report.unanswered_spares else "")  # fmt: skip
-        console.print(f"cluster {cdir.name!r}: {what}; no process of it is left; {kept}{spares}", markup=False)
+        console.print(f"cluster {cdir.name!r}: {what}; no process of it is left; {kept}{spares}", markup=False,
+                      highlight=False, soft_wrap=True)  # (one line: a path broken over two is no path)
+        if report.damaged:  # (its processes here were found by the files they held open: other hosts unknown)
+            err_console.print(f"[yellow]warning:[/yellow] {escape(report.damaged)}: only this machine was looked at; "
+                              f"`psctl down --purge {cdir.name}` removes it", highlight=False, soft_wrap=True)
     if failed:
         raise PsctlError(f"{len(failed)} of {len(cdirs)} clusters are not down: {', '.join(failed)}",
                          hint="see the errors above; run psctl down again for them")

@@ -383,6 +383,8 @@ class TeardownReport:
     stopped: int
     #: Spare pool hosts that did not answer, where no role of the cluster ever ran (nothing to stop there).
     unanswered_spares: tuple[str, ...] = ()
+    #: Why the cluster's state could not be read (its processes here were found by their open files instead).
+    damaged: str | None = None
 
 
 def tear_down(cdir: ClusterDir, *, grace: float = 5.0, purge: bool = False) -> TeardownReport:
@@ -390,10 +392,8 @@ def tear_down(cdir: ClusterDir, *, grace: float = 5.0, purge: bool = False) -> T
     repeat. A host that cannot be reached is an error naming it (run ``down`` again once it is back)."""
     try:
         record = load_state(cdir.state_file)
-    except DamagedState:
-        if not purge:
-            raise
-        return _purge_damaged(cdir, grace=grace)
+    except DamagedState as exc:
+        return _down_damaged(cdir, grace=grace, purge=purge, why=exc.format_message())
     runners = host_runners(record.hosts)
     try:
         return _tear_down(cdir, record, runners, grace=grace, purge=purge)
@@ -505,11 +505,11 @@ def _remove_cluster_folder(cdir: ClusterDir) -> None:
         cdir.root.rmdir()
 
 
-def _purge_damaged(cdir: ClusterDir, *, grace: float) -> TeardownReport:
-    """``down --purge`` of a cluster whose state cannot be read. Its record (hosts, pids, cluster id) is lost,
-    so its processes on this machine are found by the files they hold open in its folder (the supervisor's
-    log, the agent's and the roles' logs, which their children inherit) and each is stopped; its other hosts,
-    if it had any, are not known here."""
+def _down_damaged(cdir: ClusterDir, *, grace: float, purge: bool, why: str) -> TeardownReport:
+    """``down`` of a cluster whose state cannot be read. Its record (hosts, pids, cluster id) is lost, so its
+    processes on this machine are found by the files they hold open in its folder (the supervisor's log, the
+    agent's and the roles' logs, which their children inherit) and each is stopped; its other hosts, if it had
+    any, are not known here. ``purge``: its folder goes too (else its logs stay, to read)."""
     found = _holding_files_in(cdir.root)
     for proc in found:  # (each process, not its group as `down` signals roles: these need not lead one)
         with contextlib.suppress(psutil.NoSuchProcess):  # (psutil refuses a pid reused since it was found)
@@ -522,8 +522,9 @@ def _purge_damaged(cdir: ClusterDir, *, grace: float) -> TeardownReport:
     if alive:
         pids = ", ".join(str(p.pid) for p in alive)
         raise LaunchError(f"processes of cluster {cdir.name!r} survived SIGKILL: {pids}; its folder is kept")
-    _remove_cluster_folder(cdir)
-    return TeardownReport(stopped=len(found))
+    if purge:
+        _remove_cluster_folder(cdir)
+    return TeardownReport(stopped=len(found), damaged=None if purge else why)
 
 
 def _holding_files_in(folder: Path) -> list[psutil.Process]:

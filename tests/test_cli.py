@@ -586,16 +586,17 @@ def test_a_damaged_state_file_is_named_in_one_line_listed_and_purged_with_what_o
     psctl_env, damage: str
 ) -> None:
     """A state file cut short (a full disk) or edited by hand: every command that reads it says which file and
-    how to clear it, in one line; `ls` and a bare `status` still work for the other clusters; `down --purge`
-    stops the processes here that hold files in its folder (its record, with their pids, is lost) and removes
-    it, its checkpoints kept."""
+    how to clear it, in one line; `ls` and a bare `status` still work for the other clusters; `down` stops the
+    processes here that hold files in its folder (its record, with their pids, is lost), keeping its logs and
+    saying what it could not know (it stopped nothing before: they ran on); `--purge` removes it too, its
+    checkpoints kept."""
     recorded_cluster("good", {"chief-0": 1})
     broken = ClusterDir.named("broken")
     broken.logs.mkdir(parents=True)
     broken.checkpoints.mkdir()
     (broken.checkpoints / "ckpt-1.npz").write_bytes(b"kept")
     broken.state_file.write_bytes(damage.encode("utf-8", errors="surrogateescape"))
-    for args in (["status", "broken"], ["logs", "chief-0", "broken"], ["down", "broken"], ["top", "broken"]):
+    for args in (["status", "broken"], ["logs", "chief-0", "broken"], ["top", "broken"]):
         line = assert_one_line_error(invoke(*args), 1, f"{broken.state_file}: the state of cluster 'broken' "
                                                        "cannot be read (")
         assert line.endswith("(`psctl down --purge broken` stops what of it runs on this machine and removes "
@@ -609,19 +610,35 @@ def test_a_damaged_state_file_is_named_in_one_line_listed_and_purged_with_what_o
     # a bare command: the damaged cluster may be running, so it is not passed over for the finished one
     assert_one_line_error(invoke("status"), 1, f"{broken.state_file}: the state of cluster 'broken'")
 
-    with open(broken.logs / "chief-0.1.log", "ab") as log:  # a role of it, still writing its log
-        role = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], stdout=log,
-                                start_new_session=True)
+    roles: list[subprocess.Popen[bytes]] = []
+
+    def a_role() -> subprocess.Popen[bytes]:  # a role of it, still writing its log
+        with open(broken.logs / "chief-0.1.log", "ab") as log:
+            roles.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], stdout=log,
+                                          start_new_session=True))
+        return roles[-1]
+
     try:
+        role = a_role()
+        stopped = invoke("down", "broken", "--grace", "2")
+        assert stopped.exit_code == 0, (stopped.stdout, stopped.stderr)
+        assert f"cluster 'broken': stopped 1 process(es); no process of it is left; logs kept in {broken.logs}" \
+            in flat(stopped.stdout)
+        assert flat(stopped.stderr).startswith(f"warning: {broken.state_file}: the state of cluster 'broken' cannot "
+                                               "be read (") and flat(stopped.stderr).endswith(
+            "only this machine was looked at; `psctl down --purge broken` removes it"), stopped.stderr
+        assert role.wait(timeout=10) is not None and (broken.logs / "chief-0.1.log").is_file()
+        role = a_role()
         done = check_ok(invoke("down", "broken", "--purge", "--grace", "2"))
         assert "cluster 'broken': stopped 1 process(es); no process of it is left" in flat(done.stdout)
         assert role.wait(timeout=10) is not None
         assert sorted(p.name for p in broken.root.rglob("*")) == ["checkpoints", "ckpt-1.npz"]
         assert check_ok(invoke("status", "good"))
     finally:
-        if role.poll() is None:
-            role.kill()
-            role.wait()
+        for role in roles:
+            if role.poll() is None:
+                role.kill()
+                role.wait()
 
 
 # in-process, the supervisor is this process's child, whose Popen `up` drops as it returns: Python warns of a child
