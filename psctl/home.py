@@ -107,6 +107,13 @@ class ClusterDir(RoleFolders[Path]):
         return self.root / "slurm-job-id"
 
     @property
+    def up_lock(self) -> Path:
+        """Held (flock) by a ``psctl up`` of this name from its check that none runs until its supervisor does: a
+        second one at once would make the cluster's keys again under the first (whose agent then failed TLS).
+        Beside the cluster's folder, not in it (``up`` moves a last run's files aside)."""
+        return self.root.with_name(f".{self.name}.up.lock")
+
+    @property
     def scale_lock(self) -> Path:
         """Held (flock) by a ``psctl scale`` from its check until the supervisor has carried the change out: two
         at once would each read the replicas before the other's change."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import psutil
 
 from psctl.errors import LaunchError, PsctlError, UsageError
-from psctl.home import ClusterDir, lock_held
+from psctl.home import ClusterDir, exclusive_lock, lock_held, release
 from psctl.launch.base import ProcessHandle, Runner, on_their_hosts, stop_on_hosts
 from psctl.launch.fanout import HostsError, check_results, run_on_all
 from psctl.launch.hostset import RemoteHost, host_runners, ssh_runner
@@ -172,6 +172,21 @@ def bring_up(
 ) -> ClusterDir:
     """Check the hosts, persist the plan, prepare the hosts and start the cluster's supervisor; returns once
     the supervisor is running. ``warn`` gets the preflight's warnings (clock skew)."""
+    cdir = ClusterDir.named(spec.name)
+    cdir.root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    held = exclusive_lock(cdir.up_lock)
+    if held is None:
+        raise UsageError(f"another `psctl up` of cluster {spec.name!r} is starting it now",
+                         hint=f"watch it with `psctl status {spec.name}`")
+    try:
+        return _bring_up(spec, plan, wait_started=wait_started, warn=warn)
+    finally:
+        release(held)
+
+
+def _bring_up(
+    spec: ClusterSpec, plan: Plan, *, wait_started: float, warn: Callable[[str], None] | None
+) -> ClusterDir:
     refuse_if_up(spec)  # before the preflight: the cluster's own roles would read as ports taken
     if spec.backend == "slurm":
         from psctl.slurm_cluster import submit_cluster

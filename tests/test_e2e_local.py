@@ -629,6 +629,31 @@ def test_up_says_at_once_why_its_supervisor_ended_as_it_started(psctl_env) -> No
         f"supervisor's install (the whole of it is in {log})"), done.stderr
 
 
+def test_two_ups_of_one_name_at_once_start_one_cluster_and_refuse_the_other(psctl_env) -> None:
+    """Each `up` checked that none ran, then made the cluster's keys: at once, the second made them again under
+    the first's agent (TLS failed, both waited 30 s and failed). One holds the name while it starts; the other is
+    refused at once (exit 2), whichever it is, and the cluster trains."""
+    from psctl.home import ClusterDir, exclusive_lock, release
+
+    spec = psctl_env.write_spec("twice", steps=LONG)
+    psctl_env.home.mkdir()
+    held = exclusive_lock(ClusterDir(psctl_env.home / "twice").up_lock)  # an `up` of it starting now
+    try:
+        refused = check(psctl_env.run("up", str(spec), "--detach"), 2)
+        assert flat(refused.stderr) == ("error: another `psctl up` of cluster 'twice' is starting it now (watch it "
+                                        "with `psctl status twice`)"), refused.stderr
+        assert not (psctl_env.home / "twice" / "state.json").exists()
+    finally:
+        release(held)
+    both = [psctl_env.popen("up", str(spec), "--detach") for _ in range(2)]
+    outcomes = sorted((p.wait(timeout=120), p.communicate()[1]) for p in both)
+    assert [code for code, _ in outcomes] == [0, 2], outcomes
+    assert "another `psctl up` of cluster 'twice' is starting it now" in outcomes[1][1] or \
+        "cluster 'twice' is already up" in outcomes[1][1], outcomes
+    wait_cluster(psctl_env, "twice", lambda s: s["roles"][0].get("global_step", 0) >= 50, timeout=60,
+                 what="the one cluster to train")
+
+
 def test_a_relative_psctl_home_is_taken_from_the_folder_psctl_runs_in(psctl_env) -> None:
     """`PSCTL_HOME=runs psctl up ../spec.yaml`: the agent, started in the spec's folder, looked for its keys under
     a `runs` there; `up` waited 30 s and said the supervisor did not start."""
