@@ -475,7 +475,8 @@ def list_command(as_json: bool) -> None:
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines, across restarts of the role.")
 @click.option("--attempt", type=click.IntRange(min=1), default=None, help="An earlier attempt's log (1 is the first).")
 @click.option("--all", "all_roles", is_flag=True,
-              help="Every role's latest log, merged in time order, each line prefixed with its role.")
+              help="Every role's logs, every attempt's, merged in time order, each line prefixed with its role "
+                   "(an earlier attempt's with `role (attempt K):`).")
 def logs(role: str | None, name: str | None, tail: int, follow: bool, attempt: int | None, all_roles: bool) -> None:
     """Print the log of ROLE (worker-1, worker:1, or `chief` where one role is of that kind) of cluster NAME;
     `psctl logs --all [NAME]` prints every role's."""
