@@ -573,7 +573,9 @@ def scale(name: str, targets: tuple[str, ...]) -> None:
 @click.argument("names", nargs=-1, metavar="[NAME]...", shell_complete=completion.cluster_names)
 @click.option("--grace", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL.")
-@click.option("--purge", is_flag=True, help="Also delete the cluster's logs and state.")
+@click.option("--purge", is_flag=True,
+              help="Also delete the cluster's logs and state; its checkpoints are kept (a later `up` of the same "
+                   "name resumes from them).")
 def down(names: tuple[str, ...], grace: float, purge: bool) -> None:
     """Stop every process of a cluster (of each one named: the runs of a sweep) and verify that none is left."""
     from psctl import operations
@@ -591,9 +593,13 @@ def down(names: tuple[str, ...], grace: float, purge: bool) -> None:
             continue
         what = f"stopped {report.stopped} process(es)" if report.stopped else "nothing was running"
         kept = "logs and state deleted" if purge else f"logs kept in {cdir.logs}"
+        if report.kept_checkpoints:
+            kept += (f"; checkpoints kept in {report.kept_checkpoints} (a later `up` of {cdir.name!r} resumes from "
+                     "them; delete that folder to start afresh)")
         spares = (f"; not answering, but no role ever ran there: {', '.join(report.unanswered_spares)}"
                   if report.unanswered_spares else "")  # fmt: skip
-        console.print(f"cluster {cdir.name!r}: {what}; no process of it is left; {kept}{spares}", markup=False)
+        console.print(f"cluster {cdir.name!r}: {what}; no process of it is left; {kept}{spares}", markup=False,
+                      soft_wrap=True)  # (a path folded at the console's width cannot be copied)
     if failed:
         raise PsctlError(f"{len(failed)} of {len(cdirs)} clusters are not down: {', '.join(failed)}",
                          hint="see the errors above; run psctl down again for them")

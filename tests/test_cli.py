@@ -615,6 +615,7 @@ def test_a_damaged_state_file_is_named_in_one_line_listed_and_purged_with_what_o
     try:
         done = check_ok(invoke("down", "broken", "--purge", "--grace", "2"))
         assert "cluster 'broken': stopped 1 process(es); no process of it is left" in flat(done.stdout)
+        assert f"checkpoints kept in {broken.checkpoints} (a later `up` of 'broken'" in flat(done.stdout)
         assert role.wait(timeout=10) is not None
         assert sorted(p.name for p in broken.root.rglob("*")) == ["checkpoints", "ckpt-1.npz"]
         assert check_ok(invoke("status", "good"))
@@ -622,6 +623,22 @@ def test_a_damaged_state_file_is_named_in_one_line_listed_and_purged_with_what_o
         if role.poll() is None:
             role.kill()
             role.wait()
+
+
+def test_down_purge_says_where_it_kept_the_checkpoints_a_later_up_resumes_from(psctl_env) -> None:
+    """`down --purge` said "logs and state deleted" and nothing of the checkpoints it keeps, from which a later `up`
+    of the name resumes ("nothing to train"); it names their folder, and says nothing of one that holds none."""
+    kept = recorded_cluster("kept", {"chief-0": 1})
+    kept.checkpoints.mkdir()
+    (kept.checkpoints / "ckpt-50").mkdir()
+    said = flat(check_ok(invoke("down", "kept", "--purge")).stdout)
+    assert said == (f"cluster 'kept': nothing was running; no process of it is left; logs and state deleted; "
+                    f"checkpoints kept in {kept.checkpoints} (a later `up` of 'kept' resumes from them; delete that "
+                    "folder to start afresh)"), said
+    assert [p.name for p in kept.root.iterdir()] == ["checkpoints"]
+    recorded_cluster("none", {"chief-0": 1}).checkpoints.mkdir()  # (an empty folder: no checkpoint to resume)
+    said = flat(check_ok(invoke("down", "none", "--purge")).stdout)
+    assert said.endswith("logs and state deleted") and "checkpoints" not in said, said
 
 
 # in-process, the supervisor is this process's child, whose Popen `up` drops as it returns: Python warns of a child
