@@ -496,6 +496,7 @@ def logs(role: str | None, name: str | None, tail: int, follow: bool, attempt: i
     attempt = observe.check_attempt(record, role, attempt)
     log = observe.role_log(cdir, record, role)
     try:
+        observe.check_log_exists(log, attempt)
         lines, offset = observe.tail_log(log, attempt, tail)
         for line in lines:
             click.echo(line)

@@ -278,6 +278,25 @@ def test_logs_prints_the_current_or_an_earlier_attempt(psctl_env) -> None:
     assert follow.stdout.splitlines() == [f"chief-0 attempt 1 line {i}" for i in range(1, 6)]
 
 
+def test_logs_of_a_deleted_log_file_names_it_and_exits_not_found(psctl_env) -> None:
+    """`psctl logs chief` of a role whose log file was deleted printed nothing and exited 0, as if the role had
+    logged nothing; a role still starting (its agent creates the log) has none yet, which is no error."""
+    cdir = recorded_cluster("lg", {"chief-0": 1, "worker-0": 2})
+    cdir.role_log("chief-0", 1).unlink()
+    cdir.role_log("worker-0", 1).unlink()
+    for args in (["chief"], ["chief-0", "-f"], ["chief", "lg", "-n", "5"]):
+        assert_one_line_error(invoke("logs", *args), EXIT_NOT_FOUND,
+                              f"error: the log of chief-0's attempt 1 is missing: {cdir.role_log('chief-0', 1)} "
+                              "(deleted or moved since the role wrote it; `psctl events`")
+    line = assert_one_line_error(invoke("logs", "worker-0", "--attempt", "1"), EXIT_NOT_FOUND, "worker-0's attempt 1")
+    assert "--attempt 1..2 reads another attempt's" in line
+    assert check_ok(invoke("logs", "worker-0")).stdout.splitlines()[0] == "worker-0 attempt 2 line 1"
+    record = load_state(cdir.state_file)
+    record.roles[0].attempt, record.roles[0].state = 2, RoleState.STARTING
+    save_state(cdir.state_file, record)
+    assert check_ok(invoke("logs", "chief")).stdout == ""
+
+
 def test_ls_lists_clusters(psctl_env) -> None:
     empty = invoke("ls")
     assert empty.exit_code == 0, (empty.stdout, empty.stderr)
