@@ -498,7 +498,8 @@ def list_command(as_json: bool) -> None:
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines, across restarts of the role.")
 @click.option("--attempt", type=click.IntRange(min=1), default=None, help="An earlier attempt's log (1 is the first).")
 @click.option("--all", "all_roles", is_flag=True,
-              help="Every role's latest log, merged in time order, each line prefixed with its role.")
+              help="Every role's logs, every attempt's, merged in time order, each line prefixed with its role "
+                   "(an earlier attempt's with `role (attempt K):`).")
 def logs(role: str | None, name: str | None, tail: int, follow: bool, attempt: int | None, all_roles: bool) -> None:
     """Print the log of ROLE (worker-1, worker:1, or `chief` where one role is of that kind) of cluster NAME;
     `psctl logs --all [NAME]` prints every role's."""
@@ -518,6 +519,7 @@ def logs(role: str | None, name: str | None, tail: int, follow: bool, attempt: i
     attempt = observe.check_attempt(record, role, attempt)
     log = observe.role_log(cdir, record, role)
     try:
+        observe.check_log_exists(log, attempt)
         lines, offset = observe.tail_log(log, attempt, tail)
         for line in lines:
             click.echo(line)
@@ -595,7 +597,9 @@ def scale(name: str, targets: tuple[str, ...]) -> None:
 @click.argument("names", nargs=-1, metavar="[NAME]...", shell_complete=completion.cluster_names)
 @click.option("--grace", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL.")
-@click.option("--purge", is_flag=True, help="Also delete the cluster's logs and state.")
+@click.option("--purge", is_flag=True,
+              help="Also delete the cluster's logs and state; its checkpoints are kept (a later `up` of the same "
+                   "name resumes from them).")
 def down(names: tuple[str, ...], grace: float, purge: bool) -> None:
     """Stop every process of a cluster (of each one named: the runs of a sweep) and verify that none is left."""
     from psctl import operations
@@ -613,6 +617,9 @@ def down(names: tuple[str, ...], grace: float, purge: bool) -> None:
             continue
         what = f"stopped {report.stopped} process(es)" if report.stopped else "nothing was running"
         kept = "logs and state deleted" if purge else f"logs kept in {cdir.logs}"
+        if report.kept_checkpoints:
+            kept += (f"; checkpoints kept in {report.kept_checkpoints} (a later `up` of {cdir.name!r} resumes from "
+                     "them; delete that folder to start afresh)")
         spares = (f"; not answering, but no role ever ran there: {', '.join(report.unanswered_spares)}"
                   if report.unanswered_spares else "")  # fmt: skip
         console.print(f"cluster {cdir.name!r}: {what}; no process of it is left; {kept}{spares}", markup=False,

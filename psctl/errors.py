@@ -43,7 +43,7 @@ class UsageError(PsctlError):
 
 
 class NotFound(PsctlError):
-    """What the command is about does not exist: a cluster, or a checkpoint to export."""
+    """What the command is about does not exist: a cluster, a checkpoint to export, or a role's log."""
 
     exit_code = EXIT_NOT_FOUND
 
@@ -53,6 +53,10 @@ class ClusterNotFound(NotFound):
 
 
 class CheckpointNotFound(NotFound):
+    pass
+
+
+class LogNotFound(NotFound):
     pass
 
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import psutil
 
-from psctl.errors import ClusterNotFound, PsctlError, UsageError
+from psctl.errors import ClusterNotFound, LogNotFound, PsctlError, UsageError
 from psctl.home import ClusterDir, list_clusters, lock_held
 from psctl.launch.base import ProcessHandle
 from psctl.launch.hostset import Placement, host_runners, placements
-from psctl.supervisor.state import ClusterRecord, DamagedState, RoleRecord, load_state
+from psctl.supervisor.state import ClusterRecord, DamagedState, RoleRecord, RoleState, load_state
 
 
 def supervisor_alive(cdir: ClusterDir, record: ClusterRecord) -> bool:
@@ -168,6 +168,12 @@ class RoleLog:
         except FileNotFoundError:
             return None
 
+    def where(self, attempt: int) -> str:
+        """The attempt's log file, as ``host:path`` where it is on an SSH host."""
+        place = self.places[self.record.host_of(attempt)]
+        path = place.dirs.role_log(self.role, attempt)
+        return f"{place.host}:{path}" if place.remote else str(path)
+
     def still_running(self) -> bool:
         """Whether the role's latest process still runs, asked of its host (for when no supervisor says)."""
         rec = self.record
@@ -247,6 +253,19 @@ def follow_all(cdir: ClusterDir, logs: Sequence[RoleLog], offsets: Mapping[str, 
             running -= 1
         else:
             yield line
+
+
+def check_log_exists(log: RoleLog, attempt: int) -> None:
+    """A LogNotFound if the attempt's log is gone (deleted, moved), where it printed nothing and exited 0. A role
+    not yet started (its attempt 0) or starting (its agent is about to create the log) has none yet."""
+    rec = log.record
+    if rec.attempt < 1 or (attempt == rec.attempt and rec.state == RoleState.STARTING):
+        return
+    if log.read_end(attempt, 0) is None:
+        others = f"--attempt 1..{rec.attempt} reads another attempt's; " if rec.attempt > 1 else ""
+        raise LogNotFound(f"the log of {rec.name}'s attempt {attempt} is missing: {log.where(attempt)}",
+                          hint=f"deleted or moved since the role wrote it; {others}`psctl events` has its state "
+                               "changes and their reasons")
 
 
 def check_attempt(record: ClusterRecord, role: str, attempt: int | None) -> int:

@@ -20,7 +20,7 @@ import psutil
 
 from psctl.errors import LaunchError, PsctlError, UsageError
 from psctl.home import ClusterDir, exclusive_lock, lock_held, release
-from psctl.launch.base import ProcessHandle, Runner, on_their_hosts, stop_on_hosts
+from psctl.launch.base import ProcessHandle, Runner, on_their_hosts, sh_path, stop_on_hosts
 from psctl.launch.fanout import HostsError, check_results, run_on_all
 from psctl.launch.hostset import RemoteHost, host_runners, ssh_runner
 from psctl.launch.local import LocalRunner
@@ -400,6 +400,8 @@ class TeardownReport:
     unanswered_spares: tuple[str, ...] = ()
     #: Why the cluster's state could not be read (its processes here were found by their open files instead).
     damaged: str | None = None
+    #: Where ``--purge`` left the cluster's checkpoints (``host:folder`` on an SSH host); "" where there are none.
+    kept_checkpoints: str = ""
 
 
 def tear_down(cdir: ClusterDir, *, grace: float = 5.0, purge: bool = False) -> TeardownReport:
@@ -508,7 +510,32 @@ def _tear_down(
         roots = {name: HostDir(PurePosixPath(raw["root"])) for name, raw in record.hosts.items()}
         check_results(run_on_all(remote, lambda r: remove_files(r, roots[r.host])))
         _remove_cluster_folder(cdir)
+        # said, since a later `up` of the name resumes from them ("nothing to train") where one expects a fresh run
+        kept = _kept_checkpoints(cdir, record, runners)
+        return TeardownReport(stopped=len(live) + stopped_by_supervisor, unanswered_spares=spares,
+                              kept_checkpoints=kept)
     return TeardownReport(stopped=len(live) + stopped_by_supervisor, unanswered_spares=spares)
+
+
+def _kept_checkpoints(cdir: ClusterDir, record: ClusterRecord, runners: Mapping[str, Runner]) -> str:
+    """The folder of the cluster's checkpoints (``host:folder`` on an SSH host) if it holds any, else ""."""
+    from psctl.checkpoints import checkpoint_folder  # (numpy, through the runtime's checkpoint module)
+
+    host, folder = checkpoint_folder(cdir, record)
+    if host == LOCAL_HOST:
+        return folder if _holds_files(Path(folder)) else ""
+    try:  # an empty one there is removed by remove_files: a folder left holds checkpoints
+        code, _, _ = cast("SSHRunner", runners[host]).run(f"test -d {sh_path(folder)}", timeout=30.0)
+    except (KeyError, PsctlError, OSError):
+        code = 0  # (cannot tell: the folder is named rather than a checkpoint kept silently)
+    return f"{host}:{folder}" if code == 0 else ""
+
+
+def _holds_files(folder: Path) -> bool:
+    try:
+        return any(folder.iterdir())
+    except OSError:
+        return False
 
 
 def _remove_cluster_folder(cdir: ClusterDir) -> None:
@@ -537,9 +564,11 @@ def _down_damaged(cdir: ClusterDir, *, grace: float, purge: bool, why: str) -> T
     if alive:
         pids = ", ".join(str(p.pid) for p in alive)
         raise LaunchError(f"processes of cluster {cdir.name!r} survived SIGKILL: {pids}; its folder is kept")
+    kept = ""
     if purge:
         _remove_cluster_folder(cdir)
-    return TeardownReport(stopped=len(found), damaged=None if purge else why)
+        kept = str(cdir.checkpoints) if _holds_files(cdir.checkpoints) else ""  # (one its lost record named: unknown)
+    return TeardownReport(stopped=len(found), damaged=None if purge else why, kept_checkpoints=kept)
 
 
 def _holding_files_in(folder: Path) -> list[psutil.Process]:

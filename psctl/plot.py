@@ -64,7 +64,7 @@ def resumed_curves(run_dirs: Sequence[Path]) -> dict[str, Curve]:
 
 def plot(runs: Mapping[str, dict[str, Curve]], out: Path) -> list[str]:
     """Draw the curves of each cluster in ``runs`` (name -> its ``curves``) into the PNG ``out``: one panel each
-    for loss, accuracy, steps/s. Returns what it drew, a line each: ``"[cluster: ]curve (N points)"``."""
+    for loss, accuracy, steps/s. Returns what it drew, a line each: ``"[cluster: ]curve (N points)"`` (``1 point``)."""
     try:
         import matplotlib
 
@@ -92,7 +92,7 @@ def plot(runs: Mapping[str, dict[str, Curve]], out: Path) -> list[str]:
                 # several runs: a colour per run, a dash per curve (loss, eval loss); one run: a colour per curve
                 style = {"color": colours[i % len(colours)], "linestyle": ("-", "--")[j % 2]} if several else {}
                 ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=curve, **style)
-                drawn.append(f"{curve} ({len(steps)} points)")
+                drawn.append(f"{curve} ({len(steps)} point{'s' if len(steps) != 1 else ''})")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
         if len(ax.get_lines()) > 1:

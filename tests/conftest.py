@@ -13,6 +13,7 @@ import compileall
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -74,6 +75,19 @@ def spec_text(
         supervision: {{heartbeat_interval: 0.5s, heartbeat_timeout: 10s}}
         """
     )
+
+
+def readme_files(section: str) -> dict[str, str]:
+    """The files a README section shows, by name: each fenced block whose first line is a comment naming its file
+    (``# my_model.py``, ``# spec.yaml, beside ...``), so that the tests run what the README says."""
+    text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    files = {}
+    for block in re.findall(r"^```\w*\n(.*?)^```", body, flags=re.M | re.S):
+        named = re.match(r"# ([\w.-]+\.\w+)\b", block)
+        if named:
+            files[named[1]] = block
+    return files
 
 
 def _environ(proc: psutil.Process) -> dict[str, str] | None:

@@ -278,6 +278,25 @@ def test_logs_prints_the_current_or_an_earlier_attempt(psctl_env) -> None:
     assert follow.stdout.splitlines() == [f"chief-0 attempt 1 line {i}" for i in range(1, 6)]
 
 
+def test_logs_of_a_deleted_log_file_names_it_and_exits_not_found(psctl_env) -> None:
+    """`psctl logs chief` of a role whose log file was deleted printed nothing and exited 0, as if the role had
+    logged nothing; a role still starting (its agent creates the log) has none yet, which is no error."""
+    cdir = recorded_cluster("lg", {"chief-0": 1, "worker-0": 2})
+    cdir.role_log("chief-0", 1).unlink()
+    cdir.role_log("worker-0", 1).unlink()
+    for args in (["chief"], ["chief-0", "-f"], ["chief", "lg", "-n", "5"]):
+        assert_one_line_error(invoke("logs", *args), EXIT_NOT_FOUND,
+                              f"error: the log of chief-0's attempt 1 is missing: {cdir.role_log('chief-0', 1)} "
+                              "(deleted or moved since the role wrote it; `psctl events`")
+    line = assert_one_line_error(invoke("logs", "worker-0", "--attempt", "1"), EXIT_NOT_FOUND, "worker-0's attempt 1")
+    assert "--attempt 1..2 reads another attempt's" in line
+    assert check_ok(invoke("logs", "worker-0")).stdout.splitlines()[0] == "worker-0 attempt 2 line 1"
+    record = load_state(cdir.state_file)
+    record.roles[0].attempt, record.roles[0].state = 2, RoleState.STARTING
+    save_state(cdir.state_file, record)
+    assert check_ok(invoke("logs", "chief")).stdout == ""
+
+
 def test_ls_lists_clusters(psctl_env) -> None:
     empty = invoke("ls")
     assert empty.exit_code == 0, (empty.stdout, empty.stderr)
@@ -631,6 +650,7 @@ def test_a_damaged_state_file_is_named_in_one_line_listed_and_purged_with_what_o
         role = a_role()
         done = check_ok(invoke("down", "broken", "--purge", "--grace", "2"))
         assert "cluster 'broken': stopped 1 process(es); no process of it is left" in flat(done.stdout)
+        assert f"checkpoints kept in {broken.checkpoints} (a later `up` of 'broken'" in flat(done.stdout)
         assert role.wait(timeout=10) is not None
         assert sorted(p.name for p in broken.root.rglob("*")) == ["checkpoints", "ckpt-1.npz"]
         assert check_ok(invoke("status", "good"))
@@ -639,6 +659,22 @@ def test_a_damaged_state_file_is_named_in_one_line_listed_and_purged_with_what_o
             if role.poll() is None:
                 role.kill()
                 role.wait()
+
+
+def test_down_purge_says_where_it_kept_the_checkpoints_a_later_up_resumes_from(psctl_env) -> None:
+    """`down --purge` said "logs and state deleted" and nothing of the checkpoints it keeps, from which a later `up`
+    of the name resumes ("nothing to train"); it names their folder, and says nothing of one that holds none."""
+    kept = recorded_cluster("kept", {"chief-0": 1})
+    kept.checkpoints.mkdir()
+    (kept.checkpoints / "ckpt-50").mkdir()
+    said = flat(check_ok(invoke("down", "kept", "--purge")).stdout)
+    assert said == (f"cluster 'kept': nothing was running; no process of it is left; logs and state deleted; "
+                    f"checkpoints kept in {kept.checkpoints} (a later `up` of 'kept' resumes from them; delete that "
+                    "folder to start afresh)"), said
+    assert [p.name for p in kept.root.iterdir()] == ["checkpoints"]
+    recorded_cluster("none", {"chief-0": 1}).checkpoints.mkdir()  # (an empty folder: no checkpoint to resume)
+    said = flat(check_ok(invoke("down", "none", "--purge")).stdout)
+    assert said.endswith("logs and state deleted") and "checkpoints" not in said, said
 
 
 # in-process, the supervisor is this process's child, whose Popen `up` drops as it returns: Python warns of a child

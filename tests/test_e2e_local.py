@@ -29,7 +29,7 @@ from typing import Any
 import psutil
 import pytest
 from cluster_helpers import REPO_ROOT, wait_until
-from conftest import psctl_binary
+from conftest import psctl_binary, readme_files
 
 from psctl.launch.cpus import allowed_cpus, cpus_for_slot, host_slots
 from psctl.runtime.checkpoint import list_checkpoints, step_of
@@ -268,6 +268,19 @@ def test_the_readme_example_trains_and_status_shows_the_evaluation_of_its_last_c
         line, cluster_logs(psctl_env, "digits"))
     assert "is at global step 1000, at or past training.steps 1000" in line, line
     check(psctl_env.run("down"))
+
+
+def test_the_readme_s_own_program_trains_as_its_spec_says(psctl_env) -> None:
+    """README, "Your own program": its program and spec, written out as a user would, train (test_examples checks
+    the program's gradients, in-process)."""
+    for name, text in readme_files("Your own program").items():
+        (psctl_env.tmp_path / name).write_text(text, encoding="utf-8")
+    spec = psctl_env.tmp_path / "spec.yaml"
+    done = check(psctl_env.run("up", str(spec), "--set", "training.steps=40", timeout=180))
+    assert re.match(r"training finished: 40 steps in .*; test split: loss \d\.\d{4}, accuracy \d\.\d{4}; checkpoint: ",
+                    done.stdout.rstrip("\n").splitlines()[-1]), done.stdout
+    psctl_env.state("mine")  # (its id, for the fixture's hunt)
+    check(psctl_env.run("down", "mine", "--purge"))
 
 
 def test_resuming_a_checkpoint_that_does_not_fit_the_spec_fails_at_once_and_trains_nothing(psctl_env) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -1339,6 +1341,26 @@ def test_a_local_cluster_s_checkpoint_folder_must_be_a_folder_and_its_data_path_
     assert str(error) == (f"{tmp_path / 'cluster.yaml'}:2: training.data.path: 'folder.npz' is a folder "
                           f"({tmp_path / 'folder.npz'}), not a data file; give the path of the .npz or .csv file in it")
     assert load_spec(write(tmp_path, spec.format(data="{name: digits}", folder="new/ckpt")))  # made when saved
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mount") is None,
+                    reason="mounting a read-only tmpfs needs root and mount(8)")
+def test_a_checkpoint_folder_on_a_read_only_file_system_is_refused_as_such(tmp_path: Path) -> None:
+    """A checkpoint folder on a read-only mount was refused as one that "cannot be written by this user", whose fix
+    (change its permissions) cannot help there."""
+    mounted = tmp_path / "ro"
+    mounted.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mounted)], check=True)
+    try:
+        spec = write(tmp_path, """\
+            roles: {chief: {}, ps: {}, worker: {}}
+            training: {program: psctl.models.mlp, data: {name: digits}, steps: 10, checkpoint: {dir: ro/ckpt}}
+            """)
+        assert str(spec_error(spec)) == (
+            f"{tmp_path / 'cluster.yaml'}:2: training.checkpoint.dir: 'ro/ckpt': {mounted} is on a read-only file "
+            "system; give a folder on a file system mounted read-write, or remount it read-write")
+    finally:
+        subprocess.run(["umount", str(mounted)], check=True)
 
 
 @pytest.mark.parametrize("program", sorted(BUILTIN_PROGRAMS))

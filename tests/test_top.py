@@ -213,6 +213,21 @@ def test_plot_writes_a_png_of_the_curves_the_metrics_hold(tmp_path: Path) -> Non
     assert "Traceback" not in under_a_file.output
 
 
+def test_plot_counts_one_point_in_the_singular(tmp_path: Path) -> None:
+    """A short run's curves have one point each: `psctl plot` said "accuracy (1 points)"."""
+    cdir = ClusterDir(tmp_path / "home" / "short")
+    cdir.create()
+    save_state(cdir.state_file, ClusterRecord(name="short", cluster_id="short-1", roles=[role("chief-0")]))
+    records = [{"event": "progress", "global_step": 10, "loss": 0.5, "steps_per_sec": 90.0, "time": 1},
+               {"event": "final", "global_step": 10, "metrics": {"accuracy": 0.8}, "time": 2}]
+    (cdir.run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    out = tmp_path / "short.png"
+    result = CliRunner().invoke(cli, ["plot", "short", "-o", str(out)], env={"PSCTL_HOME": str(tmp_path / "home")})
+    assert result.exit_code == 0, result.output
+    assert " ".join(result.output.split()) == (
+        f"wrote {out}: loss (1 point), accuracy (1 point), steps per sec (1 point)")
+
+
 def read_events(folder: Path) -> list[Any]:
     """The events of TensorBoard's files in ``folder`` (TFRecord framing: length, crc, data, crc)."""
     import struct

@@ -1,4 +1,4 @@
-"""The interface between psctl's runtime and a training program (DESIGN.md §5).
+"""The interface between psctl's runtime and a training program (README.md, "Your own program": an example).
 
 No code travels over the network: every role imports the same program module by name and calls its
 ``build(args, data, seed)``. A program describes its variables, the embedding ids each batch needs, and

@@ -227,8 +227,18 @@ def check_local_checkpoint_folder(c: Checker, training: Mapping[str, Any], writt
     if not stat.S_ISDIR(kind):
         c.fail(where, f"{show(written)}: {existing} is a file, not a folder", "give a folder's path")
     if not os.access(existing, os.W_OK | os.X_OK):
+        if _on_read_only_mount(existing):  # (no permission change helps there: said so, not "by this user")
+            c.fail(where, f"{show(written)}: {existing} is on a read-only file system",
+                   "give a folder on a file system mounted read-write, or remount it read-write")
         c.fail(where, f"{show(written)}: {existing} cannot be written by this user",
                "give a folder you can write, or change its permissions")
+
+
+def _on_read_only_mount(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def check_local_program(c: Checker, program: str, base_dir: Path, *,
