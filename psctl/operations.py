@@ -173,7 +173,7 @@ def bring_up(
     """Check the hosts, persist the plan, prepare the hosts and start the cluster's supervisor; returns once
     the supervisor is running. ``warn`` gets the preflight's warnings (clock skew)."""
     cdir = ClusterDir.named(spec.name)
-    cdir.root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    cdir.create()  # (a UsageError naming PSCTL_HOME where it cannot hold a cluster; the lock lies beside it)
     held = exclusive_lock(cdir.up_lock)
     if held is None:
         raise UsageError(f"another `psctl up` of cluster {spec.name!r} is starting it now",

@@ -609,7 +609,7 @@ def test_a_worker_out_of_memory_is_restarted_and_its_step_run_by_another(psctl_e
     state = status_json(psctl_env, "oom")
     assert state["result"]["global_step"] == 600 and sum(p + 1 for p in state["result"]["shard_positions"]) == 600
     roles = {r["name"]: r for r in state["roles"]}
-    assert (roles["worker-1"]["attempt"], roles["worker-1"]["restarts"]) == (2, 1), roles["worker-1"]
+    assert roles["worker-1"]["restarts"] == 1, roles["worker-1"]  # (its new attempt may start as training ends)
     assert (roles["worker-0"]["attempt"], roles["chief-0"]["attempt"]) == (1, 1)
     events = psctl_env.run("events", "oom").stdout
     assert "worker-1" in events and "exit code 1" in events, events
@@ -679,6 +679,8 @@ def test_a_relative_psctl_home_is_taken_from_the_folder_psctl_runs_in(psctl_env)
     state = elsewhere / "runs" / "rel" / "state.json"
     if state.is_file():
         psctl_env.cluster_ids.add(json.loads(state.read_text())["cluster_id"])
+    # (its supervisor may still be ending: the teardown's `down` knows only the test's own PSCTL_HOME)
+    subprocess.run([psctl_binary(), "down", "rel"], env=env, cwd=elsewhere, capture_output=True, timeout=60)
     assert done.returncode == 0, (done.stdout, done.stderr)
     assert f"checkpoint: {elsewhere}/runs/rel/checkpoints/ckpt-000000000100" in flat(done.stdout), done.stdout
 
