@@ -64,6 +64,8 @@ class PsctlGroup(click.Group):
         except click.UsageError as exc:  # (click's own form is four lines: usage, a hint, a blank, the error)
             print_usage_error(exc, ctx)
         except OSError as exc:  # the machine's, not psctl's: a full disk, a read-only folder, too many open files
+            if exc.errno == errno.EPIPE:
+                raise  # (`psctl logs --all | head`: click ends quietly on a closed pipe)
             if ctx.obj and ctx.obj.get("debug"):
                 traceback.print_exc()
             print_error(os_error_text(exc))
@@ -322,11 +324,9 @@ def _finish_line(cdir: ClusterDir, record: Any) -> None:
             err_console.print(f"[yellow]warning:[/yellow] checkpoints of {record.name!r} failed; the chief's log "
                               f"says why: `psctl logs chief {record.name}`", highlight=False, soft_wrap=True)
         if result.get("damaged_checkpoints"):
-            start = result.get("global_step", 0) - result.get("steps_this_run", 0)
             err_console.print(
                 f"[yellow]warning:[/yellow] {len(result['damaged_checkpoints'])} checkpoint(s) of {record.name!r} did "
-                f"not verify and were set aside as damaged-ckpt-*; training went on from "
-                f"{f'global step {start}' if start else 'its initializers'}: "
+                f"not verify, and training went on from an older one (or its initializers): "
                 f"{escape('; '.join(result['damaged_checkpoints']))}", highlight=False, soft_wrap=True)
         return
     if record.state == ClusterState.STOPPED:

@@ -264,8 +264,8 @@ def check_log_exists(log: RoleLog, attempt: int) -> None:
     if log.read_end(attempt, 0) is None:
         others = f"--attempt 1..{rec.attempt} reads another attempt's; " if rec.attempt > 1 else ""
         raise LogNotFound(f"the log of {rec.name}'s attempt {attempt} is missing: {log.where(attempt)}",
-                          hint=f"deleted or moved since the role wrote it; {others}`psctl events` has its state "
-                               "changes and their reasons")
+                          hint=f"deleted or moved, or the attempt never started; {others}`psctl events` has its "
+                               "state changes and their reasons")
 
 
 def check_attempt(record: ClusterRecord, role: str, attempt: int | None) -> int:

@@ -545,6 +545,8 @@ def _remove_cluster_folder(cdir: ClusterDir) -> None:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     if not any(cdir.root.iterdir()):
         cdir.root.rmdir()
+    with contextlib.suppress(OSError):  # (a purge while an `up` of the name starts is not guarded against)
+        cdir.up_lock.unlink()
 
 
 def _down_damaged(cdir: ClusterDir, *, grace: float, purge: bool, why: str) -> TeardownReport:
@@ -572,13 +574,14 @@ def _down_damaged(cdir: ClusterDir, *, grace: float, purge: bool, why: str) -> T
 
 
 def _holding_files_in(folder: Path) -> list[psutil.Process]:
-    """Every process here, but this one, with a file open under ``folder``."""
+    """Every process here, but this one, with a file open to write under ``folder`` (a log: a role, its agent, its
+    supervisor; not someone's `tail -f` or `less` of it)."""
     inside = f"{folder.resolve()}{os.sep}"
     found = []
     for proc in psutil.process_iter():
         if proc.pid == os.getpid():
             continue
         with contextlib.suppress(psutil.Error):
-            if any(f.path.startswith(inside) for f in proc.open_files()):
+            if any(f.path.startswith(inside) and f.mode != "r" for f in proc.open_files()):
                 found.append(proc)
     return found

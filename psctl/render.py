@@ -98,7 +98,7 @@ def checkpoint_text(result: Mapping[str, Any]) -> str:
     where = result.get("checkpoint")
     failures = result.get("checkpoint_failures")
     damaged = result.get("damaged_checkpoints") or []
-    aside = f"; {len(damaged)} damaged checkpoint(s) set aside, the newest {damaged[0]}" if damaged else ""
+    aside = f"; {len(damaged)} checkpoint(s) did not verify, the first {damaged[0]}" if damaged else ""
     if not isinstance(failures, Mapping) or not failures.get("count"):
         if not where:
             return aside[2:] if aside else "no checkpoint configured"
@@ -116,6 +116,13 @@ def step_of_steps(step: int, record: ClusterRecord) -> str:
     return f"{step}/{record.steps}" if record.steps else str(step)
 
 
+def failing_checkpoints_text(failures: Mapping[str, Any]) -> str:
+    """Checkpoint saves failing while training runs (a ps lost now would go back to the latest good one)."""
+    latest = failures.get("latest")
+    return (f"checkpoints failing: {failures.get('count')} save(s) failed, the last at {failures.get('last')}; the "
+            f"latest written: {latest or 'none'} (the chief's log says more)")
+
+
 def progress_line(cdir: ClusterDir, record: ClusterRecord) -> str:
     """One plain line of progress, for output that is not a terminal."""
     prog = progress(cdir, record)
@@ -127,6 +134,8 @@ def progress_line(cdir: ClusterDir, record: ClusterRecord) -> str:
     if prog.get("loss") is not None:
         # the newest training batch's loss (the final line's is the test split's, not comparable)
         line += f", train loss {metric_text(prog['loss'])}, {prog.get('steps_per_sec', 0):.1f} steps/s"
+    if not record.state.terminal and prog.get("checkpoint_failures"):
+        line += f"; {failing_checkpoints_text(prog['checkpoint_failures'])}"
     return f"{line}; roles: {roles}"
 
 
@@ -202,6 +211,8 @@ def status_view(cdir: ClusterDir, record: ClusterRecord, *, stale: bool, now: fl
         header.append(f"  train loss {metric_text(prog['loss'])}")
     if prog.get("steps_per_sec"):
         header.append(f"  {prog['steps_per_sec']:.1f} steps/s  {prog.get('examples_per_sec', 0):.0f} examples/s")
+    if not record.state.terminal and prog.get("checkpoint_failures"):
+        header.append(f"\n{failing_checkpoints_text(prog['checkpoint_failures'])}", style="yellow")
     for role in record.roles:
         if role.role == "evaluator" and role.metrics:
             shown = metrics_text(dict(sorted(role.metrics.items())), skip=(CPU_METRIC,))

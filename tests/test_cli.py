@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
@@ -287,7 +288,7 @@ def test_logs_of_a_deleted_log_file_names_it_and_exits_not_found(psctl_env) -> N
     for args in (["chief"], ["chief-0", "-f"], ["chief", "lg", "-n", "5"]):
         assert_one_line_error(invoke("logs", *args), EXIT_NOT_FOUND,
                               f"error: the log of chief-0's attempt 1 is missing: {cdir.role_log('chief-0', 1)} "
-                              "(deleted or moved since the role wrote it; `psctl events`")
+                              "(deleted or moved, or the attempt never started; `psctl events`")
     line = assert_one_line_error(invoke("logs", "worker-0", "--attempt", "1"), EXIT_NOT_FOUND, "worker-0's attempt 1")
     assert "--attempt 1..2 reads another attempt's" in line
     assert check_ok(invoke("logs", "worker-0")).stdout.splitlines()[0] == "worker-0 attempt 2 line 1"
@@ -468,6 +469,25 @@ def test_the_finish_line_and_status_say_that_checkpoints_failed(psctl_env) -> No
     assert "/c/ckpt-000000000040 (3 save(s) failed" in flat(invoke("status", "ck").stdout)
 
 
+def test_status_says_while_training_runs_that_checkpoints_are_failing(psctl_env) -> None:
+    """Saves failing (a full disk) showed only once training had ended: a ps lost meanwhile went back thousands of
+    steps, to the last save that worked, with no word anywhere but the chief's log."""
+    cdir = recorded_cluster("ckr", {"chief-0": 1}, state=ClusterState.RUNNING, steps=8000)
+    failing = {"count": 24, "last": "step 7900: [Errno 28] No space left on device", "latest": "/c/ckpt-000000000506"}
+    (cdir.run_dir / "metrics.jsonl").write_text(json.dumps(
+        {"time": 1.0, "event": "progress", "global_step": 7900, "loss": 0.5, "steps_per_sec": 100.0,
+         "checkpoint_failures": failing}) + "\n")
+    said = ("checkpoints failing: 24 save(s) failed, the last at step 7900: [Errno 28] No space left on device; the "
+            "latest written: /c/ckpt-000000000506 (the chief's log says more)")
+    assert said in flat(invoke("status", "ckr").stdout)
+    from psctl.render import progress_line
+    assert progress_line(cdir, load_state(cdir.state_file)).endswith(f"; {said}; roles: 1 stopped")
+    record = load_state(cdir.state_file)
+    record.state = ClusterState.SUCCEEDED  # ended: the result says it (checkpoint_text), not the last progress
+    save_state(cdir.state_file, record)
+    assert "checkpoints failing" not in flat(invoke("status", "ckr").stdout)
+
+
 def test_the_commands_and_the_supervisor_import_no_ssh_library_for_a_cluster_on_this_machine() -> None:
     """paramiko is a third of what `psctl` imports (~0.15 s a start): only clusters with remote hosts load it."""
     script = ("import sys, psctl.cli, psctl.supervisor.__main__, psctl.agent.__main__; "
@@ -629,7 +649,7 @@ def test_a_damaged_state_file_is_named_in_one_line_listed_and_purged_with_what_o
     # a bare command: the damaged cluster may be running, so it is not passed over for the finished one
     assert_one_line_error(invoke("status"), 1, f"{broken.state_file}: the state of cluster 'broken'")
 
-    roles: list[subprocess.Popen[bytes]] = []
+    roles: list[subprocess.Popen[Any]] = []
 
     def a_role() -> subprocess.Popen[bytes]:  # a role of it, still writing its log
         with open(broken.logs / "chief-0.1.log", "ab") as log:
@@ -639,6 +659,12 @@ def test_a_damaged_state_file_is_named_in_one_line_listed_and_purged_with_what_o
 
     try:
         role = a_role()
+        # someone reading its log (`tail -f`): no process of it, not to be stopped
+        reader = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1]); print('open', "
+                                   "flush=True); time.sleep(120)", str(broken.logs / "chief-0.1.log")],
+                                  stdout=subprocess.PIPE, text=True)
+        roles.append(reader)  # (stopped by the finally)
+        assert reader.stdout is not None and reader.stdout.readline() == "open\n"
         stopped = invoke("down", "broken", "--grace", "2")
         assert stopped.exit_code == 0, (stopped.stdout, stopped.stderr)
         assert f"cluster 'broken': stopped 1 process(es); no process of it is left; logs kept in {broken.logs}" \
@@ -647,6 +673,7 @@ def test_a_damaged_state_file_is_named_in_one_line_listed_and_purged_with_what_o
                                                "be read (") and flat(stopped.stderr).endswith(
             "only this machine was looked at; `psctl down --purge broken` removes it"), stopped.stderr
         assert role.wait(timeout=10) is not None and (broken.logs / "chief-0.1.log").is_file()
+        assert reader.poll() is None, "down stopped a process that only read the cluster's log"
         role = a_role()
         done = check_ok(invoke("down", "broken", "--purge", "--grace", "2"))
         assert "cluster 'broken': stopped 1 process(es); no process of it is left" in flat(done.stdout)

@@ -239,6 +239,30 @@ def test_max_evaluations_stops_the_evaluator(
     assert "stopping after 1 evaluations" in run.log()
 
 
+def test_eval_every_steps_evaluates_checkpoints_that_far_apart_and_the_final_one(
+    tmp_path: Path, evaluators: list[LocalCluster], program: Program
+) -> None:
+    """`training.eval_every_steps` was accepted and read by nothing: every checkpoint was evaluated."""
+    run = EvalRun(tmp_path, evaluators, eval_every_steps=150)
+    snapshots = {step: make_snapshot(program, step) for step in (100, 200, 300, 350, 400)}
+    run.write(snapshots[100])  # not 150 steps into training
+    role = run.start()
+    wait_until(lambda: "the checkpoint of global step 100 is 100 steps past the last evaluated (eval_every_steps "
+               "150): waiting for a later one" in run.log(), timeout=START_TIMEOUT, what="step 100 passed over",
+               detail=run.log)
+    run.write(snapshots[200])
+    wait_until(lambda: run.evaluated_steps() == [200], timeout=30, what="the evaluation of step 200", detail=run.log)
+    run.write(snapshots[300])  # 100 past 200
+    wait_until(lambda: "global step 300 is 100 steps past" in run.log(), timeout=30, what="step 300 passed over",
+               detail=run.log)
+    run.write(snapshots[350])
+    wait_until(lambda: run.evaluated_steps() == [200, 350], timeout=30, what="step 350's", detail=run.log)
+    run.write(snapshots[400])  # 50 past 350, but the final one
+    run.finish_training()
+    assert run.wait_for_exit(timeout=30) == 0, run.log()
+    assert run.evaluated_steps() == [200, 350, 400] and role.popen.poll() == 0
+
+
 def test_the_evaluator_needs_a_checkpoint_folder(tmp_path: Path, evaluators: list[LocalCluster]) -> None:
     run = EvalRun(tmp_path, evaluators)
     run.cluster.training["checkpoint"] = None

@@ -23,6 +23,7 @@ from psctl.runtime import wire
 from psctl.runtime.checkpoint import list_checkpoints, step_of
 from psctl.runtime.fencing import ChiefReplaced
 from psctl.runtime.initializers import initialize
+from psctl.runtime.metrics import read_metrics
 from psctl.runtime.ps_client import PsClient
 from psctl.runtime.rpc import make_channel
 
@@ -190,7 +191,8 @@ def test_checkpoints_that_cannot_be_written_are_counted_in_the_result(
     (tmp_path / "a-file").write_text("not a folder", encoding="utf-8")
     checkpoint = {"dir": str(tmp_path / "a-file" / "ckpt"), "every_steps": 40, "every_seconds": 0.0,
                   "max_to_keep": 5, "keep_every_hours": 0.0}  # fmt: skip
-    cluster = make_cluster({**mlp_training(100), "checkpoint": checkpoint}, num_workers=1, num_ps=1)
+    cluster = make_cluster({**mlp_training(100), "checkpoint": checkpoint, "log_every_seconds": 0.05}, num_workers=1,
+                           num_ps=1)
     cluster.start_servers()
     cluster.wait_serving()
     cluster.start_chief()
@@ -200,6 +202,10 @@ def test_checkpoints_that_cannot_be_written_are_counted_in_the_result(
     failures = result["checkpoint_failures"]
     assert failures["count"] >= 3 and failures["final_failed"] is True, failures  # at 40, 80 and the end
     assert failures["last"].startswith("step 100: ") and "a-file" in failures["last"], failures
+    # and while it ran: each progress line after the first failure counts them (status shows it)
+    counted = [r["checkpoint_failures"]["count"] for r in read_metrics(cluster.run_dir / "metrics.jsonl")
+               if r.get("event") == "progress" and r.get("checkpoint_failures")]
+    assert counted and counted == sorted(counted) and counted[-1] <= failures["count"], counted
 
 
 def test_bounded_staleness_gives_one_step_per_call_however_fast_the_steps(make_cluster: MakeCluster) -> None:

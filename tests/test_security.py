@@ -434,10 +434,12 @@ def denied(call: Callable[[], Any]) -> str:
 
 def test_a_member_acts_only_as_itself_and_only_the_chief_drives_the_ps(servers: Servers, pki: Pki) -> None:
     """A certificate of the cluster proves that its holder is a member; its name says which, and that decides
-    what it may do. With worker-0's (a worker's, or a bug's in one): no Init (a reset ps), Assign (a negative
-    global step), SyncFlush or training-over of a ps, and no push as another worker, on any rpc form (its
-    incarnation would fence the task it names: training stalled for good). Each refused PERMISSION_DENIED, the
-    ps bit for bit unchanged; the chief's certificate does each one."""
+    what it may do. With worker-0's (a worker's, or a bug's in one): no Init (a reset ps), Assign (a restore to
+    any step), SyncFlush or training-over of a ps, no state request in the chief's name (a huge chief incarnation
+    would fence every real chief), and no push as another worker, unary or over a session (its incarnation would
+    fence the task it names: training stalled for good). Each refused PERMISSION_DENIED, the ps bit for bit
+    unchanged; a chief incarnation its own push relays is checked, never learnt; the chief's certificate does
+    what the worker's could not."""
     target = servers.start("ps", pki.c1)
     store = target.store
     assert store is not None
@@ -456,8 +458,10 @@ def test_a_member_acts_only_as_itself_and_only_the_chief_drives_the_ps(servers: 
             "Init": lambda: stub.Init(init, timeout=RPC_TIMEOUT),
             "Assign": lambda: stub.Assign(pb.AssignRequest(global_step=1000), timeout=RPC_TIMEOUT),
             "SyncFlush": lambda: stub.SyncFlush(pb.SyncFlushRequest(step=1, min_replicas=1), timeout=RPC_TIMEOUT),
-            "a state request that releases the ps or ends training":
+            "a state request in the chief's name":
                 lambda: stub.GetState(pb.StateRequest(training_over=True), timeout=RPC_TIMEOUT),
+            "a state request in the chief's name (fencing)":
+                lambda: stub.GetState(pb.StateRequest(chief_incarnation=2**62), timeout=RPC_TIMEOUT),
             "a push of worker:1": lambda: stub.Push(as_worker1, timeout=RPC_TIMEOUT),
             "a push of worker:1 (framed, over a session)": lambda: worker.push(
                 PushHeader(step_id=6, task="worker:1", incarnation=2**62), {0: grad}),
@@ -467,8 +471,11 @@ def test_a_member_acts_only_as_itself_and_only_the_chief_drives_the_ps(servers: 
             assert details.startswith(f"{what.split(' (')[0]} is ") and details.endswith(", not worker-0's"), details
         assert target.calls[-1] == "PushFramedSession" and target.snapshot()[1:] == before, target.calls
         assert not store.training_over.is_set()
-        # its own pushes go through; and the chief's certificate does what the worker's could not
-        worker.push(PushHeader(step_id=7, task="worker:0", incarnation=1), {0: grad})
+        # its own pushes go through, a chief incarnation in them not learnt; the chief's certificate does the rest
+        relayed = pb.PushRequest(step_id=7, task="worker:0", incarnation=1, chief_incarnation=2**62)
+        wire.add_entries(relayed.entries, grad)
+        assert stub.Push(relayed, timeout=RPC_TIMEOUT).applied
+        assert store.chief_fence.newest == 0
         chief.init({0: [W, B]}, ADAM, "c1", reset=True)
         assert store.global_step == 0 and target.snapshot()[1:] != before
     finally:
@@ -496,7 +503,14 @@ def test_a_heartbeat_and_a_workers_steps_come_only_from_their_own_members(server
                                     wait_for_ready=True))
         denied(lambda: stub.Ping(pb.PingRequest(training_over=True), timeout=RPC_TIMEOUT))
         assert stub.Ping(pb.PingRequest(), timeout=RPC_TIMEOUT).task == "worker:0"  # asking is anyone's
-    assert target.calls == ["RunStep", "Ping", "Ping"]
+        stub.Ping(pb.PingRequest(chief_incarnation=2**62), timeout=RPC_TIMEOUT)  # ...but it teaches nothing
+    with make_channel(target.address, pki.c1["chief-0"]) as channel:  # the chief of incarnation 5: not fenced
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.WorkerStub(channel).RunStep(pb.StepRequest(step_id=1, function="none", chief_incarnation=5),
+                                                timeout=RPC_TIMEOUT, wait_for_ready=True)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value  # not ABORTED: replaced
+        assert "unknown step function 'none'" in info.value.details()  # type: ignore[attr-defined]
+    assert target.calls == ["RunStep", "Ping", "Ping", "Ping", "RunStep"]
 
 
 # -- files --------------------------------------------------------------------------------------------------------

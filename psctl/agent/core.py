@@ -420,9 +420,9 @@ class Agent:
     # -- heartbeats -----------------------------------------------------------------------------------
     def on_heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         """Record a role's heartbeat; fenced if the agent does not run that incarnation of it (replaced)."""
-        job, _, index = request.task.partition(":")
+        job = request.task.partition(":")[0]
         with self.lock:
-            role = self.roles.get(f"{job}-{index}")
+            role = self.roles.get(member_of_task(request.task))
             if role is None or role.incarnation != request.incarnation or not role.running:
                 return pb.HeartbeatResponse(fenced=True)
             if role.last_beat is None:  # its first: the supervisor learns at once that it runs

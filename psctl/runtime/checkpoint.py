@@ -56,7 +56,18 @@ _TMP_OWNER = re.compile(r"\.tmp-ckpt-\d+-(?P<host>[^-]*)-(?P<pid>\d+)-\d+")
 
 
 class CheckpointError(Exception):
-    """A checkpoint is missing, incomplete or corrupt."""
+    """A checkpoint is missing, incomplete or corrupt (``damaged``), or could not be read just now (an I/O error,
+    a permission, a stale network handle: not ``damaged``, the same files may read tomorrow)."""
+
+    def __init__(self, message: str, *, damaged: bool = True) -> None:
+        super().__init__(message)
+        self.damaged = damaged
+
+
+def _unread(path: Path, what: str, exc: OSError) -> CheckpointError:
+    """A CheckpointError for an OSError reading ``path``: damaged where a file is missing or of the wrong kind."""
+    missing = isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError))
+    return CheckpointError(f"{path}: {what} ({exc})", damaged=missing)
 
 
 @dataclass
@@ -187,9 +198,11 @@ def write_checkpoint(directory: str | Path, snapshot: Snapshot) -> Path:
     final = checkpoint_path(directory, snapshot.global_step)
     if final.exists():
         try:
-            verify_checkpoint(final)
+            verify_checkpoint(final, checksums=False)  # (sizes only: a stop's checkpoint must not read gigabytes)
             return final  # the same global step is already saved: never overwrite
         except CheckpointError as exc:
+            if not exc.damaged:
+                raise
             set_aside(final, exc)  # (a damaged one from an earlier run must not stand in for this one)
     _remove_abandoned_writes(directory)
     tmp = directory / f".tmp-{final.name}-{_HOST}-{os.getpid()}-{threading.get_ident()}"
@@ -290,17 +303,23 @@ def step_of(path: PurePath) -> int:
     return step
 
 
-def verify_checkpoint(path: Path) -> None:
+def verify_checkpoint(path: Path, *, checksums: bool = True) -> None:
+    """CheckpointError unless every file the manifest names is there, of its size and (``checksums``) its sha256."""
     try:
         manifest = json.loads((path / "manifest.json").read_text())["files"]
-    except (OSError, ValueError, KeyError) as exc:
+    except OSError as exc:
+        raise _unread(path, "no readable manifest", exc) from None
+    except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path}: no readable manifest ({exc})") from None
     for name, info in manifest.items():
         file = path / name
-        if not file.is_file() or file.stat().st_size != info["bytes"]:
-            raise CheckpointError(f"{path}: {name} is missing or truncated")
-        if _sha256(file) != info["sha256"]:
-            raise CheckpointError(f"{path}: {name} does not match its checksum")
+        try:
+            if not file.is_file() or file.stat().st_size != info["bytes"]:
+                raise CheckpointError(f"{path}: {name} is missing or truncated")
+            if checksums and _sha256(file) != info["sha256"]:
+                raise CheckpointError(f"{path}: {name} does not match its checksum")
+        except OSError as exc:
+            raise _unread(path, f"{name} cannot be read", exc) from None
 
 
 def load_checkpoint(path: str | Path, *, verify: bool = True) -> Snapshot:
@@ -319,7 +338,9 @@ def load_checkpoint(path: str | Path, *, verify: bool = True) -> Snapshot:
                 elif kind == "slot":
                     var, _, slot = name.partition("#")
                     slots.setdefault(var, {})[slot] = npz[key]
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+    except OSError as exc:
+        raise _unread(path, "cannot load", exc) from None
+    except (ValueError, KeyError, zipfile.BadZipFile) as exc:
         raise CheckpointError(f"{path}: cannot load ({exc})") from None
     counters = state.get("sync_counters") or {}
     if not (isinstance(counters, dict) and all(isinstance(counters.get(k), int) for k in SYNC_COUNTERS)):
@@ -343,7 +364,16 @@ def restorable_checkpoint(directory: str | Path) -> tuple[tuple[Path, Snapshot] 
         try:
             return (path, load_checkpoint(path)), damaged
         except CheckpointError as exc:
-            damaged.append(f"{path.name}: {str(exc).removeprefix(f'{path}: ')} (now {set_aside(path, exc).name})")
+            why = str(exc).removeprefix(f"{path}: ")
+            if not exc.damaged:  # (not set aside: the same files may read another time)
+                log.warning("skipping checkpoint %s, which cannot be read now: %s", path, why)
+                damaged.append(f"{path.name}: {why} (skipped, left as it is)")
+                continue
+            try:
+                damaged.append(f"{path.name}: {why} (now {set_aside(path, exc).name})")
+            except OSError as err:  # (a folder that cannot be changed: skipped all the same)
+                log.warning("cannot set aside damaged checkpoint %s: %s", path, err)
+                damaged.append(f"{path.name}: {why} (left as it is: {err.strerror})")
     return None, damaged
 
 

@@ -501,6 +501,9 @@ class Chief:
         record = {"time": time.time(), "event": "progress", **report}
         if self.config.mode != "sync":
             record["steps_per_call"] = self._call_size.last
+        if self.checkpointer is not None and self.checkpointer.failed:  # (status shows it while training runs)
+            record["checkpoint_failures"] = {"count": self.checkpointer.failed, "last": self.checkpointer.last_error,
+                                             "latest": str(self.checkpointer.latest or "") or None}
         self.metrics.write(record)
         self._scalars(record)
         if not final:

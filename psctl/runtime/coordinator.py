@@ -45,8 +45,10 @@ _WORKER_LOST = {
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.PERMISSION_DENIED,  # a fenced zombie: its replacement will answer at the same address
-    grpc.StatusCode.RESOURCE_EXHAUSTED,  # out of memory: it leaves, to be restarted (see the worker)
 }
+#: Starts the details of the RESOURCE_EXHAUSTED a worker that ran out of memory answers (it leaves, to be
+#: restarted: a lost worker); any other RESOURCE_EXHAUSTED (a message too large) is the step's own error.
+OUT_OF_MEMORY = "out of memory:"
 
 
 class StepError(Exception):
@@ -596,7 +598,7 @@ class ClusterCoordinator:
             self.on_worker_event(f"worker:{worker.index} preempted: step {closure.step_id} goes to another worker")
             self._finish(closure, requeue=True, retry=False)
             return
-        if code in _WORKER_LOST:
+        if code in _WORKER_LOST or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(OUT_OF_MEMORY)):
             worker.alive = False
             worker.failures += 1
             self.on_worker_event(

@@ -2,8 +2,10 @@
 
 Like TensorFlow's SidecarEvaluator it evaluates only the newest checkpoint (skipping intermediate ones when it
 falls behind) and skips, with a warning, one it cannot load. It needs no PS: it reads checkpoints, so it
-never slows training. It stops after ``max_evaluations``, or once training is done and the final checkpoint
-has been evaluated. Results go to ``eval.jsonl`` (JSON lines with the global step) and to its heartbeats.
+never slows training. With ``eval_every_steps`` it evaluates a checkpoint only once it is that many steps past the
+last one it evaluated (the final one always). It stops after ``max_evaluations``, or once training is done and the
+final checkpoint has been evaluated. Results go to ``eval.jsonl`` (JSON lines with the global step) and to its
+heartbeats.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Evaluator:
         self.directory = Path(str(cfg.checkpoint["dir"])).expanduser()  # type: ignore[index]
         self.program = load_program(ProgramRef(cfg.program, cfg.args, cfg.data, cfg.seed))
         self.max_evaluations = cfg.max_evaluations
+        self.eval_every_steps = cfg.eval_every_steps
         self.run_dir = Path(info.run_dir)
         self.cluster_id = info.cluster_id
         self.stop = stop
@@ -66,6 +69,8 @@ class Evaluator:
         self.evaluated = 0
         self.last_step = -1
         self._bad: set[str] = set()
+        #: Checkpoints' steps passed over as too close to the last evaluated (said once each).
+        self._passed: set[int] = set()
 
     def training_done(self) -> bool:
         """The chief's result.json (it runs on this host), or its word beside the checkpoints (it runs or
@@ -81,7 +86,7 @@ class Evaluator:
         while not self.stop.is_set():
             done = self.training_done()  # read before listing: the final checkpoint precedes result.json
             newest = [p for p in list_checkpoints(self.directory) if p.name not in self._bad]
-            if newest and step_of(newest[-1]) > self.last_step:
+            if newest and step_of(newest[-1]) > self.last_step and (done or self._due(step_of(newest[-1]))):
                 self._evaluate(newest[-1])
                 if self.max_evaluations and self.evaluated >= self.max_evaluations:
                     log.info("stopping after %d evaluations", self.evaluated)
@@ -92,6 +97,15 @@ class Evaluator:
                 return 0
             self.stop.wait(self.poll_seconds)
         return 0
+
+    def _due(self, step: int) -> bool:
+        """Whether a checkpoint at ``step`` is far enough past the last evaluated one (``eval_every_steps``)."""
+        due = step - max(self.last_step, 0) >= self.eval_every_steps
+        if not due and step not in self._passed:
+            self._passed.add(step)
+            log.info("the checkpoint of global step %d is %d steps past the last evaluated (eval_every_steps %d): "
+                     "waiting for a later one", step, step - max(self.last_step, 0), self.eval_every_steps)
+        return due
 
     def _evaluate(self, path: Path) -> None:
         started = time.monotonic()

@@ -42,6 +42,14 @@ class ChiefFence:
                 raise ChiefReplaced(f"{REPLACED} {incarnation} was replaced by incarnation {self._newest}")
             self._newest = incarnation
 
+    def check(self, incarnation: int) -> None:
+        """``admit`` for a request that relays a chief's incarnation (a worker's push of the chief's step): refused
+        if older than the newest known, never remembered (only the chief's own word, or the supervisor's, raises
+        the fence: a member that named a huge one would fence every real chief for good)."""
+        with self._lock:
+            if 0 < incarnation < self._newest:
+                raise ChiefReplaced(f"{REPLACED} {incarnation} was replaced by incarnation {self._newest}")
+
     def learn(self, incarnation: int) -> None:
         """The supervisor says chief ``incarnation`` is the current one."""
         with self._lock:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -249,10 +250,13 @@ class VariableStore:
         entries: Sequence[Entry],
         split: Mapping[str, SplitArray] | None = None,
         pull_rows: Sequence[Entry] = (),
+        *,
+        from_chief: bool = True,
     ) -> PushOutcome:
         """Apply one step's gradients (``split``: dense ones still in the pieces they arrived in) at most once.
         ``pull_rows``: the IDS entries whose rows the push asks back (PULL_IDS on the wire), checked here with
-        the gradients."""
+        the gradients. ``from_chief``: sent with the chief's certificate (or without TLS): its chief incarnation
+        may raise the fence; a worker's only relays it (checked, not learnt)."""
         self.last_push = time.monotonic()
         if self.training_over.is_set():  # (a chief that trains again: one restored after the end was said)
             self.training_over.clear()
@@ -271,7 +275,7 @@ class VariableStore:
                 raise FencedError(
                     f"{request.task} incarnation {request.incarnation} was replaced by incarnation {seen}"
                 )
-            self.chief_fence.admit(request.chief_incarnation)
+            (self.chief_fence.admit if from_chief else self.chief_fence.check)(request.chief_incarnation)
             self._incarnations[request.task] = request.incarnation
             step = int(request.step_id)
             if step in self._applied or step <= self._newest_step - DEDUPE_WINDOW:
@@ -649,6 +653,9 @@ def _in_parallel(items: Sequence[X], work: Callable[[Sequence[X]], T], elements:
     return list(_pool.map(work, [items[i : i + step] for i in range(0, len(items), step)]))
 
 
+#: Who may push (as the task its certificate names): workers, and the chief (benchmarks push as it).
+_PUSHERS = re.compile(r"worker-\d+|chief-0")
+
 #: A PS server's threads: its unary calls', and one for each of the workers' sessions.
 SERVER_THREADS = UNARY_THREADS + SESSIONS_PER_PS
 
@@ -772,13 +779,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         """Apply a push from ``sender`` (the caller's certificate name; None without TLS); the response, and the
         shards its pull_dense names and the rows its PULL_IDS entries ask for, as they are after it."""
         self.requests += 1
-        if sender is not None and sender != member_of_task(request.task):
+        if sender is not None and (sender != member_of_task(request.task) or not _PUSHERS.match(sender)):
             # (a worker's push can fence the task it names, by its incarnation: only that task's own)
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"a push of {request.task or 'no task'} is {member_of_task(request.task)}'s, not {sender}'s")
+                          f"a push of {request.task or 'no task'} is {member_of_task(request.task)}'s, not {sender}'s"
+                          if _PUSHERS.match(sender) else f"a push is a worker's to send, not {sender}'s")
         try:
             gradients, rows = _pull_rows_apart(entries, streamed=split is not None)
-            outcome = self.store.push(request, gradients, split, rows)
+            outcome = self.store.push(request, gradients, split, rows, from_chief=sender in (None, CHIEF_MEMBER))
             pulled = self.store.pull([*map(wire.whole_shard, request.pull_dense), *rows])
         except (ValueError, FencedError, NotInitializedError, ChiefReplaced) as exc:
             self._abort(context, exc)
@@ -861,6 +869,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                                              split))
 
     def assign_framed_stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        refuse_unless_from(context, CHIEF_MEMBER, "Assign")  # (before its stream is read: it may be gigabytes)
         header, entries, _ = self._read_stream(_framed_parts(requests, pb.AssignRequest), _assign_header, context)
         return self._assign(header, entries, context).SerializeToString()  # type: ignore[no-any-return]
 
@@ -951,6 +960,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def AssignStream(
         self, request_iterator: Iterator[pb.AssignChunk], context: grpc.ServicerContext
     ) -> pb.AssignResponse:
+        refuse_unless_from(context, CHIEF_MEMBER, "Assign")  # (before its stream is read: it may be gigabytes)
         request, entries, _ = self._read_stream(_plain_parts(request_iterator), _assign_header, context)
         return self._assign(request, entries, context)
 
@@ -965,8 +975,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return pb.SyncFlushResponse(applied=applied, replicas=arrived, global_step=self.store.global_step)
 
     def GetState(self, request: pb.StateRequest, context: grpc.ServicerContext) -> pb.StateResponse:
-        if request.release or request.training_over:
-            refuse_unless_from(context, CHIEF_MEMBER, "a state request that releases the ps or ends training")
+        if request.release or request.training_over or request.chief_incarnation:
+            # (a chief incarnation raises the fence: a huge one from anyone else would fence every real chief)
+            refuse_unless_from(context, CHIEF_MEMBER, "a state request in the chief's name")
         try:
             return self.store.state(include_step_ids=request.include_step_ids,
                                     chief_incarnation=request.chief_incarnation, release=request.release,

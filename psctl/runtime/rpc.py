@@ -60,22 +60,25 @@ def make_channel(
     return grpc.secure_channel(address, creds, options=options)
 
 
-#: The chief's certificate: only it initialises, restores and flushes a ps and runs a worker's steps.
-CHIEF_MEMBER = "chief-0"
-
-
 def member_of_task(task: str) -> str:
     """The certificate name of a runtime task: ``worker:0`` -> ``worker-0``."""
     job, _, index = task.partition(":")
     return f"{job}-{index}"
 
 
-def caller(context: grpc.ServicerContext) -> str | None:
+#: The chief's certificate: only it initialises, restores and flushes a ps and runs a worker's steps.
+CHIEF_MEMBER = member_of_task("chief:0")
+
+
+def caller(context: grpc.ServicerContext | grpc.aio.ServicerContext) -> str | None:
     """The cluster member that made this call: its certificate's name (``worker-0``, ``chief-0``); None on a
     server without TLS (``security: {tls: false}``), whose callers name no one. A TLS server of psctl's takes no
-    client without a certificate of the cluster's CA, so on it every call has a name."""
-    names = context.auth_context().get("x509_common_name") or []
-    return names[0].decode() if names else None
+    client without a certificate of the cluster's CA; one that names no member is "" (refused as no one's)."""
+    found = context.auth_context()
+    if found.get("transport_security_type") != [b"ssl"]:
+        return None
+    names = found.get("x509_common_name") or []
+    return names[0].decode() if names else ""
 
 
 def refuse_unless_from(context: grpc.ServicerContext, member: str, what: str) -> None:

@@ -29,6 +29,7 @@ Status codes the coordinator relies on:
 - UNAVAILABLE "preempted: ..." — the worker is leaving (SIGTERM) and ran nothing of this step: hand it to
   another worker (not a retry: nothing is recomputed).
 - PERMISSION_DENIED — this worker's incarnation was fenced off; it stops.
+- RESOURCE_EXHAUSTED "out of memory: ..." — the step ran out of memory: the worker leaves, to be restarted.
 - INVALID_ARGUMENT / INTERNAL — the program failed on this step: not retryable.
 """
 
@@ -46,6 +47,7 @@ import numpy as np
 
 from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
+from psctl.runtime.coordinator import OUT_OF_MEMORY
 from psctl.runtime.evaluation import evaluate_batch
 from psctl.runtime.fencing import ChiefFence, ChiefReplaced
 from psctl.runtime.heartbeat import PROGRESS, Progress
@@ -53,7 +55,7 @@ from psctl.runtime.limits import UNARY_MAX_BYTES
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.program import Batch, Dataset
 from psctl.runtime.ps_client import PsClient, PsUnavailable, PushHeader
-from psctl.runtime.rpc import CHIEF_MEMBER, refuse_unless_from
+from psctl.runtime.rpc import CHIEF_MEMBER, caller, refuse_unless_from
 from psctl.runtime.stepstats import StepStats
 from psctl.runtime.wire import DENSE, IDS, Entry, payload_bytes
 
@@ -215,7 +217,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     self._steps.notify_all()
         if self._draining:
             self._leaving(context)
-        self.chief_fence.learn(request.chief_incarnation)  # a probe only teaches: anyone may ask if it is up
+        if caller(context) in (None, CHIEF_MEMBER):  # anyone may ask if it is up; only the chief's word teaches
+            self.chief_fence.learn(request.chief_incarnation)
         return pb.PingResponse(incarnation=self.incarnation, task=self.task)
 
     def RunStep(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
@@ -242,6 +245,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"shard {request.shard} out of range 0..{self.num_shards - 1}"
             )
+        if request.function not in ("train", "evaluate"):  # (checked here: an abort in the try below is taken
+            # for the program's own error)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown step function {request.function!r}")
         if request.steps > 1 and (request.sync_step or request.function != "train"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "several steps in one call are for asynchronous training steps only")  # fmt: skip
@@ -254,9 +260,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     with self._lock:  # the variables a push brought back may no longer be the PS's
                         self._prefetched, self._rows_ahead = None, None
                     raise
-            if request.function == "evaluate":
-                return self._evaluate(request)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown step function {request.function!r}")
+            return self._evaluate(request)
         except ChiefReplaced as exc:  # a PS refused this step's chief: tell that chief so, in the same words
             context.abort(grpc.StatusCode.ABORTED, str(exc))
         except PsUnavailable as exc:
@@ -277,8 +281,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             if self._on_out_of_memory is not None:
                 self._on_out_of_memory()
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{self.task} ran out of memory in a {request.function} step ({exc}): it leaves, to be "
-                          "restarted")
+                          f"{OUT_OF_MEMORY} {self.task} ran out of memory in a {request.function} step ({exc}): it "
+                          "leaves, to be restarted")
         except Exception as exc:  # the program's own code failed: report it, do not crash the server
             log.exception("program error in a %s step", request.function)  # (where: in the program's own lines)
             context.abort(grpc.StatusCode.INTERNAL, f"{self.task}: program error: {type(exc).__name__}: {exc} "

@@ -23,7 +23,7 @@ from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime.cluster import TlsFiles
 from psctl.runtime.limits import grpc_options
-from psctl.runtime.rpc import SERVER_OPTIONS
+from psctl.runtime.rpc import SERVER_OPTIONS, caller
 from psctl.supervisor.policy import Detached, Observation, Report
 
 log = logging.getLogger("psctl.supervisor")
@@ -150,5 +150,4 @@ class AgentHub(pb_grpc.AgentLinkServicer):
     def _certified(self, host: str, context: grpc.aio.ServicerContext) -> bool:
         if self.tls is None:
             return True
-        names = context.auth_context().get("x509_common_name", [])
-        return agent_member(host).encode() in names
+        return caller(context) == agent_member(host)

@@ -109,8 +109,8 @@ class Supervisor:
         self._mirror_offsets: dict[str, int] = {}
         self._mirrored_at = float("-inf")
         self._last_save = float("-inf")
-        #: Why the state file could not be written last time (said once, until it can be again).
-        self._save_error: str | None = None
+        #: Why each of the cluster's files could not be written last time (said once, until it can be again).
+        self._unwritable: dict[Path, str] = {}
         #: Orders starter threads' changes to ``record.agents`` with saving the record.
         self._lock = threading.Lock()
         #: One copy of the chief's metrics at a time (in the background, and once more at the finish).
@@ -298,6 +298,8 @@ class Supervisor:
                 f.write(lines)
         except OSError as exc:  # (the supervisor's own log has them)
             self._unwritten(self.cdir.events_file, exc)
+        else:
+            self._written(self.cdir.events_file)
         self._last_save = float("-inf")  # a change: persist it now
 
     # -- agents ---------------------------------------------------------------------------------------
@@ -469,19 +471,21 @@ class Supervisor:
                     save_state(self.cdir.state_file, self.record)
             except OSError as exc:
                 self._unwritten(self.cdir.state_file, exc)
-                return  # (the next save, a second on, tries again)
-            if self._save_error is not None:
-                log.info("%s written again", self.cdir.state_file)
-                self._save_error = None
-            self._last_save = now
+            else:
+                self._written(self.cdir.state_file)
+            self._last_save = now  # (a failed one too: the next save, a second on, tries again)
 
     def _unwritten(self, path: Path, exc: OSError) -> None:
         """A file of the cluster's that could not be written (a full disk, a folder gone read-only): said once,
         and supervision goes on (it ended here before, leaving the roles training unwatched)."""
-        if self._save_error != str(exc):
-            self._save_error = str(exc)
-            log.error("cannot write %s (%s): supervising on, trying again every second; status shows the state as "
-                      "last written", path, exc)
+        if self._unwritable.get(path) != exc.strerror:
+            self._unwritable[path] = str(exc.strerror)
+            log.error("cannot write %s (%s): supervising on, trying again as it goes; status shows the state as "
+                      "last written", path, exc.strerror)
+
+    def _written(self, path: Path) -> None:
+        if self._unwritable.pop(path, None) is not None:
+            log.info("%s written again", path)
 
     def _mirror_in_background(self) -> None:
         try:
