@@ -471,6 +471,12 @@ def test_a_member_acts_only_as_itself_and_only_the_chief_drives_the_ps(servers: 
             assert details.startswith(f"{what.split(' (')[0]} is ") and details.endswith(", not worker-0's"), details
         assert target.calls[-1] == "PushFramedSession" and target.snapshot()[1:] == before, target.calls
         assert not store.training_over.is_set()
+        as_ps = pb.PushRequest(step_id=8, task="ps:0", incarnation=1)  # its own task, but a ps pushes nothing
+        wire.add_entries(as_ps.entries, grad)
+        with make_channel(target.address, pki.c1["ps-0"]) as channel:
+            assert denied(lambda: pb_grpc.ParameterServerStub(channel).Push(as_ps, timeout=RPC_TIMEOUT)) == (
+                "a push is a worker's to send, not ps-0's")
+        assert target.snapshot()[1:] == before
         # its own pushes go through, a chief incarnation in them not learnt; the chief's certificate does the rest
         relayed = pb.PushRequest(step_id=7, task="worker:0", incarnation=1, chief_incarnation=2**62)
         wire.add_entries(relayed.entries, grad)

@@ -779,11 +779,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         """Apply a push from ``sender`` (the caller's certificate name; None without TLS); the response, and the
         shards its pull_dense names and the rows its PULL_IDS entries ask for, as they are after it."""
         self.requests += 1
-        if sender is not None and (sender != member_of_task(request.task) or not _PUSHERS.match(sender)):
+        if sender is not None and (sender != member_of_task(request.task) or not _PUSHERS.fullmatch(sender)):
             # (a worker's push can fence the task it names, by its incarnation: only that task's own)
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           f"a push of {request.task or 'no task'} is {member_of_task(request.task)}'s, not {sender}'s"
-                          if _PUSHERS.match(sender) else f"a push is a worker's to send, not {sender}'s")
+                          if _PUSHERS.fullmatch(sender) else f"a push is a worker's to send, not {sender}'s")
         try:
             gradients, rows = _pull_rows_apart(entries, streamed=split is not None)
             outcome = self.store.push(request, gradients, split, rows, from_chief=sender in (None, CHIEF_MEMBER))
