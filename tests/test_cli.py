@@ -686,6 +686,8 @@ def test_a_damaged_state_file_is_named_in_one_line_listed_and_purged_with_what_o
             if role.poll() is None:
                 role.kill()
                 role.wait()
+            if role.stdout is not None:  # (the reader's pipe: left open, a later test would hear of it)
+                role.stdout.close()
 
 
 def test_down_purge_says_where_it_kept_the_checkpoints_a_later_up_resumes_from(psctl_env) -> None:
