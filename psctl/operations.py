@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import psutil
 
+from psctl.agent.logs import log_tail
 from psctl.errors import LaunchError, PsctlError, UsageError
 from psctl.home import ClusterDir, exclusive_lock, lock_held, release
 from psctl.launch.base import ProcessHandle, Runner, on_their_hosts, sh_path, stop_on_hosts
@@ -283,8 +284,9 @@ def _start(
             return cdir
         if supervisor.poll() is not None and not load_state(cdir.state_file).state.terminal:  # (ended since?)
             tear_down(cdir)  # (it may have started an agent, or roles, before it ended)
+            said = log_tail(str(cdir.supervisor_log), 1) or "its log is empty"
             raise LaunchError(f"the supervisor of {spec.name!r} ended as it started (exit code "
-                              f"{supervisor.returncode}): {last_line(cdir.supervisor_log)}",
+                              f"{supervisor.returncode}): {said}",
                               hint=f"the whole of it is in {cdir.supervisor_log}")
         time.sleep(0.1)
     tear_down(cdir)
@@ -292,17 +294,6 @@ def _start(
         f"the supervisor of {spec.name!r} did not start within {wait_started:.0f}s; "
         f"see {cdir.supervisor_log}"
     )
-
-
-def last_line(log: Path) -> str:
-    """The last line a log holds (a traceback's ends with the error), or why there is none to read."""
-    try:
-        with open(log, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
-            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
-    except OSError as exc:
-        return f"its log cannot be read ({exc.strerror})"
-    return lines[-1] if lines else "its log is empty"
 
 
 #: Seconds a new run of a name waits for the last run's supervisor to end (it writes its record last of all).

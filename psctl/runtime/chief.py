@@ -416,8 +416,8 @@ class Chief:
             found, damaged = restorable_checkpoint(self.checkpointer.directory)
             self.damaged_checkpoints += damaged
             if damaged and found is None:
-                log.warning("no checkpoint in %s verifies (%d set aside as %s*): training starts from the "
-                            "initializers", self.checkpointer.directory, len(damaged), DAMAGED_PREFIX)
+                log.warning("no checkpoint in %s verifies (%d tried; the damaged set aside as %s*): training starts "
+                            "from the initializers", self.checkpointer.directory, len(damaged), DAMAGED_PREFIX)
         if held is not None and (found is None or found[1].global_step <= held):
             log.info("every ps holds the variables: resuming at global step %d", held)
             return
@@ -502,8 +502,9 @@ class Chief:
         if self.config.mode != "sync":
             record["steps_per_call"] = self._call_size.last
         if self.checkpointer is not None and self.checkpointer.failed:  # (status shows it while training runs)
+            latest = self.checkpointer.latest
             record["checkpoint_failures"] = {"count": self.checkpointer.failed, "last": self.checkpointer.last_error,
-                                             "latest": str(self.checkpointer.latest or "") or None}
+                                             "latest": str(latest) if latest else None}
         self.metrics.write(record)
         self._scalars(record)
         if not final:

@@ -86,7 +86,8 @@ class Evaluator:
         while not self.stop.is_set():
             done = self.training_done()  # read before listing: the final checkpoint precedes result.json
             newest = [p for p in list_checkpoints(self.directory) if p.name not in self._bad]
-            if newest and step_of(newest[-1]) > self.last_step and (done or self._due(step_of(newest[-1]))):
+            step = step_of(newest[-1]) if newest else -1
+            if step > self.last_step and (done or self._due(step)):
                 self._evaluate(newest[-1])
                 if self.max_evaluations and self.evaluated >= self.max_evaluations:
                     log.info("stopping after %d evaluations", self.evaluated)

@@ -779,11 +779,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         """Apply a push from ``sender`` (the caller's certificate name; None without TLS); the response, and the
         shards its pull_dense names and the rows its PULL_IDS entries ask for, as they are after it."""
         self.requests += 1
-        if sender is not None and (sender != member_of_task(request.task) or not _PUSHERS.fullmatch(sender)):
-            # (a worker's push can fence the task it names, by its incarnation: only that task's own)
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"a push of {request.task or 'no task'} is {member_of_task(request.task)}'s, not {sender}'s"
-                          if _PUSHERS.fullmatch(sender) else f"a push is a worker's to send, not {sender}'s")
+        if sender is not None:
+            if not _PUSHERS.fullmatch(sender):
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"a push is a worker's to send, not {sender}'s")
+            owner = member_of_task(request.task)  # (its incarnation can fence the task it names: only that task's)
+            if sender != owner:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                              f"a push of {request.task or 'no task'} is {owner}'s, not {sender}'s")
         try:
             gradients, rows = _pull_rows_apart(entries, streamed=split is not None)
             outcome = self.store.push(request, gradients, split, rows, from_chief=sender in (None, CHIEF_MEMBER))
@@ -826,7 +828,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def _assign(
         self, request: pb.AssignRequest, entries: list[Entry], context: grpc.ServicerContext
     ) -> pb.AssignResponse:
-        refuse_unless_from(context, CHIEF_MEMBER, "Assign")
+        """A restore, from the chief (each way in checks that first: a stream before it is read)."""
         try:
             self.store.assign(entries, request.global_step, list(request.shard_positions),
                               chief_incarnation=request.chief_incarnation,
@@ -954,6 +956,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return response
 
     def Assign(self, request: pb.AssignRequest, context: grpc.ServicerContext) -> pb.AssignResponse:
+        refuse_unless_from(context, CHIEF_MEMBER, "Assign")
         entries = self._decoded(lambda: wire.decode_entries(request.entries), context)
         return self._assign(request, entries, context)
 

@@ -241,28 +241,25 @@ def _on_read_only_mount(path: Path) -> bool:
         return False
 
 
-def check_local_program(c: Checker, program: str, base_dir: Path, *,
-                        pythonpaths: Mapping[str, Sequence[str]] | None = None) -> None:
+def check_local_program(c: Checker, program: str, base_dir: Path, *, pythonpaths: Mapping[str, Sequence[str]]) -> None:
     """A program module of the user's, on a cluster whose roles all run on this machine: its top-level package
-    must be where each role that imports it will look (their working folder, the spec's; ``pythonpaths``, each
-    such role's entries of its ``env`` PYTHONPATH; this Python's own path), else the cluster would start only
-    for those roles to fail at import. Found without importing it (nothing of the user's runs here); a .py path
-    was checked already."""
+    must be where each role that imports it will look (installed for this Python; their working folder, the
+    spec's; ``pythonpaths``: each such role's entries of its ``env`` PYTHONPATH), else the cluster would start
+    only for those roles to fail at import. Found without importing it (nothing of the user's runs here); a .py
+    path was checked already."""
     if program.endswith(".py") or "/" in program or program in BUILTIN_PROGRAMS:
         return
     top = program.split(".")[0]
-    lacking = []
-    for role, pythonpath in (pythonpaths or {"": ()}).items():
-        places = [str(base_dir), *(str((base_dir / p).resolve()) for p in pythonpath)]
-        try:
-            if importlib.machinery.PathFinder.find_spec(top, places) is not None or importlib.util.find_spec(top):
-                continue
-        except (ImportError, ValueError):  # a finder that cannot tell, a name such as __main__: the roles will say
+    try:
+        if importlib.util.find_spec(top):  # installed: every role finds it
             return
-        lacking.append(role)
+        lacking = [role for role, pythonpath in pythonpaths.items() if importlib.machinery.PathFinder.find_spec(
+            top, [str(base_dir), *(str((base_dir / p).resolve()) for p in pythonpath)]) is None]
+    except (ImportError, ValueError):  # a finder that cannot tell, a name such as __main__: the roles will say
+        return
     if not lacking:
         return
-    finding = [r for r in (pythonpaths or {}) if r not in lacking]
+    finding = [r for r in pythonpaths if r not in lacking]
     if finding:
         c.fail((*T, "program"), f"no module {show(top)} for {', '.join(lacking)} to import: only the PYTHONPATH of "
                f"{', '.join(finding)} (roles.<role>.env) has it",

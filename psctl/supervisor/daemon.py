@@ -478,10 +478,11 @@ class Supervisor:
     def _unwritten(self, path: Path, exc: OSError) -> None:
         """A file of the cluster's that could not be written (a full disk, a folder gone read-only): said once,
         and supervision goes on (it ended here before, leaving the roles training unwatched)."""
-        if self._unwritable.get(path) != exc.strerror:
-            self._unwritable[path] = str(exc.strerror)
+        why = exc.strerror or str(exc)
+        if self._unwritable.get(path) != why:
+            self._unwritable[path] = why
             log.error("cannot write %s (%s): supervising on, trying again as it goes; status shows the state as "
-                      "last written", path, exc.strerror)
+                      "last written", path, why)
 
     def _written(self, path: Path) -> None:
         if self._unwritable.pop(path, None) is not None:
