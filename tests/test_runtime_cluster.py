@@ -21,6 +21,7 @@ from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime import wire
 from psctl.runtime.checkpoint import list_checkpoints, step_of
+from psctl.runtime.coordinator import NEVER_SENT
 from psctl.runtime.fencing import ChiefReplaced
 from psctl.runtime.initializers import initialize
 from psctl.runtime.metrics import read_metrics
@@ -368,13 +369,15 @@ def test_worker_killed_mid_training_is_replaced_without_losing_or_repeating_a_st
     assert result["steps_this_run"] == steps, result
     # training itself survived the failure (the embedding model's bar as in (b))
     assert result["metrics"]["accuracy"] >= (0.9 if model == "mlp" else 0.85), result
-    # The chief keeps every worker busy, so the dead worker held a step: it went back on the queue.
-    assert result["retried_steps"] >= 1, result
     states = assert_each_step_applied_once_everywhere(cluster, steps)
     assert_batches_consumed_exactly(states[0], steps, workers=2)
 
     chief_log = cluster.chief_log()
-    assert "worker:1 lost (UNAVAILABLE" in chief_log, chief_log[-3000:]
+    lost = [line for line in chief_log.splitlines() if "worker:1 lost (UNAVAILABLE" in line]
+    assert lost, chief_log[-3000:]
+    # The chief keeps every worker busy, so the dead worker held a step, which went back on the queue: a retry,
+    # unless the kill fell between two calls and the next one found no connection (never sent, not a retry).
+    assert result["retried_steps"] >= 1 or NEVER_SENT in lost[0], (result, lost)
     # Shard 1's positions are handed out only by the coordinator's thread for worker 1, one call at a time:
     # when the old process died at most one more call (its in-flight one) had been bound. Beyond that, shard 1
     # advanced only through steps given to the new process.
