@@ -739,7 +739,9 @@ def test_a_watched_role_s_cpu_memory_and_step_rate_are_measured_by_its_agent(tmp
         assert first.last.rss_bytes > 5_000_000, first.last  # both pythons
         time.sleep(1.0)  # (the interval the rates are measured over, not a wait for anything)
         second = role.report(time.monotonic()).last
-        assert second.metrics["cpu"] > 0.3, second  # the busy child's CPU counts
+        # the busy child's CPU counts (the parent only waits: ~0 alone; the child gets less than its core on a
+        # loaded machine)
+        assert second.metrics["cpu"] > 0.05, second
         assert second.steps_per_second > 0 and second.global_step > first.last.global_step, second
     finally:
         os.killpg(process.pid, signal.SIGKILL)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 import textwrap
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +37,11 @@ KILL_EVERY = 60
 BACKOFF, MAX_BACKOFF = 0.2, 0.4
 #: No kill closer to the end than this many seconds, at the rate training has run so far: the victim must come
 #: back (its backoff, then a new process that heartbeats: ~1 s on 2 cores) before training finishes without it.
-#: (Counted in steps, the margin shrank below a restart whenever training got faster.)
-QUIET_END_SECONDS = 2.5
+#: (Counted in steps, the margin shrank below a restart whenever training got faster; at the rate since the start,
+#: which the start and the kills hold down, the end came sooner than reckoned.)
+QUIET_END_SECONDS = 3.0
+#: The rate is training's over about this many seconds before each reading.
+RATE_WINDOW_SECONDS = 2.0
 MIN_KILLS = 5
 SEED = 20240611
 #: Each run of 1,000 steps takes ~5-15 s on this 2-core machine; this only bounds a hang.
@@ -70,7 +73,7 @@ def spec_text(name: str) -> str:
           steps: {STEPS}
           log_every_seconds: 0.2s
           checkpoint: {{every_steps: 100, every_seconds: 0, max_to_keep: 100}}
-        supervision: {{heartbeat_interval: 0.5s, heartbeat_timeout: 3s}}
+        supervision: {{heartbeat_interval: 0.5s, heartbeat_timeout: 10s}}
         """
     )
 
@@ -93,18 +96,22 @@ class Kill:
 
 
 class StepRate:
-    """Training's rate so far: global steps per second since the step was first seen above 0."""
+    """Training's recent rate: global steps per second over the last RATE_WINDOW_SECONDS of readings (once the
+    step was seen above 0)."""
 
     def __init__(self) -> None:
-        self.start: tuple[float, int] | None = None  # when, and that step
+        self.readings: deque[tuple[float, int]] = deque()  # when, and the step then
 
     def observe(self, step: int, now: float) -> float | None:
         """The rate, given the step seen ``now``; None until two readings apart in time and steps."""
-        if step and self.start is None:
-            self.start = (now, step)
-        if self.start is None or now <= self.start[0] or step <= self.start[1]:
+        if step:
+            self.readings.append((now, step))
+        while len(self.readings) > 2 and now - self.readings[1][0] >= RATE_WINDOW_SECONDS:
+            self.readings.popleft()
+        if len(self.readings) < 2:
             return None
-        return (step - self.start[1]) / (now - self.start[0])
+        (then, first), (_, last) = self.readings[0], self.readings[-1]
+        return (last - first) / (now - then) if now > then and last > first else None
 
 
 def chaos(run: Run, rng: random.Random) -> list[Kill]:

@@ -4,6 +4,7 @@ written as a supervisor writes them (test_e2e_local.py runs the same commands ag
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shutil
@@ -557,7 +558,9 @@ def test_up_s_watch_ends_with_the_outcome_and_asks_whether_the_supervisor_runs_o
     finally:
         done.cancel()
     assert ended.state == ClusterState.SUCCEEDED
-    assert len(checks) == 1  # ~6 polls of the file before the outcome, one liveness check
+    # ~6 polls of the file before the outcome, and a liveness check at most once a second (one, unless the
+    # timer or the watch ran late on a loaded machine)
+    assert 1 <= len(checks) <= 2 and all(b - a >= 0.9 for a, b in itertools.pairwise(checks)), checks
 
 
 def test_up_s_watch_says_when_the_supervisor_died(tmp_path: Path) -> None:

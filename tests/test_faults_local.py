@@ -35,7 +35,11 @@ pytestmark = pytest.mark.slow
 
 EVERY_STEPS = 100
 HEARTBEAT_INTERVAL = 0.5
+#: The heartbeat timeout of the tests that measure a silence (a stopped worker, supervisor or agent).
 HEARTBEAT_TIMEOUT = 3.0
+#: Everyone else's: their faults are ends an agent sees at once, and a worker that yields its CPU (nice 19) on a
+#: loaded 2-core machine can go 3 s without a beat and be restarted, which those tests count as a failure.
+QUIET_HEARTBEAT_TIMEOUT = 10.0
 #: The chief schedules at most this many steps ahead (2 per worker + 2), so a checkpoint is taken at most
 #: this far past its due step, and at most this many steps are in flight when a role dies.
 WINDOW = 2 * 2 + 2
@@ -53,7 +57,8 @@ MODELS = {
 }
 
 
-def spec_text(name: str, steps: int, model: str = "mlp", ps: int = 2) -> str:
+def spec_text(name: str, steps: int, model: str = "mlp", ps: int = 2,
+              heartbeat_timeout: float = QUIET_HEARTBEAT_TIMEOUT) -> str:
     model_keys = "".join(f"  {key}: {value}\n" for key, value in MODELS[model].items())
     return (
         f"name: {name}\n"
@@ -69,15 +74,16 @@ def spec_text(name: str, steps: int, model: str = "mlp", ps: int = 2) -> str:
         f"  steps: {steps}\n"
         "  log_every_seconds: 0.2s\n"
         f"  checkpoint: {{every_steps: {EVERY_STEPS}, every_seconds: 0, max_to_keep: 100}}\n"
-        f"supervision: {{heartbeat_interval: {HEARTBEAT_INTERVAL}s, heartbeat_timeout: {HEARTBEAT_TIMEOUT}s}}\n"
+        f"supervision: {{heartbeat_interval: {HEARTBEAT_INTERVAL}s, heartbeat_timeout: {heartbeat_timeout}s}}\n"
     )
 
 
 class Cluster(SupervisedCluster):
     """One named cluster of the test's PSCTL_HOME, with the checkpoints and progress the fault tests wait for."""
 
-    def __init__(self, penv: PsctlEnv, name: str, steps: int, model: str = "mlp", ps: int = 2) -> None:
-        super().__init__(penv, name, spec_text(name, steps, model, ps))
+    def __init__(self, penv: PsctlEnv, name: str, steps: int, model: str = "mlp", ps: int = 2,
+                 heartbeat_timeout: float = QUIET_HEARTBEAT_TIMEOUT) -> None:
+        super().__init__(penv, name, spec_text(name, steps, model, ps, heartbeat_timeout))
         self.steps = steps
 
     @property
@@ -168,8 +174,9 @@ MakeCluster = Callable[..., Cluster]
 def cluster_factory(psctl_env: PsctlEnv) -> MakeCluster:
     """Clusters in the test's own PSCTL_HOME; ``psctl_env`` tears down every one of them, pass or fail."""
 
-    def make(name: str, steps: int, model: str = "mlp", ps: int = 2) -> Cluster:
-        return Cluster(psctl_env, name, steps, model, ps)
+    def make(name: str, steps: int, model: str = "mlp", ps: int = 2,
+             heartbeat_timeout: float = QUIET_HEARTBEAT_TIMEOUT) -> Cluster:
+        return Cluster(psctl_env, name, steps, model, ps, heartbeat_timeout)
 
     return make
 
@@ -216,6 +223,7 @@ def test_sigkill_of_a_ps_restores_the_latest_checkpoint(
     cluster = cluster_factory(f"kill{victim.replace('-', '')}{model[0]}", steps, model, ps)
     cluster.up()
     cluster.wait_progress(400, checkpoints=2)
+    written = max(cluster.checkpoint_steps())  # complete before the kill, so restorable
     killed_at = sigkill(cluster.process(victim))
 
     # the global step the cluster had reached: the chief's meter only grows, and within moments of the kill
@@ -233,8 +241,10 @@ def test_sigkill_of_a_ps_restores_the_latest_checkpoint(
     path, restored_step = restores[0][0], int(restores[0][1])
     assert Path(path).name == f"ckpt-{restored_step:012d}"
     assert 0 < restored_step <= at_kill
-    # at most one checkpoint interval (plus the steps in flight) is lost
-    assert restored_step >= at_kill - EVERY_STEPS - 2 * WINDOW - 10, (restored_step, at_kill)
+    # the newest checkpoint: at least the newest one written before the kill (so at most about one interval is
+    # lost; with auto steps per call a checkpoint can be taken up to a third of an interval late on 2 cores)
+    assert restored_step >= written, (restored_step, written, at_kill)
+    assert restored_step >= at_kill - EVERY_STEPS - EVERY_STEPS // 3 - 2 * WINDOW, (restored_step, at_kill)
     assert result["ps_restores"] >= 1
     assert cluster.role(victim)["attempt"] == 2
     print(f"{victim} SIGKILLed at step {at_kill}: restored step {restored_step} ({at_kill - restored_step} steps "
@@ -272,7 +282,7 @@ def test_sigkill_of_the_chief_resumes_from_the_ps(cluster_factory: MakeCluster) 
 
 def test_sigstop_of_a_worker_is_detected_by_heartbeat_and_the_worker_replaced(cluster_factory: MakeCluster) -> None:
     steps = 2000
-    cluster = cluster_factory("stopworker", steps)
+    cluster = cluster_factory("stopworker", steps, heartbeat_timeout=HEARTBEAT_TIMEOUT)
     cluster.up()
     cluster.wait_progress(300)
     victim = cluster.process("worker-1")
@@ -284,10 +294,13 @@ def test_sigstop_of_a_worker_is_detected_by_heartbeat_and_the_worker_replaced(cl
             timeout=HEARTBEAT_TIMEOUT + 15, what="worker-1 to be declared lost", detail=cluster.describe,
         )
         detection = lost["time"] - stopped_at
-        assert "no heartbeat" in lost["reason"], lost
-        # heartbeats every 0.5s, declared lost after 3s of silence: 2.5..3 s after the stop, plus polling (and
-        # some slack below for a heartbeat that was itself late)
-        assert HEARTBEAT_TIMEOUT - 2 * HEARTBEAT_INTERVAL <= detection <= HEARTBEAT_TIMEOUT + 2.0, detection
+        silence = re.search(r"no heartbeat for ([0-9.]+)s", lost["reason"])
+        assert silence, lost
+        # declared lost once the last beat it heard is 3 s old, at a pass (polling: a few tenths of a second).
+        # That beat came up to an interval (plus a niced worker's lateness) before the stop: the test's own clock
+        # bounds the detection only loosely.
+        assert HEARTBEAT_TIMEOUT <= float(silence[1]) <= HEARTBEAT_TIMEOUT + 1.5, lost
+        assert HEARTBEAT_TIMEOUT - 2 * HEARTBEAT_INTERVAL - 1.0 <= detection <= HEARTBEAT_TIMEOUT + 5.0, detection
         # the supervisor kills the hung process (SIGKILL reaches a stopped process) and starts another
         wait_until(lambda: gone(victim), timeout=10, what="the stopped worker to be killed")
         killed = time.time() - stopped_at
@@ -408,6 +421,16 @@ def test_a_training_that_ends_while_no_supervisor_runs_leaves_no_role_running(
     wait_until(lambda: not psctl_env.processes(cluster_id), timeout=30, what="the agent to go with its cluster")
 
 
+def block_with_a_folder(path: Path) -> bool:
+    """Replace the file ``path`` by a folder; False if something wrote the file again in between."""
+    path.unlink(missing_ok=True)
+    try:
+        path.mkdir()
+    except FileExistsError:
+        return False
+    return True
+
+
 def test_a_state_file_that_cannot_be_written_for_a_while_ends_no_supervision(cluster_factory: MakeCluster) -> None:
     """A full disk or a folder gone read-only: the supervisor's save of state.json fails. It ended there, leaving
     the roles training unwatched (and `up` saying only that it died). It says so in its log, supervises on, and
@@ -420,8 +443,9 @@ def test_a_state_file_that_cannot_be_written_for_a_while_ends_no_supervision(clu
     supervisor = psutil.Process(cluster.state()["supervisor_pid"])
     victim = cluster.process("worker-1")
     state_file = cluster.root / "state.json"
-    state_file.unlink()
-    state_file.mkdir()  # what replaces it (os.replace onto a folder that holds a file) fails, as a full disk would
+    # what replaces it (os.replace onto a folder that holds a file) fails, as a full disk would. (A save can land
+    # between the unlink and the mkdir: then again.)
+    wait_until(lambda: block_with_a_folder(state_file), timeout=10, what="state.json replaced by a folder")
     (state_file / "in-the-way").write_text("")
     log = cluster.root / "supervisor.log"
     try:
@@ -451,7 +475,7 @@ def test_a_supervisor_stopped_longer_than_the_heartbeat_timeout_restarts_nothing
     timeout, while its roles train on and beat to their agent: on SIGCONT it takes in what they sent meanwhile
     and restarts nothing (it used to find every role silent and restart them all, or fail the cluster)."""
     steps = 10000
-    cluster = cluster_factory("stopsup", steps)
+    cluster = cluster_factory("stopsup", steps, heartbeat_timeout=HEARTBEAT_TIMEOUT)
     cluster.up()
     cluster.wait_progress(300)
     supervisor = psutil.Process(cluster.state()["supervisor_pid"])
@@ -513,7 +537,7 @@ def test_a_hung_agent_is_replaced_by_one_that_adopts_its_roles_and_nothing_resta
     """This machine's agent hangs (SIGSTOP here) while its roles train on: at half the heartbeat timeout the
     supervisor kills it and starts another, which adopts the roles (it used to find every role silent at the
     timeout and restart them all, the ps falling back to their checkpoints)."""
-    cluster = cluster_factory("agenthang", 6000)
+    cluster = cluster_factory("agenthang", 6000, heartbeat_timeout=HEARTBEAT_TIMEOUT)
     _, pids, agent = training_with_its_agent(cluster, psctl_env)
     agent.suspend()
     try:

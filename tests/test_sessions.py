@@ -199,10 +199,12 @@ def test_an_idle_session_the_server_ended_is_not_reused_after_it_restarts(server
 
 def test_a_session_is_not_reused_with_less_than_a_timeout_of_life_left(servers: Servers) -> None:
     ps = servers.start()
-    worker = servers.client([ps], sessions=True, timeout=0.3)  # sessions live 0.6 s
+    # sessions live 2 timeouts: 4 s (a shorter timeout made a slow first push or poll on a loaded machine miss
+    # the window in which the second session is the only one open)
+    worker = servers.client([ps], sessions=True, timeout=2.0)
     assert push(worker, 1).applied
     session = push_pool(worker)._idle[0]
-    wait_for(lambda: session.expires - time.monotonic() < 0.3, "the session to have less than a timeout left")
+    wait_for(lambda: session.expires - time.monotonic() < 2.0, "the session to have less than a timeout left")
     assert push(worker, 2).applied
     assert ps.servicer.sessions.opened == 2
     wait_for(lambda: ps.servicer.sessions.open == 1, "the expired session to be closed")

@@ -442,8 +442,12 @@ def test_a_cut_off_hosts_ps_and_worker_move_to_other_hosts_of_their_pools(remote
             return None
 
         event = wait_until(lost, timeout=20, what="worker-1 to be declared lost")
-        assert "no heartbeat" in event["reason"]
-        assert event["time"] - cut_at <= 3.0 + 1.5  # heartbeat_timeout, plus one look and one heartbeat
+        silence = re.search(r"no heartbeat for ([0-9.]+)s", event["reason"])
+        assert silence, event
+        # lost at the heartbeat_timeout's silence, at a look (a supervisor starved on a loaded machine looks
+        # late: the cut itself bounds the detection only loosely)
+        assert 3.0 <= float(silence[1]) <= 3.0 + 1.5, event
+        assert event["time"] - cut_at <= 3.0 + 5.0, event
 
         # While h3 is still cut off, ps-1 restarts on h1 (the other host of its pool) and is restored from the
         # latest checkpoint, and worker-1 on h2, a host of its pool that had no role yet (its keys and a
