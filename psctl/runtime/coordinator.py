@@ -549,6 +549,9 @@ class ClusterCoordinator:
             closure = self._take(worker)
             if closure is None:
                 return
+            if not worker.alive:  # lost or preempted (said to another of its threads) meanwhile: never sent
+                self._finish(closure, requeue=True, retry=False)
+                continue
             if closure.function == "train" and closure.shard is None:
                 with self._cond:
                     closure.shard = self._shard_for(worker)
