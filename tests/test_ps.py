@@ -388,6 +388,47 @@ def test_every_ps_records_the_step_and_only_the_first_counts_it(servers: Servers
     assert s1.duplicate_updates == 1
 
 
+def test_adam_counts_its_steps_per_ps_whichever_shards_of_a_table_a_push_touched(servers: Servers) -> None:
+    """TF's Adam counts its steps once for all variables (``iterations``): a table cut in shards trains as the
+    whole one. Five pushes touch only the first shard of a two-shard table, the sixth only the second: its row
+    moves by the bias-corrected step of t = 6, as the uncut table's same row does (counted per shard, it moved
+    by t = 1's, almost twice as far). A checkpoint's pull and a restore carry the count."""
+
+    def part(name: str, rows: int, offset: int) -> pb.VariableSpec:
+        return pb.VariableSpec(name=name, dtype="float32", shape=[rows, 2], full_shape=[10, 2], row_offset=offset,
+                               initializer="ones")
+
+    def touch(name: str, row: int) -> list[Entry]:
+        return [Entry(name, IDS, np.array([row], dtype=np.int64)), Entry(name, ROWS, np.ones((1, 2), np.float32))]
+
+    cut, whole = servers.start(), servers.start()
+    init(cut, [part("emb/part_0", 5, 0), part("emb/part_1", 5, 5)], ADAM)
+    init(whole, [part("emb", 10, 0)], ADAM)
+    for step in range(1, 6):
+        push(cut, step, touch("emb/part_0", 1))
+        push(whole, step, touch("emb", 1))
+    push(cut, 6, touch("emb/part_1", 1))
+    push(whole, 6, touch("emb", 6))
+    parts = pull_dense(cut, ["emb/part_0", "emb/part_1"])
+    np.testing.assert_array_equal(np.concatenate([parts["emb/part_0"], parts["emb/part_1"]]),
+                                  pull_dense(whole, ["emb"])["emb"])
+    # lazy Adam at t = 6 on a row first touched then: m = 0.1, v = 0.001 (TF's ApplyAdam, in float64 here)
+    lr_t = 0.01 * np.sqrt(1 - 0.999**6) / (1 - 0.9**6)
+    np.testing.assert_allclose(parts["emb/part_1"][1], 1 - lr_t * 0.1 / (np.sqrt(0.001) + 1e-7), rtol=1e-6)
+
+    shards = [Entry(name, DENSE, EMPTY) for name in ("emb/part_0", "emb/part_1")]
+    counts = {e.name: int(e.array) for e in cut.store.pull(shards, include_slots=True) if e.name.endswith("#t")}
+    assert counts == {"emb/part_0#t": 6, "emb/part_1#t": 6}
+    # restored (a checkpoint of an older psctl, with a count per shard: the most advanced one's), it counts on
+    restore = [e for e in cut.store.pull(shards, include_slots=True)]
+    restore = [Entry(e.name, e.kind, np.asarray(9 if e.name == "emb/part_0#t" else 4, np.int64))
+               if e.name.endswith("#t") else e for e in restore]
+    cut.client.assign({0: restore}, 6, [])
+    push(cut, 7, touch("emb/part_1", 2))
+    counts = {e.name: int(e.array) for e in cut.store.pull(shards, include_slots=True) if e.name.endswith("#t")}
+    assert counts == {"emb/part_0#t": 10, "emb/part_1#t": 10}
+
+
 def test_sparse_push_changes_only_the_given_rows(ps: Ps) -> None:
     init(ps)
     start = initial_value(EMB)

@@ -103,7 +103,8 @@ def take_snapshot(model: ShardedModel, ps: PsClient) -> Snapshot:
         slots[name] = {}
         for slot in slot_names:
             pieces = [by_name[f"{s.name}#{slot}"] for s in layout.shards]
-            if pieces[0].ndim == 0:  # a per-shard counter (Adam's t): the most advanced shard's
+            if pieces[0].ndim == 0:  # a step count (Adam's t): its PS's, the same for each of its shards (a
+                # checkpoint of an older psctl kept one per shard); the most advanced PS's
                 slots[name][slot] = np.asarray(np.max(np.stack(pieces)), dtype=pieces[0].dtype)
             else:
                 slots[name][slot] = pieces[0].copy() if len(pieces) == 1 else np.concatenate(pieces, axis=0)

@@ -2,8 +2,9 @@
 
 The PS holds each shard and its optimizer slots and applies pushed gradients in place, so the update
 rules here are the whole optimizer: they follow the TensorFlow/Keras conventions (``ApplyMomentum``,
-``ApplyAdagrad``, ``ApplyAdam`` and their lazy ``Sparse`` forms) so that a model trained under psctl
-behaves like the same model trained with TF's parameter-server strategy.
+``ApplyAdagrad``, ``ApplyAdam``) so that a model trained under psctl behaves like the same model trained with
+TF's parameter-server strategy. Their sparse forms are the lazy ones (TF's ``SparseApplyMomentum`` and
+``SparseApplyAdagrad``; for Adam, Addons' ``LazyAdam``: TF's own Adam decays every row's moments each step).
 
 Every argument is checked before anything is written: a bad push raises ``ValueError`` and leaves the
 variable and its slots exactly as they were, so one malformed request cannot corrupt a shard. Each rule is
@@ -12,8 +13,9 @@ nothing in it can fail half-way): a dense update runs it on the variable itself,
 rows, scattered back. Arithmetic is done in the variable's dtype
 (hyperparameters are cast to it), so a float32 shard stays float32 and costs float32 bandwidth.
 
-Per-variable scalar state (Adam's step count ``t``) lives in the slots dict as a 0-d array, so that
-checkpointing the slots captures the optimizer's whole state.
+Scalar state (Adam's step count ``t``) lives in the slots dict as a 0-d array, so that checkpointing the slots
+captures the optimizer's whole state. It is the optimizer's, not the variable's: the PS sets it to its own step
+count before each update (``VariableStore.optimizer_steps``), as TF counts ``iterations`` once for all variables.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ class Optimizer(ABC):
     def apply_sparse(self, var: np.ndarray, rows: np.ndarray, grad_rows: np.ndarray, slots: Slots) -> None:
         """Apply a row-sparse gradient: only ``var[rows]`` and the slots' same rows change.
 
-        This is TF's "lazy" sparse form: rows absent from the batch keep their slots untouched (their
+        This is the "lazy" sparse form: rows absent from the batch keep their slots untouched (their
         momentum does not decay), while scalar state such as Adam's ``t`` advances once per call.
         Duplicate entries in ``rows`` are summed first, so each row is updated exactly once.
         """

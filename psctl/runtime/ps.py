@@ -128,6 +128,11 @@ class VariableStore:
         self._newest_step = 0
         self._incarnations: dict[str, int] = {}
         self.global_step = 0
+        #: The optimizer's step count (TF's ``iterations``): the updates applied here, one per step whichever
+        #: variables and shards it touched. Every push reaches every PS, so each counts every step. It is the
+        #: count each update runs at (Adam's ``t``, kept in every shard's scalar slots for checkpoints): per
+        #: shard, the shards of a table that a batch missed fell behind, and a cut table trained otherwise.
+        self.optimizer_steps = 0
         self.shard_positions: dict[int, int] = {}
         self.applied_updates = 0
         self.duplicate_updates = 0
@@ -190,6 +195,7 @@ class VariableStore:
                 )
                 shards[spec.name] = Shard(spec, value, opt.create_slots(value))
             self._shards, self._optimizer = shards, opt
+            self.optimizer_steps = 0
             if reset:  # training starts again: its counts too
                 self.global_step = 0
                 self.shard_positions = {}
@@ -233,7 +239,8 @@ class VariableStore:
                 if include_slots:  # a consistent copy of a shard and its slots, for checkpoints
                     with shard.lock:
                         out.append(Entry(entry.name, DENSE, shard.value.copy()))
-                        out.extend(Entry(f"{entry.name}#{k}", SLOT, v.copy()) for k, v in shard.slots.items())
+                        out.extend(Entry(f"{entry.name}#{k}", SLOT, self._slot_now(k, v))
+                                   for k, v in shard.slots.items())
                     continue
                 out.append(Entry(entry.name, DENSE, shard.value))
             elif entry.kind == IDS:
@@ -242,6 +249,14 @@ class VariableStore:
             else:
                 raise WireError(f"pull of {entry.name!r}: only DENSE names and IDS can be asked for")
         return out
+
+    def _slot_now(self, key: str, slot: np.ndarray) -> np.ndarray:
+        """A copy of a shard's slot as it stands: a scalar one (the step count) is this PS's, which the shard's
+        own copy lags while no update touched it."""
+        assert self._optimizer is not None
+        if key in self._optimizer.scalar_slot_names:
+            return np.asarray(self.optimizer_steps, dtype=slot.dtype)
+        return slot.copy()
 
     # -- updates --------------------------------------------------------------------------------------
     def push(
@@ -286,7 +301,9 @@ class VariableStore:
             self._record_applied(step)
             # Recorded with the fence check: a chief reading the positions after this sees the batch as taken.
             self._record_position(request)
-        self._apply(updates)
+            steps_before = self.optimizer_steps
+            self.optimizer_steps += 1
+        self._apply(updates, steps_before)
         with self._lock:
             self.applied_updates += 1
             if request.increment_global_step:
@@ -329,19 +346,22 @@ class VariableStore:
     def _apply_sync(self, *, timed_out: bool = False) -> None:
         acc = self._sync
         assert acc is not None
-        self._apply(acc.averaged())
+        self._apply(acc.averaged(), self.optimizer_steps)
+        self.optimizer_steps += 1
         self.sync_gradients_applied += acc.gradients
         self.applied_updates += 1
         self.timed_out_steps += int(timed_out)
         self.global_step += 1
         acc.reset(self.global_step)
 
-    def _apply(self, updates: Sequence[Update]) -> None:
-        """Apply validated updates, each under its shard's lock."""
+    def _apply(self, updates: Sequence[Update], steps_before: int) -> None:
+        """Apply validated updates, each under its shard's lock, as the optimizer's step after ``steps_before``."""
         optimizer = self._optimizer
         assert optimizer is not None
         for shard, rows, grad in updates:
             with shard.lock:
+                for key in optimizer.scalar_slot_names:  # (concurrent pushes: each at its own count)
+                    shard.slots[key][...] = steps_before
                 if rows is None:
                     _apply_dense(optimizer, shard, grad)
                 else:
@@ -480,6 +500,11 @@ class VariableStore:
                     for slot, array in slots.get(name, {}).items():  # SGD has no slots
                         shard.slots[slot][...] = array
             self.global_step = int(global_step)
+            # the checkpoint's step count (a checkpoint of per-shard counts: the most advanced shard's)
+            assert self._optimizer is not None
+            counted = self._optimizer.scalar_slot_names
+            restored_counts = [int(a) for per in slots.values() for k, a in per.items() if k in counted]
+            self.optimizer_steps = max(restored_counts, default=self.optimizer_steps)
             self.shard_positions = {i: int(p) for i, p in enumerate(positions) if p >= 0}
             if counters is not None:
                 self.sync_gradients_applied = counters.gradients_applied
