@@ -23,7 +23,15 @@ from rich.table import Table
 # numpy, certificates, the agents' gRPC): the read-only ones (status, logs, top, ls) need psctl.observe only, and
 # start in ~0.13 s instead of ~0.3 (tests/test_cli.py holds them to it).
 from psctl import __version__, completion, observe
-from psctl.errors import EXIT_FAILURE, EXIT_INTERRUPTED, ClusterStopped, PsctlError, TrainingFailed, UsageError
+from psctl.errors import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    ClusterStopped,
+    LogNotFound,
+    PsctlError,
+    TrainingFailed,
+    UsageError,
+)
 from psctl.home import ClusterDir, list_clusters, nearest_existing, psctl_home
 from psctl.render import (
     checkpoint_text,
@@ -520,11 +528,11 @@ def logs(role: str | None, name: str | None, tail: int, follow: bool, attempt: i
     log = observe.role_log(cdir, record, role)
     try:
         observe.check_log_exists(log, attempt)
-        lines, offset = observe.tail_log(log, attempt, tail)
+        lines = observe.tail_log(log, attempt, tail)
         for line in lines:
             click.echo(line)
         if follow:
-            for line in observe.follow(cdir, log, start_attempt=attempt, offset=offset):
+            for line in observe.follow(cdir, log, start_attempt=attempt, offset=lines.offset):
                 click.echo(line)
     except KeyboardInterrupt:
         pass
@@ -536,17 +544,23 @@ def _all_logs(name: str | None, tail: int, follow: bool) -> None:
     cdir = observe.resolve_cluster(name)
     logs = observe.cluster_logs(cdir, load_state(cdir.state_file))
     try:
-        lines, offsets = observe.merged_tail(logs, tail)
+        lines, offsets, missing = observe.merged_tail(logs, tail)
+        for where in missing:
+            err_console.print(f"[yellow]warning:[/yellow] a log is missing: {escape(where)} (deleted or moved?)",
+                              highlight=False, soft_wrap=True)
         for line in lines:
             click.echo(line)
         if follow:
-            for line in observe.follow_all(cdir, logs, offsets):
+            for line in observe.follow_all(cdir, logs, offsets()):
                 click.echo(line)
     except KeyboardInterrupt:
-        pass
+        return
     finally:
         if logs:
             logs[0].close()
+    if missing:
+        raise LogNotFound(f"{len(missing)} log(s) of {cdir.name!r} missing: {', '.join(missing)}",
+                          hint="deleted or moved; `psctl events` has the roles' state changes and their reasons")
 
 
 @cli.command()
@@ -640,13 +654,9 @@ def events(name: str | None, tail: int) -> None:
     """Show the cluster's recent role state changes, with their reasons."""
     cdir = observe.resolve_cluster(name)
     for line in observe.tail_lines(cdir.events_file, tail):
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        stamp = time.strftime("%H:%M:%S", time.localtime(ev.get("time", 0)))
-        reason = f"  {ev['reason']}" if ev.get("reason") else ""
-        click.echo(f"{stamp}  {ev.get('role', '?'):<12} {ev.get('from')} -> {ev.get('to')}{reason}")
+        shown = observe.event_text(line)
+        if shown is not None:
+            click.echo(shown)
 
 
 @cli.command()

@@ -8,12 +8,14 @@ so that they start without importing numpy, cryptography or gRPC.
 
 from __future__ import annotations
 
+import collections
 import heapq
+import json
 import queue
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from psctl.errors import ClusterNotFound, LogNotFound, PsctlError, UsageError
 from psctl.home import ClusterDir, list_clusters, lock_held
 from psctl.launch.base import ProcessHandle
 from psctl.launch.hostset import Placement, host_runners, placements
+from psctl.launch.local import LocalRunner
 from psctl.supervisor.state import ClusterRecord, DamagedState, RoleRecord, RoleState, load_state
 
 
@@ -152,11 +155,12 @@ class RoleLog:
     #: The role's record: which host ran which attempt (``follow`` refreshes it as the role restarts).
     record: RoleRecord
 
-    def read(self, attempt: int, offset: int = 0) -> bytes | None:
-        """The attempt's log from ``offset`` on; None if it does not exist (yet)."""
+    def read(self, attempt: int, offset: int = 0, size: int = -1) -> bytes | None:
+        """The attempt's log from ``offset`` on, at most ``size`` bytes (all if negative); None if it does not
+        exist (yet)."""
         place = self.places[self.record.host_of(attempt)]
         try:
-            return place.runner.read_file(str(place.dirs.role_log(self.role, attempt)), offset)
+            return place.runner.read_file(str(place.dirs.role_log(self.role, attempt)), offset, size)
         except FileNotFoundError:
             return None
 
@@ -206,30 +210,40 @@ def cluster_logs(cdir: ClusterDir, record: ClusterRecord) -> list[RoleLog]:
 _LINE_TIME = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[.,](\d{3})")
 
 
-def merged_tail(logs: Sequence[RoleLog], n: int) -> tuple[list[str], dict[str, int]]:
-    """The last ``n`` lines (all if n <= 0) of every role's attempts, merged in time order and prefixed
-    ``role: `` (an earlier attempt's ``role (attempt K): ``; a line without a time, such as a traceback's, keeps
-    the time of the line above it); and where each role's latest log was read up to (to follow them from
-    there)."""
-    streams: list[list[tuple[str, int, str]]] = []
-    offsets: dict[str, int] = {}
-    order = 0
+def merged_tail(logs: Sequence[RoleLog], n: int) -> tuple[Iterator[str], Callable[[], dict[str, int]], list[str]]:
+    """The last ``n`` lines (all if n <= 0, read as they are iterated) of every role's attempts, merged in time
+    order and prefixed ``role: `` (an earlier attempt's ``role (attempt K): ``; a line without a time, such as a
+    traceback's, keeps the time of the line above it); where each role's latest log was read up to, once the
+    lines are read (to follow them from there); and the logs that are missing (``host:path``)."""
+    streams: list[Iterator[tuple[str, int, str]]] = []
+    latest_lines: dict[str, LogLines] = {}
+    missing: list[str] = []
     for log in logs:
         latest = max(log.record.attempt, 1)
         for attempt in range(1, latest + 1):
-            lines, offset = tail_log(log, attempt, n)
+            try:
+                check_log_exists(log, attempt)
+            except LogNotFound:
+                missing.append(log.where(attempt))
+            lines = tail_log(log, attempt, n)
             prefix = f"{log.role}: " if attempt == latest else f"{log.role} (attempt {attempt}): "
-            stamp, stream = "", []
-            for line in lines:
-                timed = _LINE_TIME.match(line)
-                if timed:
-                    stamp = f"{timed[1]},{timed[2]}"
-                stream.append((stamp, order, f"{prefix}{line}"))
-            streams.append(stream)
-            order += 1
-        offsets[log.role] = offset
-    merged = [text for _, _, text in heapq.merge(*streams, key=lambda item: (item[0], item[1]))]
-    return (merged[-n:] if n > 0 else merged), offsets
+            streams.append(_timed(lines, prefix, len(streams)))
+        latest_lines[log.role] = lines
+    merged: Iterator[str] = (text for _, _, text in heapq.merge(*streams, key=lambda item: (item[0], item[1])))
+    if n > 0:  # (every stream is a tail already: few lines)
+        merged = iter(collections.deque(merged, maxlen=n))
+    return merged, lambda: {role: lines.offset for role, lines in latest_lines.items()}, missing
+
+
+def _timed(lines: Iterable[str], prefix: str, order: int) -> Iterator[tuple[str, int, str]]:
+    """Each line as (its time, ``order``, ``prefix`` + line), to merge streams by; a line without a time has the
+    time of the line above it."""
+    stamp = ""
+    for line in lines:
+        timed = _LINE_TIME.match(line)
+        if timed:
+            stamp = f"{timed[1]},{timed[2]}"
+        yield stamp, order, f"{prefix}{line}"
 
 
 def follow_all(cdir: ClusterDir, logs: Sequence[RoleLog], offsets: Mapping[str, int]) -> Iterator[str]:
@@ -279,13 +293,41 @@ def check_attempt(record: ClusterRecord, role: str, attempt: int | None) -> int:
     return attempt
 
 
-def tail_lines(path: Path, n: int) -> list[str]:
-    """The last ``n`` lines of a local file (all if n <= 0; none if it does not exist)."""
+def tail_lines(path: Path, n: int) -> Iterable[str]:
+    """The last ``n`` lines of a local file (all if n <= 0, read as they are iterated; none if it does not
+    exist). Only the end of a long file is read for its last lines."""
+
+    def read_end(nbytes: int) -> tuple[bytes, int] | None:
+        try:
+            return LocalRunner().read_end(str(path), nbytes)
+        except FileNotFoundError:
+            return None
+
+    def read(offset: int) -> bytes | None:
+        try:
+            return LocalRunner().read_file(str(path), offset, READ_CHUNK)
+        except FileNotFoundError:
+            return None
+
+    return _last_of(read_end, n) if n > 0 else LogLines(read=read)
+
+
+def event_text(line: str) -> str | None:
+    """One line of events.jsonl as ``psctl events`` shows it; None for a line that is not an event (torn by a
+    crash, or not psctl's: skipped, not a traceback)."""
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    return _last_lines(data, n)
+        event = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(event, dict):
+        return None
+    when = event.get("time")
+    try:
+        stamp = time.strftime("%H:%M:%S", time.localtime(when)) if isinstance(when, (int, float)) else "??:??:??"
+    except (OverflowError, OSError, ValueError):  # a time out of range
+        stamp = "??:??:??"
+    reason = f"  {event['reason']}" if event.get("reason") else ""
+    return f"{stamp}  {event.get('role', '?')!s:<12} {event.get('from')} -> {event.get('to')}{reason}"
 
 
 def _last_lines(data: bytes, n: int) -> list[str]:
@@ -293,30 +335,65 @@ def _last_lines(data: bytes, n: int) -> list[str]:
     return lines[-n:] if n > 0 else lines
 
 
+class LogLines:
+    """Lines of a file to print, and ``offset``: where reading stopped (for a follower to go on from), known once
+    they have been iterated. Given ``read`` (the file's bytes from an offset, at most READ_CHUNK of them), the
+    file is read a chunk at a time as the lines are iterated: a log of gigabytes is never held whole."""
+
+    def __init__(self, lines: Sequence[str] = (), offset: int = 0, *,
+                 read: Callable[[int], bytes | None] | None = None) -> None:
+        self._lines, self.offset, self._read = lines, offset, read
+
+    def __iter__(self) -> Iterator[str]:
+        if self._read is None:
+            yield from self._lines
+            return
+        offset, pending = 0, b""
+        while data := self._read(offset):
+            offset += len(data)
+            cut = data.rfind(b"\n") + 1  # (a multi-byte character never holds a newline byte)
+            if not cut:
+                pending += data
+                continue
+            yield from (pending + data[:cut]).decode("utf-8", errors="replace").splitlines()
+            pending = data[cut:]
+            self.offset = offset - len(pending)
+        if pending:  # a last line without its newline (yet): printed; a follower goes on after it
+            yield from pending.decode("utf-8", errors="replace").splitlines()
+        self.offset = offset
+
+
 #: ``logs -f`` of a cluster without a supervisor asks this often whether the role's process still runs.
 FOLLOW_ASK_EVERY = 2.0
 
 #: ``logs --tail`` reads this much of the log's end first, and four times more while lines are missing.
 TAIL_CHUNK = 64 << 10
+#: A whole log (``logs`` without ``--tail``, ``-f``) is read this much at a time.
+READ_CHUNK = 1 << 20
 
 
-def tail_log(log: RoleLog, attempt: int, n: int) -> tuple[list[str], int]:
-    """The last ``n`` lines (all if n <= 0) of the attempt's log, and the offset where reading stopped.
-    Only the end of a long log is read (it may be on another host)."""
+def tail_log(log: RoleLog, attempt: int, n: int) -> LogLines:
+    """The last ``n`` lines (all if n <= 0, read as they are iterated) of the attempt's log, and the offset where
+    reading stopped. Only the end of a long log is read for its last lines (it may be on another host)."""
     if n <= 0:
-        data = log.read(attempt) or b""
-        return _last_lines(data, n), len(data)
+        return LogLines(read=lambda offset: log.read(attempt, offset, READ_CHUNK))
+    return _last_of(lambda nbytes: log.read_end(attempt, nbytes), n)
+
+
+def _last_of(read_end: Callable[[int], tuple[bytes, int] | None], n: int) -> LogLines:
+    """The last ``n`` (> 0) lines of a file, given ``read_end`` (its last bytes and its size; None if it does not
+    exist), which is asked for more of the end while lines are missing."""
     nbytes = TAIL_CHUNK
     while True:
-        found = log.read_end(attempt, nbytes)
+        found = read_end(nbytes)
         if found is None:
-            return [], 0
+            return LogLines()
         data, size = found
         whole = len(data) >= size
         if not whole:  # the first line is cut: it is not one of the last n unless more is read
             data = data[data.find(b"\n") + 1:] if b"\n" in data else b""
         if whole or data.count(b"\n") > n:
-            return _last_lines(data, n), size
+            return LogLines(_last_lines(data, n), size)
         nbytes *= 4
 
 
@@ -329,22 +406,21 @@ def follow(
     if offset is None:
         end = log.read_end(attempt, 0)  # its size: nothing of it is read
         offset = end[1] if end is not None else 0
-    pending = ""
+    pending = b""  # (bytes: a character can be cut between two reads)
     asked = float("-inf")
     while True:
-        data = log.read(attempt, offset)
+        data = log.read(attempt, offset, READ_CHUNK)
         if data:
             offset += len(data)
-            pending += data.decode("utf-8", errors="replace")
-            *lines, pending = pending.split("\n")
-            yield from lines
+            *lines, pending = (pending + data).split(b"\n")
+            yield from (line.decode("utf-8", errors="replace") for line in lines)
             continue
         record = load_state(cdir.state_file)
         log.record = record.role(log.role)  # the next attempt may run on another host
         if log.read_end(attempt + 1, 0) is not None:  # the next attempt has begun (its log exists)
             if pending:
-                yield pending
-                pending = ""
+                yield pending.decode("utf-8", errors="replace")
+                pending = b""
             attempt += 1
             offset = 0
             yield f"--- {log.role}: attempt {attempt} ---"
@@ -355,6 +431,6 @@ def follow(
             ended = not log.still_running()
         if ended:
             if pending:
-                yield pending
+                yield pending.decode("utf-8", errors="replace")
             return
         time.sleep(poll)

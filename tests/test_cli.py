@@ -623,7 +623,28 @@ def test_down_of_several_clusters_stops_each_ones_processes_and_a_misspelt_name_
                 process.wait()
 
 
-@pytest.mark.parametrize("damage", ["{not json", "[]", '{"roles": [{"name": 3}]}', "\udcff"])
+@pytest.mark.parametrize(("record", "why"), [
+    ({"name": "c", "cluster_id": "c-1", "result": "oops"}, "'result' is a JSON str"),
+    ({"name": "c", "cluster_id": "c-1", "roles": [[1]]}, "a role is a JSON list"),
+    ({"name": "c"}, "the record has no 'cluster_id'"),
+    ({"name": "c", "cluster_id": "c-1", "state": "weird"}, "unknown state 'weird'"),
+    ({"name": "c", "cluster_id": "c-1", "roles": [{"name": "ps-0"}]}, "a role has no 'role'"),
+])
+def test_a_state_file_whose_fields_are_not_psctl_s_says_which_field(tmp_path: Path, record: dict[str, Any],
+                                                                    why: str) -> None:
+    """(A result that was text broke `ls` for every cluster with an AttributeError.)"""
+    from psctl.supervisor.state import DamagedState, load_state
+
+    path = tmp_path / "c" / "state.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(record))
+    with pytest.raises(DamagedState) as info:
+        load_state(path)
+    assert f"the state of cluster 'c' cannot be read ({why})" in str(info.value)
+
+
+@pytest.mark.parametrize("damage", ["{not json", "[]", '{"roles": [{"name": 3}]}', "\udcff",
+                                    '{"name": "broken", "cluster_id": "broken-1", "result": "oops"}'])
 def test_a_damaged_state_file_is_named_in_one_line_listed_and_purged_with_what_of_it_runs(
     psctl_env, damage: str
 ) -> None:

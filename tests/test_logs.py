@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import pytest
@@ -19,10 +21,12 @@ class CountingRunner(LocalRunner):
     def __init__(self) -> None:
         super().__init__()
         self.bytes_read = 0
+        self.largest_read = 0
 
-    def read_file(self, path: str, offset: int = 0) -> bytes:
-        data = super().read_file(path, offset)
+    def read_file(self, path: str, offset: int = 0, size: int = -1) -> bytes:
+        data = super().read_file(path, offset, size)
         self.bytes_read += len(data)
+        self.largest_read = max(self.largest_read, len(data))
         return data
 
     def read_end(self, path: str, nbytes: int) -> tuple[bytes, int]:
@@ -48,9 +52,9 @@ def test_the_last_lines_of_a_long_log_without_reading_all_of_it(log, n: int) -> 
     role_log, runner, path = log
     lines = [f"line {i} " + "x" * (i % 300) for i in range(20_000)]  # ~3 MB, lines of varied length
     path.write_text("\n".join(lines) + "\n")
-    got, offset = observe.tail_log(role_log, 1, n)
-    assert got == lines[-n:]
-    assert offset == path.stat().st_size  # following goes on from the end
+    got = observe.tail_log(role_log, 1, n)
+    assert list(got) == lines[-n:]
+    assert got.offset == path.stat().st_size  # following goes on from the end
     # Only the end was read: the chunks grow 4x, so at most ~5x what the lines hold (plus the first chunk).
     needed = sum(len(line) + 1 for line in lines[-n:])
     assert runner.bytes_read <= 6 * needed + observe.TAIL_CHUNK
@@ -61,9 +65,43 @@ def test_a_short_log_a_long_last_line_and_a_missing_log(log) -> None:
     role_log, _runner, path = log
     long_line = "y" * (3 * observe.TAIL_CHUNK)
     path.write_text(f"first\n{long_line}\nlast")
-    assert observe.tail_log(role_log, 1, 2) == ([long_line, "last"], path.stat().st_size)
-    assert observe.tail_log(role_log, 1, 10)[0] == ["first", long_line, "last"]
-    assert observe.tail_log(role_log, 2, 5) == ([], 0)
+    two = observe.tail_log(role_log, 1, 2)
+    assert (list(two), two.offset) == ([long_line, "last"], path.stat().st_size)
+    assert list(observe.tail_log(role_log, 1, 10)) == ["first", long_line, "last"]
+    assert list(observe.tail_log(role_log, 2, 5)) == []
+
+
+def test_a_whole_log_is_read_a_chunk_at_a_time_and_gives_every_line(log, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`logs ROLE` (no --tail) and `logs -f` read all of a log: a chunk at a time as it is printed (a log of 2 GB
+    was read whole first: 141 s and 7.5 GB), the same lines, a character cut between two chunks whole, and a
+    last line without its newline printed, with the follower going on after it."""
+    role_log, runner, path = log
+    monkeypatch.setattr(observe, "READ_CHUNK", 7)  # many chunk ends, in the middle of lines and characters
+    lines = ["", "élan ☃ ü", "x" * 30, "a\r", "naïve", "end without newline"]
+    path.write_bytes("\n".join(lines).encode())
+    whole = observe.tail_log(role_log, 1, 0)
+    assert list(whole) == "\n".join(lines).splitlines()
+    assert whole.offset == path.stat().st_size
+    assert runner.largest_read == 7 and runner.bytes_read == path.stat().st_size
+    assert list(observe.tail_log(role_log, 2, 0)) == []  # (a missing log: nothing)
+
+
+def test_events_reads_only_the_end_of_a_long_file_and_all_of_it_a_chunk_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "events.jsonl"
+    lines = [f'{{"n": {i}, "pad": "{"p" * (i % 200)}"}}' for i in range(50_000)]  # ~5 MB
+    path.write_text("\n".join(lines) + "\n")
+    reads: list[int] = []
+    real_end, real_file = LocalRunner.read_end, LocalRunner.read_file
+    monkeypatch.setattr(LocalRunner, "read_end", lambda self, p, n: reads.append(n) or real_end(self, p, n))
+    monkeypatch.setattr(LocalRunner, "read_file",
+                        lambda self, p, offset=0, size=-1: reads.append(size) or real_file(self, p, offset, size))
+    assert list(observe.tail_lines(path, 20)) == lines[-20:]
+    assert reads == [observe.TAIL_CHUNK]
+    reads.clear()
+    assert list(observe.tail_lines(path, 0)) == lines
+    assert reads and set(reads) == {observe.READ_CHUNK}
+    assert list(observe.tail_lines(tmp_path / "none.jsonl", 5)) == list(observe.tail_lines(tmp_path / "no", 0)) == []
 
 
 def test_every_role_s_log_merged_in_time_order_with_its_role_as_prefix(tmp_path: Path) -> None:
@@ -104,6 +142,12 @@ def test_every_role_s_log_merged_in_time_order_with_its_role_as_prefix(tmp_path:
     last = runner.invoke(cli, ["logs", "--all", "merge", "-n", "2"], env={"PSCTL_HOME": str(home)})
     assert last.output.splitlines() == ["worker-0: 2026-11-25 10:00:04,000 INFO worker step 7",
                                         "chief-0: 2026-11-25 10:00:05,000 INFO chief done"]
+    Path(cdir.role_log("worker-0", 1)).unlink()  # an earlier attempt's log deleted: said, and the others shown
+    gone = runner.invoke(cli, ["logs", "--all", "merge", "-n", "1"], env={"PSCTL_HOME": str(home)})
+    assert gone.exit_code == 4, gone.output
+    assert gone.stdout.splitlines() == ["chief-0: 2026-11-25 10:00:05,000 INFO chief done"]
+    assert f"a log is missing: {cdir.role_log('worker-0', 1)}" in " ".join(gone.stderr.split()), gone.stderr
+    assert "1 log(s) of 'merge' missing" in " ".join(gone.stderr.split()), gone.stderr
     bad = runner.invoke(cli, ["logs", "--all", "worker-0", "merge"], env={"PSCTL_HOME": str(home)})
     assert bad.exit_code == 2 and "with --all, give only the cluster's name" in bad.output
     missing = runner.invoke(cli, ["logs"], env={"PSCTL_HOME": str(home)})
@@ -138,3 +182,30 @@ def test_a_role_is_named_by_its_name_its_task_or_a_kind_only_one_role_has(tmp_pa
     assert code == 2 and "no role 'evaluator' in cluster 'names'; roles are: chief-0, worker-0, worker-1, ps-0" in said
     code, said = logs("chief", "names", "--attempt", "2")
     assert code == 2 and "chief-0 has attempts 1..1" in said
+
+
+def test_events_shows_each_event_and_skips_lines_that_are_not_one(tmp_path: Path) -> None:
+    """A torn or foreign line in events.jsonl is skipped (a list, a time that is text or out of range gave a
+    traceback)."""
+    from click.testing import CliRunner
+
+    from psctl.cli import cli
+    from psctl.supervisor.state import ClusterRecord, save_state
+
+    home = tmp_path / "home"
+    cdir = ClusterDir(home / "ev")
+    cdir.create()
+    save_state(cdir.state_file, ClusterRecord(name="ev", cluster_id="ev-1", roles=[]))
+    good = {"time": 1_700_000_000, "role": "worker-1", "from": "running", "to": "lost", "reason": "SIGKILL"}
+    odd = ['[1, 2]', '{"time": "x", "role": "ps-0", "to": "lost"}', '{"time": 1e30, "role": "ps-1"}',
+           '{"time": null, "role": "chief-0", "from": "starting", "to": "running"}', '{"torn']
+    cdir.events_file.write_text("\n".join([json.dumps(good), *odd]) + "\n")
+    result = CliRunner().invoke(cli, ["events", "ev"], env={"PSCTL_HOME": str(home)})
+    assert result.exit_code == 0, result.output
+    stamp = time.strftime("%H:%M:%S", time.localtime(good["time"]))
+    assert result.output.splitlines() == [
+        f"{stamp}  worker-1     running -> lost  SIGKILL",
+        "??:??:??  ps-0         None -> lost",
+        "??:??:??  ps-1         None -> None",
+        "??:??:??  chief-0      starting -> running",
+    ]

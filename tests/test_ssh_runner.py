@@ -135,6 +135,7 @@ def test_start_poll_find_and_stop_on_every_host(
                 assert other_runner.cluster_processes(cids[name]) == []
         data = wait_until(partial(runner.read_file, str(logs[name])), timeout=10, what=f"{name}'s log")
         assert data == b"ready\n" and runner.read_file(str(logs[name]), 3) == b"dy\n"
+        assert runner.read_file(str(logs[name]), 1, 3) == b"ead"  # (a long log is read a chunk at a time)
         assert runner.run(f"stat -c %a {logs[name]} {logs[name].parent}") == (0, "600\n700\n", "")
 
     check_results(run_on_all(list(runners.values()), lambda r: r.signal_group(handles[r.host], signal.SIGTERM)))

@@ -53,9 +53,9 @@ class Runner(ABC):
         """Every live process (not zombie) whose environment has PSCTL_CLUSTER_ID=cluster_id."""
 
     @abstractmethod
-    def read_file(self, path: str, offset: int = 0) -> bytes:
+    def read_file(self, path: str, offset: int = 0, size: int = -1) -> bytes:
         """The bytes of a file on this runner's host from ``offset`` on (a negative offset counts from the
-        end); FileNotFoundError if it does not exist."""
+        end), at most ``size`` of them (all if negative); FileNotFoundError if it does not exist."""
 
     def read_end(self, path: str, nbytes: int) -> tuple[bytes, int]:
         """The last ``nbytes`` of a file and its size (where a reader following it goes on); backends

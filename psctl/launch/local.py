@@ -97,10 +97,10 @@ class LocalRunner(Runner):
             f.seek(max(0, size - nbytes))
             return f.read(size - f.tell()), size
 
-    def read_file(self, path: str, offset: int = 0) -> bytes:
+    def read_file(self, path: str, offset: int = 0, size: int = -1) -> bytes:
         with open(path, "rb") as f:
             if offset < 0:
                 f.seek(max(0, os.fstat(f.fileno()).st_size + offset))
             else:
                 f.seek(offset)
-            return f.read()
+            return f.read(size)

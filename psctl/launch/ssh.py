@@ -321,22 +321,23 @@ class SSHRunner(Runner):
         """
         return self._exec(cmd, timeout=timeout, probe=True)
 
-    def read_file(self, path: str, offset: int = 0) -> bytes:
-        """The bytes of a remote file from ``offset`` on (SFTP; negative: from the end), e.g. the new part of
-        a role's log. FileNotFoundError if it does not exist."""
-        return self._read(path, lambda size: max(0, size + offset) if offset < 0 else offset)[0]
+    def read_file(self, path: str, offset: int = 0, size: int = -1) -> bytes:
+        """The bytes of a remote file from ``offset`` on (SFTP; negative: from the end), at most ``size`` of them
+        (all if negative), e.g. the new part of a role's log. FileNotFoundError if it does not exist."""
+        return self._read(path, lambda end: max(0, end + offset) if offset < 0 else offset, size)[0]
 
     def read_end(self, path: str, nbytes: int) -> tuple[bytes, int]:
-        return self._read(path, lambda size: max(0, size - nbytes))
+        return self._read(path, lambda end: max(0, end - nbytes))
 
-    def _read(self, path: str, start: Callable[[int], int]) -> tuple[bytes, int]:
-        """The file's bytes from ``start(size)`` to its end (read over SFTP), and its size."""
+    def _read(self, path: str, start: Callable[[int], int], size: int = -1) -> tuple[bytes, int]:
+        """The file's bytes from ``start(its size)`` to its end or ``size`` of them (read over SFTP), and where
+        they end (at the end: its size)."""
 
         def read(sftp: paramiko.SFTPClient) -> tuple[bytes, int]:
             with sftp.open(_sftp_path(path), "rb") as remote:
                 begin = start(remote.stat().st_size)
                 remote.seek(begin)
-                data = remote.read()
+                data = remote.read(size if size >= 0 else None)
                 return data, begin + len(data)
 
         return self._sftp_call(path, read)  # type: ignore[no-any-return]

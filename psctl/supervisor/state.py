@@ -18,15 +18,18 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from psctl.errors import PsctlError
 from psctl.runtime.atomic import write_json_atomic, write_text_atomic
 from psctl.spec.model import ClusterSpec
 from psctl.spec.plan import Plan, endpoint
+
+E = TypeVar("E", bound=Enum)
 
 
 class RoleState(str, Enum):
@@ -115,9 +118,8 @@ class RoleRecord:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RoleRecord:
-        known = {f.name for f in fields(cls)}
-        data = {k: v for k, v in raw.items() if k in known}
-        data["state"] = RoleState(data.get("state", "pending"))
+        data = _known_fields(cls, raw, "a role")
+        data["state"] = _enum(RoleState, data.get("state", "pending"))
         return cls(**data)
 
 
@@ -191,11 +193,44 @@ class ClusterRecord:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ClusterRecord:
-        known = {f.name for f in fields(cls)}
-        data = {k: v for k, v in raw.items() if k in known}
-        data["state"] = ClusterState(data.get("state", "starting"))
-        data["roles"] = [RoleRecord.from_dict(r) for r in data.get("roles", [])]
+        data = _known_fields(cls, raw, "the record")
+        for key, kinds in _CLUSTER_FIELD_KINDS.items():  # (read by every command: one odd value broke `ls`)
+            if key in data and not isinstance(data[key], kinds):
+                raise TypeError(f"{key!r} is a JSON {type(data[key]).__name__}")
+        data["state"] = _enum(ClusterState, data.get("state", "starting"))
+        data["roles"] = [RoleRecord.from_dict(r) if isinstance(r, dict) else _not_a_role(r)
+                         for r in data.get("roles", [])]
         return cls(**data)
+
+
+#: The JSON kinds of the record's fields that commands read without a second look.
+_CLUSTER_FIELD_KINDS: dict[str, type | tuple[type, ...]] = {
+    "name": str, "cluster_id": str, "reason": str, "steps": int, "result": (dict, type(None)), "roles": list,
+    "spec_overrides": list, "hosts": dict, "host_problems": dict, "agents": dict, "slurm": dict,
+}
+
+
+def _known_fields(cls: type, raw: dict[str, Any], what: str) -> dict[str, Any]:
+    """The fields of ``cls`` that ``raw`` gives (others are a newer psctl's: left out); a TypeError naming a
+    required one it lacks."""
+    known = fields(cls)
+    missing = [f.name for f in known if f.name not in raw and f.default is MISSING and f.default_factory is MISSING]
+    if missing:
+        raise TypeError(f"{what} has no {missing[0]!r}")
+    names = {f.name for f in known}
+    return {k: v for k, v in raw.items() if k in names}
+
+
+def _enum(kind: Callable[[Any], E], value: object) -> E:
+    """``kind(value)``; a ValueError that says which state is unknown (not the enum's own words)."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"unknown state {value!r}") from None
+
+
+def _not_a_role(raw: object) -> RoleRecord:
+    raise TypeError(f"a role is a JSON {type(raw).__name__}")
 
 
 def new_record(spec: ClusterSpec, plan: Plan) -> ClusterRecord:
