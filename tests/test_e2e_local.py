@@ -574,6 +574,45 @@ def test_a_program_error_in_a_step_fails_the_cluster_saying_which_worker_and_wha
     assert not any(r["restarts"] for r in status_json(psctl_env, "buggy")["roles"])
 
 
+def test_a_daemon_a_program_left_is_stopped_when_training_ends(psctl_env) -> None:
+    """A program that starts a daemon (forks twice, its parent gone: no signal to the role's group or tree reaches
+    it) left it running after `up` had ended, until a `psctl down`: the agent stops it as the cluster ends."""
+    pid_file = psctl_env.tmp_path / "daemon.pid"
+    program = psctl_env.tmp_path / "daemon_program.py"
+    program.write_text(textwrap.dedent(f"""\
+        import os
+        from psctl.models import mlp
+
+        def build(args, data, seed):
+            if os.environ.get("PSCTL_ROLE") == "worker-0" and os.fork() == 0:
+                os.setsid()
+                if os.fork() == 0:
+                    with open({str(pid_file)!r}, "w") as f:
+                        f.write(str(os.getpid()))
+                    os.execvp("sleep", ["sleep", "300"])
+                os._exit(0)
+            return mlp.build(args, data, seed)
+        """), encoding="utf-8")
+    spec = psctl_env.write_spec("daemon", program=str(program), workers=2, steps=300)
+    done = psctl_env.run("up", str(spec), timeout=120)
+    assert done.returncode == 0, (done.stdout, done.stderr, cluster_logs(psctl_env, "daemon"))
+    pid = int(pid_file.read_text())
+
+    def ended() -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    try:
+        wait_until(ended, timeout=15, what="the daemon to be stopped")
+    finally:
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
+    agent_log = (psctl_env.home / "daemon" / "logs" / "agent-localhost.log").read_text()
+    assert f"stopped 1 process(es) its roles left running (daemons?): pid(s) {pid}" in agent_log, agent_log
+
+
 def test_a_worker_out_of_memory_is_restarted_and_its_step_run_by_another(psctl_env) -> None:
     """Out of memory is the worker process's (a host short of memory, a leak), not the program's bug: the step
     goes to another worker, the worker leaves as failed and is restarted by its policy, and training ends exactly.

@@ -45,6 +45,7 @@ from psctl.agent.orphans import (
     adoptable,
     adoptable_port,
     adoption_record,
+    end_strays,
     ended_code,
     kill_orphans,
     left_to_their_roles,
@@ -590,6 +591,10 @@ class Agent:
                 self._begin_stop(role, grace)
             self._exits.wake()  # the watch thread's next SIGKILL is due sooner
             self._reaped.wait_for(lambda: not any(r.running for r in self.roles.values()), timeout=grace + 5.0)
+        strays = end_strays(self.cluster_id, self.host)
+        if strays:
+            log.warning("stopped %d process(es) its roles left running (daemons?): pid(s) %s", len(strays),
+                        ", ".join(map(str, strays)))
         self._send(self.report(changed=True))
         outbox = self._outbox
         if outbox is not None:

@@ -12,7 +12,8 @@ signal, and would run on (holding memory, devices, files) until ``psctl down`` f
   role, a keeper's program), its exit shows before it is collected, while its pid still names its group (no
   later process can take it), and ``end_group`` SIGKILLs what is left there then.
 
-What left both (a daemon that forked twice and whose parent ended) is found by ``psctl down``.
+What left both (a daemon that forked twice and whose parent ended) is found by its environment: by the agent once
+its roles have all ended at the cluster's end (``psctl.agent.orphans.end_strays``), else by ``psctl down``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import contextlib
 import json
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,24 +114,34 @@ class Orphan:
         return str((self.record or {}).get("name", ""))
 
 
-def find_orphans(cluster_id: str, host: str) -> list[Orphan]:
-    """The processes whose environment names this cluster and this host as a role's (a role's process group
-    leader: its own children go with it)."""
+def _of_the_roles(cluster_id: str, host: str) -> Iterator[tuple[int, list[bytes]]]:
+    """Every process (but this one) whose environment names this cluster and this host as a role's, with that
+    environment: the roles, and whatever they started (it inherits their environment)."""
     me = os.getpid()
     needles = (f"PSCTL_CLUSTER_ID={cluster_id}".encode(), f"{HOST_VARIABLE}={host}".encode())
-    found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:
             continue
-        pid = int(entry)
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if all(n in env for n in needles):
+            yield int(entry), env
+
+
+def find_orphans(cluster_id: str, host: str) -> list[Orphan]:
+    """The processes whose environment names this cluster and this host as a role's (a role's process group
+    leader: its own children go with it)."""
+    found = []
+    for pid, env in _of_the_roles(cluster_id, host):
+        try:
             if os.getpgid(pid) != pid:  # a role's own child (its group is signalled with it)
                 continue
         except OSError:
             continue
-        if not (all(n in env for n in needles) and any(v.startswith(b"PSCTL_ROLE=") for v in env)):
+        if not any(v.startswith(b"PSCTL_ROLE=") for v in env):
             continue
         prefix = f"{ADOPTION_VARIABLE}=".encode()
         raw = next((v[len(prefix):] for v in env if v.startswith(prefix)), None)
@@ -143,6 +153,18 @@ def find_orphans(cluster_id: str, host: str) -> list[Orphan]:
             continue
         found.append(Orphan(pid, create_time(pid), record, _command_line(pid) == record.get("argv")))
     return found
+
+
+def end_strays(cluster_id: str, host: str) -> list[int]:
+    """SIGKILL what this host's roles left once they all ended: processes that carry a role's environment and
+    that no signal to a role's group or tree reached (a daemon that forked twice and whose parent ended; see
+    ``psctl.agent.leftovers``); their pids. (They ran on until ``psctl down`` looked for them.)"""
+    strays = {pid: create_time(pid) for pid, _ in _of_the_roles(cluster_id, host)}
+    for pid, started in strays.items():
+        if still_running(pid, started):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    return sorted(strays)
 
 
 def _command_line(pid: int) -> list[str] | None:

@@ -71,9 +71,8 @@ class LocalRunner(Runner):
             return
         try:
             os.killpg(handle.pid, sig)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
+        except (ProcessLookupError, PermissionError):
+            # it leads no group (a daemon that forked twice, whose group's leader is gone) or not its own: itself
             with contextlib.suppress(ProcessLookupError):
                 os.kill(handle.pid, sig)
 
