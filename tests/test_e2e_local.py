@@ -613,6 +613,30 @@ def test_a_daemon_a_program_left_is_stopped_when_training_ends(psctl_env) -> Non
     assert f"stopped 1 process(es) its roles left running (daemons?): pid(s) {pid}" in agent_log, agent_log
 
 
+def test_a_chief_whose_program_left_a_thread_running_ends_with_its_training(psctl_env) -> None:
+    """A thread of the program that never ends (not a daemon) held the chief at its exit once training was done,
+    its heartbeat stopped: it was taken for hung and restarted, again and again, and `up` never returned."""
+    program = psctl_env.tmp_path / "thread_program.py"
+    program.write_text(textwrap.dedent("""\
+        import os, threading, time
+        from psctl.models import mlp
+
+        def build(args, data, seed):
+            if os.environ.get("PSCTL_ROLE") == "chief-0":
+                threading.Thread(target=time.sleep, args=(10**6,), name="my-uploader").start()
+            return mlp.build(args, data, seed)
+        """), encoding="utf-8")
+    spec = psctl_env.write_spec("thread", program=str(program), workers=1, steps=200)
+    done = psctl_env.run("up", str(spec), timeout=120)
+    assert done.returncode == 0, (done.stdout, done.stderr, cluster_logs(psctl_env, "thread"))
+    chief = next(r for r in status_json(psctl_env, "thread")["roles"] if r["name"] == "chief-0")
+    assert (chief["attempt"], chief["state"]) == (1, "succeeded"), chief
+    log = psctl_env.run("logs", "chief-0", "thread").stdout
+    assert "exiting with 1 thread(s) of the program still running (not daemons" in log and "my-uploader" in log, log
+    # the roles without such threads exit as they did, saying nothing of threads
+    assert "thread(s) of the program" not in psctl_env.run("logs", "worker-0", "thread").stdout
+
+
 def test_a_worker_out_of_memory_is_restarted_and_its_step_run_by_another(psctl_env) -> None:
     """Out of memory is the worker process's (a host short of memory, a leak), not the program's bug: the step
     goes to another worker, the worker leaves as failed and is restarted by its policy, and training ends exactly.

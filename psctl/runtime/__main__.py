@@ -9,6 +9,7 @@ worker that ended by itself, training being over and nothing having stopped it (
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from psctl.launch.cpus import bind_self, cpu_list, settle_priority
 from psctl.runtime.cluster import ClusterConfigError, ClusterInfo, from_env
@@ -241,6 +243,34 @@ def record_exit(code: int) -> None:
         print(f"psctl.runtime: cannot write the exit file {path}: {exc}", file=sys.stderr)
 
 
+#: How long a program's threads that are not daemons have to end once the role is done, before it exits anyway.
+THREADS_GRACE = 2.0
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit with ``code``. A thread of the program that never ends (not a daemon) kept the interpreter at its
+    exit once the role was done, its heartbeat stopped: a chief that had finished training was taken for hung
+    and restarted, again and again. Such threads have THREADS_GRACE to end; then the process exits without them
+    (and without the exit handlers, which run after them), saying which they were."""
+    deadline = time.monotonic() + THREADS_GRACE
+    for thread in _lingering():
+        thread.join(max(0.0, deadline - time.monotonic()))
+    left = _lingering()
+    if not left:
+        sys.exit(code)
+    logging.warning("exiting with %d thread(s) of the program still running (not daemons, they would have held "
+                    "this process at its exit): %s", len(left), ", ".join(t.name for t in left))
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def _lingering() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+
+
 if __name__ == "__main__":
     try:
         exit_code = main()
@@ -248,4 +278,4 @@ if __name__ == "__main__":
         record_exit(EXIT_FAILURE)
         raise
     record_exit(exit_code)
-    sys.exit(exit_code)
+    exit_now(exit_code)
