@@ -325,3 +325,22 @@ def test_a_dense_layers_gradient_travels_as_its_factors_only_where_they_are_smal
             np.testing.assert_allclose(part, want, rtol=1e-6, atol=1e-7)
     factored = sum(a.nbytes for e in plan.values() for a in [x.array for x in e])
     assert factored < sum(_dense(g).nbytes for g in grads.values())
+
+
+@pytest.mark.parametrize("form", ["dense", "sparse", "low-rank"])
+def test_a_gradient_that_is_not_real_numbers_is_refused_naming_its_variable(form: str) -> None:
+    """A complex gradient was cast to the variable's float32, its imaginary parts dropped with only numpy's
+    warning in the log, and training went on; an int one is exact and stays accepted."""
+    program = mlp.build({"hidden_units": 8}, dict(SMALL_CLS), seed=1)
+    model = ShardedModel(program, 1, None)
+    shape = model.layouts["hid/kernel"].variable.shape
+    grads: dict[str, object] = {
+        "dense": {"hid/kernel": np.ones(shape, dtype=np.complex128)},
+        "sparse": {"hid/kernel": SparseGrad(np.array([0, 2]), np.ones((2, shape[1]), dtype=np.complex64))},
+        "low-rank": {"hid/kernel": LowRankGrad(np.ones((4, shape[0])), np.full((4, shape[1]), "x"))},
+    }[form]
+    with pytest.raises(ValueError, match=r"gradient for 'hid/kernel' is of dtype (complex|<U).*; a gradient holds "
+                                         r"real numbers \(the variable is float32\)"):
+        model.push_plan(grads)  # type: ignore[arg-type]
+    plan = model.push_plan({"hid/kernel": np.ones(shape, dtype=np.int64)})
+    assert plan[0][0].array.dtype == np.float32 and np.all(plan[0][0].array == 1)

@@ -126,7 +126,7 @@ class ShardedModel:
             dtype = np.dtype(layout.variable.dtype)
             if isinstance(grad, SparseGrad):
                 ids = np.asarray(grad.ids, dtype=np.int64)
-                values = np.asarray(grad.values, dtype=dtype)
+                values = real_numbers(name, grad.values, dtype)
                 for shard, local, rows in shard_slices_for_global(layout, ids, values):
                     plan[shard.ps].append(Entry(shard.name, IDS, np.asarray(local, dtype=np.int64)))
                     plan[shard.ps].append(Entry(shard.name, ROWS, np.ascontiguousarray(rows, dtype=dtype)))
@@ -134,7 +134,7 @@ class ShardedModel:
                 for shard, entries in _low_rank_parts(layout, grad, dtype):
                     plan[shard.ps].extend(entries)
             else:
-                grad = np.asarray(grad, dtype=dtype)
+                grad = real_numbers(name, grad, dtype)
                 if grad.shape != layout.variable.shape:
                     raise ValueError(
                         f"gradient for {name!r} has shape {grad.shape}, the variable is {layout.variable.shape}"
@@ -145,13 +145,24 @@ class ShardedModel:
         return plan
 
 
+def real_numbers(name: str, gradient: object, dtype: np.dtype) -> np.ndarray:
+    """A program's gradient (or a part of one) for variable ``name`` as ``dtype``; a ValueError if it does not
+    hold real numbers (a complex one lost its imaginary parts in the cast, with only numpy's warning to say so)."""
+    array = np.asarray(gradient)
+    if array.dtype.kind not in "fiu":
+        raise ValueError(f"gradient for {name!r} is of dtype {array.dtype}; a gradient holds real numbers (the "
+                         f"variable is {dtype})")
+    return array.astype(dtype, copy=False)
+
+
 def _low_rank_parts(
     layout: VariableLayout, grad: LowRankGrad, dtype: np.dtype
 ) -> list[tuple[ShardInfo, list[Entry]]]:
     """Each shard's part of a ``left.T @ right`` gradient (its rows are columns of ``left``): the two factors
     where they are smaller than the part, else the part multiplied out here."""
     name = layout.variable.name
-    left, right = np.asarray(grad.left, dtype=dtype), np.ascontiguousarray(grad.right, dtype=dtype)
+    left = real_numbers(name, grad.left, dtype)
+    right = np.ascontiguousarray(real_numbers(name, grad.right, dtype))
     if left.ndim != 2 or right.ndim != 2 or len(left) != len(right):
         raise ValueError(f"the low-rank gradient for {name!r} needs factors k x rows and k x columns, "
                          f"got {left.shape} and {right.shape}")
