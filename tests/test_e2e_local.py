@@ -574,6 +574,77 @@ def test_a_program_error_in_a_step_fails_the_cluster_saying_which_worker_and_wha
     assert not any(r["restarts"] for r in status_json(psctl_env, "buggy")["roles"])
 
 
+def test_a_step_hung_in_the_program_goes_to_another_worker_and_its_worker_is_restarted(psctl_env) -> None:
+    """A step that hangs in the program (its worker's heartbeats go on, from a thread of their own): the chief's
+    checkpoints and end waited for it, and held the whole cluster at one step forever. Past its deadline the step
+    goes to another worker, and the stalled worker is restarted."""
+    program = psctl_env.tmp_path / "hanging_program.py"
+    hung = psctl_env.tmp_path / "hung-once"  # (its second attempt does not hang)
+    program.write_text(textwrap.dedent(f"""\
+        import os, time
+        from psctl.models import mlp
+
+        def build(args, data, seed):
+            model = mlp.build(args, data, seed)
+            calls = [0]
+            train = model.loss_and_grads
+
+            def loss_and_grads(params, batch):
+                calls[0] += 1
+                if os.environ.get("PSCTL_ROLE") == "worker-1" and calls[0] > 30 and not os.path.exists({str(hung)!r}):
+                    open({str(hung)!r}, "w").close()
+                    time.sleep(10**6)
+                return train(params, batch)
+
+            model.loss_and_grads = loss_and_grads
+            return model
+        """), encoding="utf-8")
+    steps = 4000
+    spec = psctl_env.write_spec("hang", program=str(program), workers=2, steps=steps)
+    text = spec.read_text().replace("  mode: async\n", "  mode: async\n  step_timeout: 3s\n  steps_per_execution: 1\n"
+                                     "  log_every_seconds: 0.2s\n")
+    spec.write_text(text.replace("heartbeat_timeout: 10s}", "heartbeat_timeout: 10s, stall_timeout: 2s}"))
+    done = psctl_env.run("up", str(spec), timeout=150)
+    assert done.returncode == 0, (done.stdout, done.stderr, cluster_logs(psctl_env, "hang"))
+    assert f"training finished: {steps} steps" in flat(done.stdout), done.stdout
+    chief_log = psctl_env.run("logs", "chief-0", "hang").stdout
+    assert re.search(r"worker:1: step \d+ ran past its deadline of \d+s \(hung\?\); it goes back on the queue",
+                     chief_log), chief_log[-3000:]
+    lost = [e for e in map(json.loads, (psctl_env.home / "hang" / "events.jsonl").read_text().splitlines())
+            if e["role"] == "worker-1" and e["to"] == "lost"]
+    assert lost and lost[0]["reason"].startswith("stalled: its step has not moved for"), lost
+    assert psctl_env.role("hang", "worker-1")["attempt"] >= 2
+
+
+def test_a_program_that_calls_sys_exit_in_a_step_fails_the_cluster_saying_so(psctl_env) -> None:
+    """sys.exit in a step raised SystemExit in the worker's server thread, where nothing caught it: the call was
+    never answered, and the whole cluster waited for it forever, the worker still beating."""
+    program = psctl_env.tmp_path / "exiting_program.py"
+    program.write_text(textwrap.dedent("""\
+        import sys
+        from psctl.models import mlp
+
+        def build(args, data, seed):
+            model = mlp.build(args, data, seed)
+            calls = [0]
+            train = model.loss_and_grads
+
+            def loss_and_grads(params, batch):
+                calls[0] += 1
+                if calls[0] > 5:
+                    sys.exit(0)
+                return train(params, batch)
+
+            model.loss_and_grads = loss_and_grads
+            return model
+        """), encoding="utf-8")
+    spec = psctl_env.write_spec("exits", program=str(program), workers=1, steps=LONG)
+    done = psctl_env.run("up", str(spec), timeout=120)
+    assert done.returncode == 3, (done.returncode, done.stdout, done.stderr, cluster_logs(psctl_env, "exits"))
+    assert "training failed: worker:0: program error: SystemExit: 0 (traceback in worker-0's log)" in \
+        flat(done.stderr), done.stderr
+
+
 def test_a_daemon_a_program_left_is_stopped_when_training_ends(psctl_env) -> None:
     """A program that starts a daemon (forks twice, its parent gone: no signal to the role's group or tree reaches
     it) left it running after `up` had ended, until a `psctl down`: the agent stops it as the cluster ends."""

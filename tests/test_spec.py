@@ -376,6 +376,15 @@ MISTAKES = [
         "write auto (the default: calls sized by the steps' duration) or a whole number such as 10",
     ),
     (
+        "a step timeout neither auto nor a duration",
+        """\
+        roles: {chief: {}, ps: {}, worker: {replicas: 2}}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10, step_timeout: -5s}
+        """,
+        "cluster.yaml:2: training.step_timeout: expected auto, 0 or a duration such as 10m, got '-5s'; "
+        "write auto (a deadline from the steps' durations), 0 (none) or a duration: 90s, 10m",
+    ),
+    (
         "role names a host but the spec has no hosts",
         """\
         roles:
@@ -894,6 +903,7 @@ def test_valid_spec_is_normalised_with_defaults(tmp_path: Path) -> None:
         "eval_every_steps": 0,
         "max_evaluations": 0,
         "replica_timeout": None,
+        "step_timeout": "auto",
         "min_replicas": None,
         "distinct_replicas": None,
         "pipelined": False,

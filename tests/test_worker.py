@@ -15,7 +15,14 @@ from psctl.proto import psctl_pb2 as pb
 from psctl.proto import psctl_pb2_grpc as pb_grpc
 from psctl.runtime import worker as worker_module
 from psctl.runtime.cluster import ClusterInfo
-from psctl.runtime.coordinator import ClusterCoordinator
+from psctl.runtime.coordinator import (
+    AUTO,
+    AUTO_DEADLINE_FACTOR,
+    AUTO_DEADLINE_FLOOR,
+    Closure,
+    ClusterCoordinator,
+    RemoteValue,
+)
 from psctl.runtime.evaluation import evaluate_batch
 from psctl.runtime.fencing import ChiefFence, ChiefReplaced
 from psctl.runtime.heartbeat import ClusterAddresses, Heartbeater, Progress, tasks_of
@@ -226,6 +233,28 @@ def test_several_steps_per_call_apply_each_step_and_batch_once(cluster) -> None:
     assert list(state.shard_positions) == [15]  # batches 0..15 of shard 0
     with pytest.raises(ValueError, match="asynchronous training steps only"):
         coordinator.schedule("train", steps=2, sync_step=0)
+
+
+def test_a_training_step_s_automatic_deadline_follows_the_slowest_step_seen(cluster) -> None:
+    """step_timeout auto (the default): no deadline before a first step ends (data loading, connecting), then
+    AUTO_DEADLINE_FACTOR times the slowest step seen, at least AUTO_DEADLINE_FLOOR, for each step of a call; an
+    evaluation has none. An explicit timeout counts for each step of a call, 0 for none."""
+    coordinator, _model, _ps, _servicer = cluster
+    assert coordinator.step_timeout == AUTO and coordinator.slowest_step is None
+    train = Closure("train", 1, RemoteValue(), steps=4)
+    assert coordinator._deadline(train) is None
+    coordinator.schedule("train", steps=3)
+    coordinator.join(timeout=60)
+    slowest = coordinator.slowest_step
+    assert slowest is not None and 0 < slowest < AUTO_DEADLINE_FLOOR / AUTO_DEADLINE_FACTOR
+    assert coordinator._deadline(train) == 4 * AUTO_DEADLINE_FLOOR
+    coordinator.slowest_step = 10.0  # (a slow model: its steps' own length decides)
+    assert coordinator._deadline(train) == 4 * 10.0 * AUTO_DEADLINE_FACTOR
+    assert coordinator._deadline(Closure("evaluate", 2, RemoteValue())) is None
+    coordinator.step_timeout = 2.5
+    assert coordinator._deadline(train) == 10.0 and coordinator._deadline(Closure("evaluate", 2, RemoteValue())) == 2.5
+    coordinator.step_timeout = 0.0
+    assert coordinator._deadline(train) is None
 
 
 def test_pipelined_calls_of_several_steps_compute_each_step_while_the_last_push_travels(cluster) -> None:

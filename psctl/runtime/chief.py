@@ -131,7 +131,7 @@ class Chief:
             tls=self.info.tls,
             step_id_base=newest_id + STEP_ID_GAP if newest_id else 0,
             cursors=_cursors(list(state.shard_positions)),
-            step_timeout=cfg.step_timeout or None,
+            step_timeout=cfg.step_timeout,
             on_result=self._on_result,
             on_worker_event=lambda message: log.warning("%s", message),
             staleness=cfg.staleness if cfg.mode == "bounded" else None,

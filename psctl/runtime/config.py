@@ -49,8 +49,9 @@ class TrainingConfig:
     max_evaluations: int = 0
     #: Seconds a step may run before it is re-scheduled on another worker (0: no deadline), counted from when the
     #: chief sends it: an asynchronous step queued behind another on its worker spends part of it waiting. A call
-    #: of several steps (steps_per_execution) has this for each of them.
-    step_timeout: float = 0.0
+    #: of several steps (steps_per_execution) has this for each of them. "auto": from the steps' durations
+    #: (psctl.runtime.coordinator.AUTO).
+    step_timeout: float | str = "auto"
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> TrainingConfig:

@@ -40,6 +40,11 @@ log = logging.getLogger("psctl.coordinator")
 
 #: How gRPC words an RPC that failed before any connection carried it (the channel could not connect).
 NEVER_SENT = "failed to connect to all addresses"
+#: ``step_timeout`` that sets a training step's deadline from the steps seen: this many times the slowest, and at
+#: least this many seconds (a step hung in a program held the chief's checkpoints and end, and so the cluster).
+AUTO = "auto"
+AUTO_DEADLINE_FACTOR = 20.0
+AUTO_DEADLINE_FLOOR = 60.0
 _WORKER_LOST = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.CANCELLED,
@@ -141,7 +146,7 @@ class ClusterCoordinator:
         tls: TlsFiles | None = None,
         step_id_base: int = 0,
         cursors: dict[int, int] | None = None,
-        step_timeout: float | None = None,
+        step_timeout: float | str | None = AUTO,
         worker_wait: float = 3600.0,
         probe_interval: float = 0.5,
         on_result: ResultCallback | None = None,
@@ -158,7 +163,10 @@ class ClusterCoordinator:
         ``chief_incarnation``: stamped on every probe and step; a worker that knows a newer chief refuses them,
         and this coordinator then fails with ChiefReplaced (see fencing).
         ``num_shards``: the training data's shards (default: one per worker); ``ps_addresses``: the chief's ps
-        layout, sent with every step (a worker whose layout differs takes this one first)."""
+        layout, sent with every step (a worker whose layout differs takes this one first).
+        ``step_timeout``: seconds a step may take (a call of several: each of them) before it goes to another
+        worker; None: no deadline; AUTO: a training step's deadline is AUTO_DEADLINE_FACTOR times the slowest
+        step seen yet, at least AUTO_DEADLINE_FLOOR (none before the first has ended)."""
         self.chief_incarnation = chief_incarnation
         self.num_shards = num_shards or len(workers)
         self.ps_addresses = list(ps_addresses)
@@ -174,6 +182,8 @@ class ClusterCoordinator:
         self.cursors: dict[int, int] = {i: 0 for i in range(self.num_shards)}
         self.cursors.update(cursors or {})
         self.step_timeout = step_timeout
+        #: The slowest training step yet, in seconds (a call's time over its steps, from when it was sent).
+        self.slowest_step: float | None = None
         self.worker_wait = worker_wait
         self.probe_interval = probe_interval
         self.on_result = on_result
@@ -571,12 +581,16 @@ class ClusterCoordinator:
                 ps_addresses=self.ps_addresses if worker.layout_sent != self.layout else (),
             )
             layout = self.layout
+            sent = time.monotonic()
             try:
                 response = self._stubs[worker.index].RunStep(request, timeout=self._deadline(closure))
             except grpc.RpcError as exc:
                 self._on_rpc_error(worker, closure, exc)
                 continue
             with self._cond:
+                if closure.function == "train":
+                    took = (time.monotonic() - sent) / max(1, closure.steps)
+                    self.slowest_step = max(took, self.slowest_step or 0.0)
                 worker.steps += closure.steps
                 worker.layout_sent = layout
                 self._cond.notify_all()  # a slow worker's progress may unblock workers held by the bound
@@ -586,8 +600,12 @@ class ClusterCoordinator:
             self._finish(closure)
 
     def _deadline(self, closure: Closure) -> float | None:
-        """The call's timeout: step_timeout for each of its steps."""
-        return None if self.step_timeout is None else self.step_timeout * closure.steps
+        """The call's timeout: the step timeout for each of its steps (see ``__init__``)."""
+        if self.step_timeout != AUTO:
+            return None if not self.step_timeout else float(self.step_timeout) * closure.steps
+        if closure.function != "train" or self.slowest_step is None:
+            return None  # (an evaluation is its own length; the first steps load data, connect, compile)
+        return max(AUTO_DEADLINE_FLOOR, AUTO_DEADLINE_FACTOR * self.slowest_step) * closure.steps
 
     def _on_rpc_error(self, worker: WorkerState, closure: Closure, exc: grpc.RpcError) -> None:
         code, details = exc.code(), exc.details() or ""  # type: ignore[attr-defined]
@@ -604,10 +622,16 @@ class ClusterCoordinator:
         if code in _WORKER_LOST or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(OUT_OF_MEMORY)):
             worker.alive = False
             worker.failures += 1
-            self.on_worker_event(
-                f"worker:{worker.index} lost ({code.name}: {details.strip()[:200]}); "
-                f"step {closure.step_id} goes back on the queue"
-            )
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:  # hung in the program? (its supervisor restarts it once
+                # its steps stay stalled while others move)
+                self.on_worker_event(
+                    f"worker:{worker.index}: step {closure.step_id} ran past its deadline of "
+                    f"{self._deadline(closure) or 0:.0f}s (hung?); it goes back on the queue")
+            else:
+                self.on_worker_event(
+                    f"worker:{worker.index} lost ({code.name}: {details.strip()[:200]}); "
+                    f"step {closure.step_id} goes back on the queue"
+                )
             # no connection, so the step was never sent (a preempted worker that already left): not a retry
             never_sent = code == grpc.StatusCode.UNAVAILABLE and NEVER_SENT in details
             self._finish(closure, requeue=True, retry=not never_sent)

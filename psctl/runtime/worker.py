@@ -256,7 +256,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             if request.function == "train":
                 try:
                     return self._train(request)
-                except Exception:
+                except BaseException:
                     with self._lock:  # the variables a push brought back may no longer be the PS's
                         self._prefetched, self._rows_ahead = None, None
                     raise
@@ -283,7 +283,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{OUT_OF_MEMORY} {self.task} ran out of memory in a {request.function} step ({exc}): it "
                           "leaves, to be restarted")
-        except Exception as exc:  # the program's own code failed: report it, do not crash the server
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:  # the program's own code failed (or called
+            # sys.exit, which in a server's thread went unseen and left the call unanswered): report it
             log.exception("program error in a %s step", request.function)  # (where: in the program's own lines)
             context.abort(grpc.StatusCode.INTERNAL, f"{self.task}: program error: {type(exc).__name__}: {exc} "
                                                     f"(traceback in {self.task.replace(':', '-')}'s log)")

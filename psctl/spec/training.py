@@ -32,7 +32,7 @@ from psctl.runtime.partitioners import (
     partitioner_keys,
     required_partitioner_key,
 )
-from psctl.spec.checks import INT64_MAX, Checker, show, suggestion
+from psctl.spec.checks import INT64_MAX, Checker, parse_duration, show, suggestion
 from psctl.spec.framework import FRAMEWORKS, normalise_tensorflow
 from psctl.spec.loader import KeyPath
 
@@ -41,6 +41,7 @@ TRAINING_KEYS = (
     "total_replicas", "staleness", "steps", "seed", "partitioner", "checkpoint",
     "log_every_seconds", "eval_every_steps", "max_evaluations", "replica_timeout", "min_replicas",
     "distinct_replicas", "pipelined", "steps_per_execution", "framework", "command", "data_shards", "placement",
+    "step_timeout",
 )  # fmt: skip
 MODES = ("async", "sync", "bounded")
 #: Each partitioner kind's keys, required ones first.
@@ -109,6 +110,8 @@ def normalise_training(
     # Never a silent hang: replicas missing for replica_timeout either shrink the step (down to min_replicas)
     # or fail training with a message that says so.
     out["replica_timeout"] = c.duration((*T, "replica_timeout"), t.get("replica_timeout", 60.0)) if sync else None
+    # a step hung in the program goes to another worker past its deadline (its own is restarted once stalled)
+    out["step_timeout"] = _step_timeout(c, t.get("step_timeout", "auto"))
     out["min_replicas"] = None
     if sync:
         r = out["replicas_to_aggregate"]
@@ -165,6 +168,20 @@ def _steps_per_execution(c: Checker, value: object) -> int | str:
         return AUTO
     return c.integer((*T, "steps_per_execution"), value, minimum=1,
                      fix=f"write {AUTO} (the default: calls sized by the steps' duration) or a whole number such as 10")
+
+
+def _step_timeout(c: Checker, value: object) -> float | str:
+    """``auto``, or seconds (0: no deadline)."""
+    if value == "auto":
+        return "auto"
+    try:
+        seconds = parse_duration(value)
+    except ValueError:
+        seconds = -1.0
+    if seconds < 0:
+        c.fail((*T, "step_timeout"), f"expected auto, 0 or a duration such as 10m, got {show(value)}",
+               "write auto (a deadline from the steps' durations), 0 (none) or a duration: 90s, 10m")
+    return seconds
 
 
 def _int(c: Checker, t: dict[str, Any], key: str, default: int | None, *, minimum: int, example: str = "2") -> int:
