@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -146,6 +147,14 @@ class ClusterDir(RoleFolders[Path]):
                                  self.spec_file) if p.exists()]
         if not leftovers:
             return None
+        if self._trained_nothing():  # an `up` that found nothing to train: its files go (kept, it took the place
+            # of a run that trained, and its lone metrics record cut the curves `psctl plot` continues)
+            for path in (self.logs, self.run_dir, self.events_file, self.supervisor_log):
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+            return None
         runs = self.kept_runs()
         kept = self.history / str(int(runs[-1].name) + 1 if runs else 1)
         kept.mkdir(parents=True, mode=0o700)
@@ -158,6 +167,14 @@ class ClusterDir(RoleFolders[Path]):
         for old in runs[: max(0, len(runs) + 1 - KEPT_RUNS)]:
             shutil.rmtree(old, ignore_errors=True)
         return kept
+
+    def _trained_nothing(self) -> bool:
+        """Whether the last run ended at once with nothing to train (its result says no step ran)."""
+        try:
+            result = json.loads((self.run_dir / "result.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        return isinstance(result, dict) and result.get("steps_this_run") == 0
 
     def create(self) -> None:
         for path in (self.root, self.logs, self.run_dir):

@@ -820,3 +820,13 @@ def test_a_new_run_of_a_name_keeps_the_last_ones_files_and_drops_its_requests(tm
     assert [p.name for p in cdir.kept_runs()] == [str(n) for n in range(3, KEPT_RUNS + 3)]
     assert (cdir.history.stat().st_mode & 0o777) == 0o700
     assert (cdir.root / "checkpoints" / "ckpt-000000000100").is_dir()
+    # an `up` that found nothing to train takes no place: it pushed out a run that trained (and its lone metrics
+    # record cut the curves `psctl plot` continues)
+    for _ in range(KEPT_RUNS + 1):
+        cdir.create()
+        (cdir.logs / "chief-0.1.log").write_text("nothing to train\n")
+        (cdir.run_dir / "result.json").write_text(json.dumps({"global_step": 100, "steps_this_run": 0}))
+        cdir.events_file.write_text("{}\n")
+        assert cdir.keep_last_run() is None
+        assert not cdir.logs.exists() and not cdir.run_dir.exists() and not cdir.events_file.exists()
+    assert [p.name for p in cdir.kept_runs()] == [str(n) for n in range(3, KEPT_RUNS + 3)]
