@@ -571,7 +571,12 @@ def test_a_program_error_in_a_step_fails_the_cluster_saying_which_worker_and_wha
     # the agent ended cleanly with its roles (its watch thread once read a descriptor closed at the exit)
     agent_log = (psctl_env.home / "buggy" / "logs" / "agent-localhost.log").read_text()
     assert "Traceback" not in agent_log, agent_log[-3000:]
-    assert not any(r["restarts"] for r in status_json(psctl_env, "buggy")["roles"])
+    status = status_json(psctl_env, "buggy")
+    assert not any(r["restarts"] for r in status["roles"])
+    # where training stood when it failed (each worker pushed 5 steps): status showed 0 for a run that failed
+    # within its first progress report, however far it had gone
+    chief = next(r for r in status["roles"] if r["name"] == "chief-0")
+    assert chief["global_step"] >= 5, chief
 
 
 def test_a_step_hung_in_the_program_goes_to_another_worker_and_its_worker_is_restarted(psctl_env) -> None:

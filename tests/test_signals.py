@@ -104,3 +104,18 @@ def test_a_role_ends_by_itself_only_after_training_has_been_over_for_the_whole_l
     stopped = threading.Event()
     stopped.set()
     assert _wait_for_stop(stopped, lambda: True, 60.0) is False  # stopped first: the usual way out
+
+
+def test_a_role_that_has_recorded_its_end_is_not_ended_by_a_late_sigterm() -> None:
+    """A preempted worker that got a second SIGTERM as it exited (its agent's and the host's) was reported killed
+    by SIGTERM, a failure: Python restores the default handlers as it finalizes. ``exit_now`` ignores SIGTERM
+    and SIGINT first (seen here from an exit handler, which runs after it)."""
+    script = (
+        "import atexit, signal\n"
+        "from psctl.runtime.__main__ import exit_now\n"
+        "atexit.register(lambda: print('sigterm ignored:', signal.getsignal(signal.SIGTERM) == signal.SIG_IGN,"
+        " signal.getsignal(signal.SIGINT) == signal.SIG_IGN, flush=True))\n"
+        "exit_now(0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "sigterm ignored: True True\n"), done

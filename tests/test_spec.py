@@ -730,6 +730,16 @@ MISTAKES = [
         "cluster.yaml:3: setup[1]: expected a string, got a mapping; write a shell command as a string",
     ),
     (
+        "a name YAML reads as a date",
+        """\
+        name: 2024-01-01
+        roles: {chief: {}, ps: {}, worker: {}}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        """,
+        "cluster.yaml:1: name: expected a string, got the date 2024-01-01; write e.g. name: digits, or quote it: "
+        "YAML reads it unquoted as a number or a date",
+    ),
+    (
         "a host listed twice in a pool",
         """\
         hosts: [{name: a, address: 10.0.0.11}, {name: b, address: 10.0.0.12}]

@@ -248,10 +248,16 @@ THREADS_GRACE = 2.0
 
 
 def exit_now(code: int) -> NoReturn:
-    """Exit with ``code``. A thread of the program that never ends (not a daemon) kept the interpreter at its
-    exit once the role was done, its heartbeat stopped: a chief that had finished training was taken for hung
-    and restarted, again and again. Such threads have THREADS_GRACE to end; then the process exits without them
-    (and without the exit handlers, which run after them), saying which they were."""
+    """Exit with ``code`` (from the main thread), deaf to SIGTERM and SIGINT. A thread of the program that never
+    ends (not a daemon) kept the interpreter at its exit once the role was done, its heartbeat stopped: a chief
+    that had finished training was taken for hung and restarted, again and again. Such threads have
+    THREADS_GRACE to end; then the process exits without them (and without the exit handlers, which run after
+    them), saying which they were."""
+    # A SIGTERM from here on must not end the process as killed by it (a failure, to its supervisor, where a
+    # preemption sent it twice): its end is recorded already, and Python restores the default handlers as it
+    # finalizes, which an ignored signal keeps.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
     deadline = time.monotonic() + THREADS_GRACE
     for thread in _lingering():
         thread.join(max(0.0, deadline - time.monotonic()))

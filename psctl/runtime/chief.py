@@ -488,6 +488,9 @@ class Chief:
             with self._advanced:
                 self.meter.record(loss=response.loss, examples=response.examples, global_step=response.global_step,
                                   steps=max(1, response.steps))
+                # (the heartbeats' step as it moves, not only at the next progress report: a run that fails
+                # before it showed step 0 while checkpoints stood at step 213)
+                PROGRESS.global_step = self.meter.global_step
                 for ps, step in enumerate(response.ps_global_steps):
                     self._ps_steps[ps] = max(self._ps_steps[ps], step)
                 self._advanced.notify_all()

@@ -182,6 +182,8 @@ class Checker:
     ) -> str:
         """A non-empty string without control characters (and matching ``pattern``, described by ``rule``)."""
         if not isinstance(value, str) or not value:
+            if isinstance(value, (int, float, datetime.date)) and not isinstance(value, bool):  # (007, 2024-01-01)
+                fix = f"{fix}, or quote it: YAML reads it unquoted as a number or a date"
             self.fail(path, f"expected a string, got {show(value) if value != '' else 'an empty string'}", fix)
         if pattern is not None and not pattern.fullmatch(value):
             self.fail(path, f"{show(value)} is not valid: {rule}", fix)
