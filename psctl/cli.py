@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import signal
 import stat
@@ -136,6 +137,26 @@ def cli(ctx: click.Context, debug: bool) -> None:
     """Launch and supervise parameter-server training clusters."""
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
+    _show_warnings()
+
+
+class _Warnings(logging.Handler):
+    """``warning: message`` on the standard error of the moment, as the commands' own warnings read (what psctl's
+    modules log, such as a checkpoint passed over, was printed bare)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(f"{record.levelname.lower()}: {record.getMessage()}", file=sys.stderr)
+        except Exception:  # (a closed stderr: nothing to say it on)
+            self.handleError(record)
+
+
+def _show_warnings() -> None:
+    """psctl's modules' warnings and errors on stderr (set once per process)."""
+    logger = logging.getLogger("psctl")
+    if not any(isinstance(h, _Warnings) for h in logger.handlers):
+        logger.addHandler(_Warnings(logging.WARNING))
+        logger.propagate = False
 
 
 #: ``--set KEY.PATH=VALUE`` (repeatable): the spec's values changed without editing it (psctl.spec.overrides).

@@ -379,6 +379,12 @@ def test_export_writes_the_newest_checkpoints_variables(psctl_env) -> None:
     broken = check(psctl_env.run("export", "exp", "--checkpoint", str(damaged), "-o", str(out)), 1)
     assert flat(broken.stderr) == (f"error: {damaged}: arrays.npz does not match its checksum (name another "
                                    "checkpoint, or their folder: the newest that verifies is taken)"), broken.stderr
+    older = sorted(newest.parent.glob("ckpt-*"))[-2]  # (async: a checkpoint lands once the steps in flight are done)
+    shutil.copytree(older, damaged.parent / older.name)  # a folder of checkpoints: the damaged newest passed over
+    passed = check(psctl_env.run("export", "exp", "--checkpoint", str(damaged.parent), "-o", str(out)))
+    assert passed.stdout.startswith(f"exported {damaged.parent / older.name} (global step {step_of(older)})"), \
+        passed.stdout
+    assert flat(passed.stderr).startswith(f"warning: skipping checkpoint {damaged}: "), passed.stderr
     a_file = psctl_env.tmp_path / "a-file"
     a_file.write_text("")
     unwritable = check(psctl_env.run("export", "exp", "-o", str(a_file / "model.npz")), 2)

@@ -369,7 +369,7 @@ def test_dead_worker_live_worker_covers_when_gradients_count(psctl_env: PsctlEnv
 def test_dead_worker_replica_timeout_proceeds_with_min_replicas(psctl_env: PsctlEnv) -> None:
     """distinct_replicas: the live worker alone cannot make R = 2; after replica_timeout each step proceeds with
     the one replica that arrived (min_replicas 1), to the exact final step."""
-    steps = HANG_AT + 2  # each step from the hung one on waits REPLICA_TIMEOUT
+    steps = HANG_AT + 1  # each step from the hung one on (two) waits REPLICA_TIMEOUT
     program, counts = write_program(psctl_env.tmp_path, hang_role="worker-1", hang_at=HANG_AT)
     spec = write_spec(psctl_env, "proceed", steps=steps, workers=2, program=str(program), worker_restart="never",
                       replicas_to_aggregate=2, replica_timeout=f"{REPLICA_TIMEOUT}s", min_replicas=1,
