@@ -593,8 +593,8 @@ def supervise(name: str | None, detach: bool) -> None:
 
     cdir = observe.resolve_cluster(name)
     record = operations.resupervise(cdir)
-    console.print(f"cluster {cdir.name!r}: supervised again (pid {record.supervisor_pid}); its running roles "
-                  "are adopted as they are", markup=False)
+    console.print(f"cluster {cdir.name!r}: supervised again (pid {record.supervisor_pid}); roles still running "
+                  "are adopted as they are, those that ended restart as their policy says", markup=False)
     if detach:
         return
     try:

@@ -251,6 +251,17 @@ def recorded_cluster(name: str, roles: dict[str, int], *, state: ClusterState = 
     return cdir
 
 
+def test_supervise_of_a_finished_cluster_says_how_to_start_it_again_with_its_overrides(psctl_env) -> None:
+    """(It named the spec alone: without the run's --set training.steps=..., that `up` had nothing to train.)"""
+    cdir = recorded_cluster("done", {"chief-0": 1})
+    record = load_state(cdir.state_file)
+    record.spec_path, record.spec_overrides = "/specs/my spec.yaml", ["training.steps=14500"]
+    save_state(cdir.state_file, record)
+    assert_one_line_error(invoke("supervise", "done"), EXIT_USAGE,
+                          "cluster 'done' has succeeded; nothing to supervise (start it again with `psctl up "
+                          "'/specs/my spec.yaml' --set training.steps=14500` (raise training.steps to train further))")
+
+
 def test_logs_unknown_role_lists_the_valid_roles(psctl_env) -> None:
     recorded_cluster("lg", {"chief-0": 1, "ps-0": 1, "worker-0": 2, "worker-1": 1})
     result = invoke("logs", "worker-7")
