@@ -674,10 +674,14 @@ def down(names: tuple[str, ...], grace: float, purge: bool) -> None:
 def events(name: str | None, tail: int) -> None:
     """Show the cluster's recent role state changes, with their reasons."""
     cdir = observe.resolve_cluster(name)
+    shown_any = False
     for line in observe.tail_lines(cdir.events_file, tail):
         shown = observe.event_text(line)
         if shown is not None:
             click.echo(shown)
+            shown_any = True
+    if not shown_any:  # (said on stderr: the output stays the events, none)
+        click.echo(f"no events recorded for cluster {cdir.name!r} ({cdir.events_file})", err=True)
 
 
 @cli.command()

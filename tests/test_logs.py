@@ -203,9 +203,13 @@ def test_events_shows_each_event_and_skips_lines_that_are_not_one(tmp_path: Path
     result = CliRunner().invoke(cli, ["events", "ev"], env={"PSCTL_HOME": str(home)})
     assert result.exit_code == 0, result.output
     stamp = time.strftime("%H:%M:%S", time.localtime(good["time"]))
-    assert result.output.splitlines() == [
+    assert result.stdout.splitlines() == [
         f"{stamp}  worker-1     running -> lost  SIGKILL",
         "??:??:??  ps-0         None -> lost",
         "??:??:??  ps-1         None -> None",
         "??:??:??  chief-0      starting -> running",
     ]
+    cdir.events_file.write_text("")
+    none = CliRunner().invoke(cli, ["events", "ev"], env={"PSCTL_HOME": str(home)})
+    assert (none.exit_code, none.stdout) == (0, ""), none.output
+    assert none.stderr == f"no events recorded for cluster 'ev' ({cdir.events_file})\n"
