@@ -177,7 +177,8 @@ def test_an_exit_is_reported_the_moment_it_happens_not_at_the_next_look(
 
 
 def test_a_shutdown_stops_every_role_reports_their_exits_and_ends_the_agent(
-        tmp_path: Path, started: list[object], monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, started: list[object], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(core, "WATCH_INTERVAL", 60.0)  # the exits and the SIGKILL's deadline must wake the agent
     endpoint, agent, hello = attached(started, interval=60.0)
     stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
@@ -196,6 +197,9 @@ def test_a_shutdown_stops_every_role_reports_their_exits_and_ends_the_agent(
     final = wait_until(last_report, timeout=10, interval=0.0, what="the report of both exits")
     assert final.changed
     assert {r.name: r.exit_code for r in final.roles} == {"worker-0": -signal.SIGTERM, "worker-1": -signal.SIGKILL}
+    # the one that had to be killed is named in the agent's log (a `down` said only how many it stopped)
+    killed = [r.getMessage() for r in caplog.records if "SIGKILL (it did not end on SIGTERM)" in r.getMessage()]
+    assert killed == ["worker-1: still running at the end of its stop's grace: SIGKILL (it did not end on SIGTERM)"]
 
 
 def _waiting(waiter: ExitWaiter, timeout: float) -> threading.Thread:

@@ -171,6 +171,8 @@ class RoleProcess:
     last_beat: float | None = None
     #: When a stop's SIGTERM turns into SIGKILL (monotonic); None: no stop in progress.
     kill_at: float | None = None
+    #: Its stop's grace ran out and it was sent SIGKILL (said once in the agent's log).
+    killed: bool = False
     #: A framework's program: no heartbeats; alive while it runs, its progress read from its log.
     watched_only: bool = False
     #: A watched role's step was read from its log after it exited: there is nothing more to read.
@@ -640,6 +642,10 @@ class Agent:
                 for role in self.roles.values():
                     changed |= self._reap(role)
                     if role.running and role.kill_at is not None and now >= role.kill_at:
+                        if not role.killed:
+                            log.warning("%s: still running at the end of its stop's grace: SIGKILL (it did not end "
+                                        "on SIGTERM)", role.name)
+                            role.killed = True
                         role.signal(signal.SIGKILL)
                         role.kill_at = now + 1.0  # again, should the group have left a process behind
                     if role.running and role.kill_at is not None:
