@@ -4,7 +4,6 @@ adoption after a supervisor restart, and the transition tables."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -176,34 +175,6 @@ def test_a_role_whose_step_stops_while_others_progress_is_stalled_then_running_a
     c.process("worker-0").local_step = 6
     c.step(1)
     assert c.role("worker-0").state == RoleState.RUNNING
-
-
-def test_a_worker_still_stalled_a_stall_timeout_later_is_lost_and_restarted(c: FakeCluster) -> None:
-    """Its step hangs in the program while its heartbeat thread beats on: reported stalled, then (a stall timeout
-    later, 60 s after its last step) killed and restarted, so that the steps it held run elsewhere (the chief's
-    checkpoints and end waited for them, and held the cluster with it)."""
-    running(c)
-    first = c.process("worker-0")
-    for step in range(1, 36):  # worker-0 stuck at local step 5 from the start, worker-1 advancing
-        c.process("worker-0").local_step = 5
-        c.process("worker-1").local_step = step
-        c.step(1)
-    assert c.role("worker-0").state == RoleState.STALLED
-    for step in range(36, 59):  # (within two stall timeouts of its last step: stalled still)
-        c.process("worker-1").local_step = step
-        c.step(1)
-    assert (c.role("worker-0").state, c.role("worker-0").attempt) == (RoleState.STALLED, 1)
-    actions = c.step(5)
-    assert c.role("worker-0").state in (RoleState.LOST, RoleState.RESTARTING), c.role("worker-0")
-    lost = [e.reason for e in c.events("worker-0") if e.to == "lost"]
-    assert len(lost) == 1 and re.fullmatch(r"stalled: its step has not moved for 6\ds \(hung in the program\?\)",
-                                           lost[0]), lost
-    assert any(isinstance(a, policy.StopRole) and a.name == "worker-0" and a.incarnation == first.incarnation
-               for a in actions)
-    first.exit_code = -9
-    c.step(2)
-    assert c.role("worker-0").attempt == 2
-    assert c.role("worker-1").state == RoleState.RUNNING
 
 
 def test_a_restarted_worker_s_steps_count_from_its_start_not_its_last_attempt_s(c: FakeCluster) -> None:

@@ -251,6 +251,9 @@ def test_a_training_step_s_automatic_deadline_follows_the_slowest_step_seen(clus
     coordinator.slowest_step = 10.0  # (a slow model: its steps' own length decides)
     assert coordinator._deadline(train) == 4 * 10.0 * AUTO_DEADLINE_FACTOR
     assert coordinator._deadline(Closure("evaluate", 2, RemoteValue())) is None
+    train.expired = 2  # (each time it ran past its deadline doubles the next)
+    assert coordinator._deadline(train) == 4 * 10.0 * AUTO_DEADLINE_FACTOR * 4
+    train.expired = 0
     coordinator.step_timeout = 2.5
     assert coordinator._deadline(train) == 10.0 and coordinator._deadline(Closure("evaluate", 2, RemoteValue())) == 2.5
     coordinator.step_timeout = 0.0

@@ -96,6 +96,7 @@ def _serve(info: ClusterInfo, stop: threading.Event) -> int:
             serial=not cfg.pipelined,
             on_first_step=settle_priority,  # bound, it yields its CPU to the ps and the chief from then on
             on_out_of_memory=stop.set,  # (restarted, it starts with its memory as it was)
+            on_hung=leave_hung,
         )
         # a ps restarted on another host of its pool: push and pull there
         ADDRESSES.subscribe(lambda addresses: servicer.ps.follow(addresses))
@@ -229,6 +230,14 @@ def main() -> int:
     finally:
         if heartbeat is not None:
             heartbeat.stop(final_within=FINAL_BEAT_WAIT)  # its final step and metrics, for psctl status
+
+
+def leave_hung() -> None:
+    """End this process now, as failed (to be restarted): a step of its program hangs, and its thread cannot be
+    stopped (see ``WorkerServicer``'s ``on_hung``)."""
+    record_exit(EXIT_FAILURE)
+    logging.shutdown()
+    os._exit(EXIT_FAILURE)
 
 
 def record_exit(code: int) -> None:

@@ -42,9 +42,11 @@ log = logging.getLogger("psctl.coordinator")
 NEVER_SENT = "failed to connect to all addresses"
 #: ``step_timeout`` that sets a training step's deadline from the steps seen: this many times the slowest, and at
 #: least this many seconds (a step hung in a program held the chief's checkpoints and end, and so the cluster).
+#: The floor is twice a worker's own timeout for a ps call (PsClient's 60 s): a ps that hangs is the worker's to
+#: report ("ps unavailable"), not the worker's hang.
 AUTO = "auto"
 AUTO_DEADLINE_FACTOR = 20.0
-AUTO_DEADLINE_FLOOR = 60.0
+AUTO_DEADLINE_FLOOR = 120.0
 _WORKER_LOST = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.CANCELLED,
@@ -113,6 +115,9 @@ class Closure:
     steps: int = 1
     attempts: int = 0
     tried_on: list[int] = field(default_factory=list)
+    #: Times it ran past its deadline: each doubles the next one (steps that grew slower than the deadline
+    #: allows are given the time, not retried without end).
+    expired: int = 0
 
 
 @dataclass
@@ -581,11 +586,11 @@ class ClusterCoordinator:
                 ps_addresses=self.ps_addresses if worker.layout_sent != self.layout else (),
             )
             layout = self.layout
-            sent = time.monotonic()
+            sent, deadline = time.monotonic(), self._deadline(closure)
             try:
-                response = self._stubs[worker.index].RunStep(request, timeout=self._deadline(closure))
+                response = self._stubs[worker.index].RunStep(request, timeout=deadline)
             except grpc.RpcError as exc:
-                self._on_rpc_error(worker, closure, exc)
+                self._on_rpc_error(worker, closure, exc, deadline)
                 continue
             with self._cond:
                 if closure.function == "train":
@@ -602,12 +607,15 @@ class ClusterCoordinator:
     def _deadline(self, closure: Closure) -> float | None:
         """The call's timeout: the step timeout for each of its steps (see ``__init__``)."""
         if self.step_timeout != AUTO:
-            return None if not self.step_timeout else float(self.step_timeout) * closure.steps
-        if closure.function != "train" or self.slowest_step is None:
+            each = float(self.step_timeout or 0.0)
+        elif closure.function != "train" or self.slowest_step is None:
             return None  # (an evaluation is its own length; the first steps load data, connect, compile)
-        return max(AUTO_DEADLINE_FLOOR, AUTO_DEADLINE_FACTOR * self.slowest_step) * closure.steps
+        else:
+            each = max(AUTO_DEADLINE_FLOOR, AUTO_DEADLINE_FACTOR * self.slowest_step)
+        return each * closure.steps * 2**closure.expired if each else None
 
-    def _on_rpc_error(self, worker: WorkerState, closure: Closure, exc: grpc.RpcError) -> None:
+    def _on_rpc_error(self, worker: WorkerState, closure: Closure, exc: grpc.RpcError,
+                      deadline: float | None = None) -> None:
         code, details = exc.code(), exc.details() or ""  # type: ignore[attr-defined]
         refused = replaced(exc)
         if refused is not None:  # a newer chief runs: this one must stop, and its step is not retried
@@ -622,11 +630,12 @@ class ClusterCoordinator:
         if code in _WORKER_LOST or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(OUT_OF_MEMORY)):
             worker.alive = False
             worker.failures += 1
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:  # hung in the program? (its supervisor restarts it once
-                # its steps stay stalled while others move)
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:  # hung in the program? (the worker leaves by itself
+                # once a step of its runs past the deadline: psctl.runtime.worker, and is restarted)
+                closure.expired += 1
                 self.on_worker_event(
                     f"worker:{worker.index}: step {closure.step_id} ran past its deadline of "
-                    f"{self._deadline(closure) or 0:.0f}s (hung?); it goes back on the queue")
+                    f"{deadline or 0:.0f}s (hung?); it goes back on the queue")
             else:
                 self.on_worker_event(
                     f"worker:{worker.index} lost ({code.name}: {details.strip()[:200]}); "

@@ -118,6 +118,11 @@ class _Pushed:
 
 #: A worker that was asked for a step this recently is being fed by the chief (see WorkerServicer.drain).
 FED_RECENTLY = 0.5
+#: A step still running this long after the chief's deadline for it (it gave up and sent it elsewhere) hangs in
+#: the program: the worker leaves, to be restarted, rather than hold a thread (and, one step at a time, itself)
+#: and push that step's stale update later. Looked at this often.
+HUNG_AFTER_DEADLINE = 2.0
+HUNG_LOOK_EVERY = 0.5
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
@@ -137,13 +142,16 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         serial: bool = True,
         on_first_step: Callable[[], object] | None = None,
         on_out_of_memory: Callable[[], object] | None = None,
+        on_hung: Callable[[], object] | None = None,
     ) -> None:
         """``relayout(ps_addresses)``: the model and ps client of another ps layout (psctl scale ps=N), which a
         step from the chief may carry. ``serial``: training steps run one at a time (the chief keeps a second one
         queued here so that its round trip overlaps this worker's step); False
         for pipelined training, whose two steps compute at once. ``on_first_step``: called once, as the first
         training step begins (the worker then yields its CPU to the ps and the chief where they share it).
-        ``on_out_of_memory``: called when a step ran out of memory (the process should end, to be restarted)."""
+        ``on_out_of_memory``: called when a step ran out of memory (the process should end, to be restarted).
+        ``on_hung``: called (from a thread of its own) when a step runs HUNG_AFTER_DEADLINE past the chief's
+        deadline for it: the process must end at once (the step's thread cannot be stopped), to be restarted."""
         self.relayout = relayout
         self._on_first_step = on_first_step
         self._on_out_of_memory = on_out_of_memory
@@ -177,6 +185,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         #: The chief said training is over: no step comes any more (drain need not wait for the last one).
         self.training_over = False
         self._steps = threading.Condition()
+        self._on_hung = on_hung
+        #: The deadline (monotonic) of each step call running now that has one, by call.
+        self._deadlines: dict[object, float] = {}
+        self._watchdog: threading.Thread | None = None
 
     def drain(self, timeout: float) -> int:
         """The worker is leaving (preempted): refuse new steps and probes from now on, so that the chief hands
@@ -223,12 +235,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     def RunStep(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
         refuse_unless_from(context, CHIEF_MEMBER, "RunStep")
+        call = object()
+        remaining = context.time_remaining()
         with self._steps:
             self._last_request = time.monotonic()
             self.training_over = False  # (a chief that trains again: one restored after the end was said)
             draining = self._draining
             if not draining:
                 self._running += 1
+                if remaining is not None and self._on_hung is not None:
+                    self._deadlines[call] = self._last_request + remaining
+                    self._watch_deadlines()
         if draining:
             self._leaving(context)
         try:
@@ -236,7 +253,28 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         finally:
             with self._steps:
                 self._running -= 1
+                self._deadlines.pop(call, None)
                 self._steps.notify_all()
+
+    def _watch_deadlines(self) -> None:
+        """Start the thread that looks for a step running past its deadline (once; caller holds _steps)."""
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._look_for_hung_steps, daemon=True,
+                                              name=f"psctl-hung-steps-{self.task}")
+            self._watchdog.start()
+
+    def _look_for_hung_steps(self) -> None:
+        while True:
+            time.sleep(HUNG_LOOK_EVERY)
+            with self._steps:
+                due = min(self._deadlines.values(), default=None)
+            late = time.monotonic() - due if due is not None else 0.0
+            if late > HUNG_AFTER_DEADLINE:
+                log.error("%s: a step is still running %.0fs past the chief's deadline for it, which sent it to "
+                          "another worker (hung in the program?): leaving, to be restarted", self.task, late)
+                assert self._on_hung is not None
+                self._on_hung()
+                return
 
     def _run_step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
         if self.fenced.is_set():

@@ -713,10 +713,10 @@ class _Decision:
 
     def check_stall(self, role: RoleRecord, live: RoleLive) -> None:
         """A worker or chief whose heartbeats go on but whose step stopped moving, while other workers' steps
-        move, is reported STALLED (and RUNNING again once it moves). A worker still stalled a stall timeout later
-        is lost and restarted: its step hangs in the program (its heartbeats come from a thread of their own),
-        and the chief, whose checkpoints and end wait for that step, held the whole cluster with it; the steps it
-        held are re-run elsewhere. (A chief stalled is reported only.)"""
+        move, is reported STALLED (and RUNNING again once it moves). Reported, not restarted: a slow step is
+        the coordinator's to re-schedule past its deadline (``training.step_timeout``), and a worker whose step
+        hangs in the program leaves by itself once the chief's deadline for it has passed (see
+        ``psctl.runtime.worker``)."""
         if role.role not in ("worker", "chief") or (role.role == "worker" and self.runs_tensorflow()):
             return  # (a TensorFlow program's worker prints no step of its own: its progress cannot be told)
         progress = role.local_step if role.role == "worker" else role.global_step
@@ -725,15 +725,11 @@ class _Decision:
             if role.state == R.STALLED:
                 self.transition(role, R.RUNNING, "progressing again")
             return
-        still = self.now - live.progressed_at
-        if (role.state == R.STALLED and role.role == "worker"
-                and self.now - self.silent_since(live.progressed_at) > 2 * self.sup.stall_timeout):
-            self.on_lost(role, f"stalled: its step has not moved for {still:.0f}s (hung in the program?)")
-            return
         if role.state != R.RUNNING or self.now - self.silent_since(live.progressed_at) <= self.sup.stall_timeout:
             return
         others = [self.s.roles[r.name] for r in members(self.record, "worker") if r.name != role.name]
         if any(o.progressed_at > live.progressed_at for o in others):
+            still = self.now - live.progressed_at
             reason = f"heartbeats arrive but its step has not moved for {still:.0f}s while others progress"
             self.transition(role, R.STALLED, reason)
 
