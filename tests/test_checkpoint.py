@@ -38,6 +38,7 @@ from psctl.runtime.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     prune,
+    reshard_onto,
     restorable_checkpoint,
     restore_snapshot,
     take_snapshot,
@@ -533,6 +534,30 @@ def test_adam_s_step_count_is_the_steps_taken_whichever_shards_they_touched_and_
     restore_snapshot(target_model, target.client, snapshot)
     assert [store.optimizer_steps for store in target.stores] == [steps] * 2
     assert int(take_snapshot(target_model, target.client).slots["emb/table"]["t"]) == steps
+
+
+def test_ps_whose_step_counts_differ_checkpoint_and_reshard_one_count(ps_servers: PsServers,
+                                                                        program: Program) -> None:
+    """Each PS counts the optimizer's steps for its variables; two that differ (one applied a step the other
+    never will, a worker lost mid-push; a restore of an older checkpoint's counts per variable) are saved with
+    the most advanced count for every variable, and a reshard onto one ps reads back what it assigned (it failed:
+    the ps took the larger count for all its variables, which no longer matched the snapshot)."""
+    model = make_model(program, 2, fixed(2))
+    group = ps_servers.start(2)
+    init_group(group, model, ADAM)
+    train_steps(group, model, 3, batch=1)
+    group.stores[1].optimizer_steps += 4  # (as if it had applied steps the other never will)
+    snapshot = take_snapshot(model, group.client)
+    assert {name: int(slots["t"]) for name, slots in snapshot.slots.items()} == dict.fromkeys(snapshot.slots, 7)
+    one = make_model(program, 1, fixed(2))
+    target = ps_servers.start(1)
+    init_group(target, one, ADAM)
+    reshard_onto(snapshot, one, target.client, seed=SEED, optimizer=ADAM, cluster_id=CLUSTER)
+    assert target.stores[0].optimizer_steps == 7
+    older = take_snapshot(model, group.client)  # a checkpoint of an older psctl: one count per variable
+    older.slots["emb/table"]["t"] = np.asarray(2, dtype=np.int64)
+    restore_snapshot(model, group.client, older)
+    assert [store.optimizer_steps for store in group.stores] == [7, 7]
 
 
 def test_restore_refuses_a_checkpoint_of_another_model(

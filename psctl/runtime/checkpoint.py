@@ -103,12 +103,26 @@ def take_snapshot(model: ShardedModel, ps: PsClient) -> Snapshot:
         slots[name] = {}
         for slot in slot_names:
             pieces = [by_name[f"{s.name}#{slot}"] for s in layout.shards]
-            if pieces[0].ndim == 0:  # a step count (Adam's t): its PS's, the same for each of its shards (a
-                # checkpoint of an older psctl kept one per shard); the most advanced PS's
+            if pieces[0].ndim == 0:  # a step count (Adam's t): set below
                 slots[name][slot] = np.asarray(np.max(np.stack(pieces)), dtype=pieces[0].dtype)
             else:
                 slots[name][slot] = pieces[0].copy() if len(pieces) == 1 else np.concatenate(pieces, axis=0)
-    return Snapshot(global_step, list(state.shard_positions), variables, slots, sync_counters=sync_counters(state))
+    return Snapshot(global_step, list(state.shard_positions), variables, one_step_count(slots),
+                    sync_counters=sync_counters(state))
+
+
+def one_step_count(slots: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
+    """``slots`` with each step count (a scalar slot: Adam's t) the same for every variable: the most advanced.
+    The optimizer counts its steps once (TF's ``iterations``), each PS for its variables; PS that applied a step
+    the others never will (a worker lost mid-push) differ by it, and a checkpoint of an older psctl kept one per
+    shard. One count restored to every PS keeps them one; counts that differed came back otherwise than taken."""
+    counts: dict[str, np.ndarray] = {}
+    for per in slots.values():
+        for key, value in per.items():
+            if value.ndim == 0 and (key not in counts or value > counts[key]):
+                counts[key] = value
+    return {name: {key: counts[key].copy() if value.ndim == 0 else value for key, value in per.items()}
+            for name, per in slots.items()}
 
 
 def snapshot_difference(a: Snapshot, b: Snapshot) -> str:
@@ -131,6 +145,7 @@ def snapshot_difference(a: Snapshot, b: Snapshot) -> str:
 def restore_snapshot(model: ShardedModel, ps: PsClient, snapshot: Snapshot) -> None:
     """Split the snapshot into this model's current layout (any ps count or partitioning) and assign it."""
     per_ps: dict[int, list[Entry]] = {i: [] for i in range(model.num_ps)}
+    slots = one_step_count(snapshot.slots)  # (a checkpoint of an older psctl: a count per variable)
     for name, layout in model.layouts.items():
         if name not in snapshot.variables:
             raise CheckpointError(f"the checkpoint has no variable {name!r}")
@@ -142,7 +157,7 @@ def restore_snapshot(model: ShardedModel, ps: PsClient, snapshot: Snapshot) -> N
         parts = [full] if len(layout.shards) == 1 else layout.split(full)
         for shard, part in zip(layout.shards, parts, strict=True):
             per_ps[shard.ps].append(Entry(shard.name, DENSE, np.ascontiguousarray(part)))
-            for slot, value in snapshot.slots.get(name, {}).items():
+            for slot, value in slots.get(name, {}).items():
                 if value.ndim == 0:
                     piece = value
                 else:
