@@ -566,8 +566,9 @@ def _all_logs(name: str | None, tail: int, follow: bool) -> None:
     logs = observe.cluster_logs(cdir, load_state(cdir.state_file))
     try:
         lines, offsets, missing = observe.merged_tail(logs, tail)
-        for where in missing:
-            err_console.print(f"[yellow]warning:[/yellow] a log is missing: {escape(where)} (deleted or moved?)",
+        for where, latest in missing:
+            why = "deleted or moved?" if latest else "deleted or moved, or the attempt never started?"
+            err_console.print(f"[yellow]warning:[/yellow] a log is missing: {escape(where)} ({why})",
                               highlight=False, soft_wrap=True)
         for line in lines:
             click.echo(line)
@@ -579,8 +580,9 @@ def _all_logs(name: str | None, tail: int, follow: bool) -> None:
     finally:
         if logs:
             logs[0].close()
-    if missing:
-        raise LogNotFound(f"{len(missing)} log(s) of {cdir.name!r} missing: {', '.join(missing)}",
+    latest_missing = [where for where, latest in missing if latest]  # (an earlier attempt's: warned of only)
+    if latest_missing:
+        raise LogNotFound(f"{len(latest_missing)} log(s) of {cdir.name!r} missing: {', '.join(latest_missing)}",
                           hint="deleted or moved; `psctl events` has the roles' state changes and their reasons")
 
 

@@ -169,12 +169,16 @@ class ClusterDir(RoleFolders[Path]):
         return kept
 
     def _trained_nothing(self) -> bool:
-        """Whether the last run ended at once with nothing to train (its result says no step ran)."""
+        """Whether the last run ended at once with nothing to train: its result says no step ran, and that is the
+        whole run's (its chief's first attempt: a chief restarted at the end trains nothing itself)."""
         try:
             result = json.loads((self.run_dir / "result.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            record = json.loads(self.state_file.read_text(encoding="utf-8"))
+            chiefs = [r for r in record["roles"] if r["role"] == "chief"]
+        except (OSError, ValueError, TypeError, KeyError):
             return False
-        return isinstance(result, dict) and result.get("steps_this_run") == 0
+        return (isinstance(result, dict) and result.get("steps_this_run") == 0
+                and all(r.get("attempt") == 1 for r in chiefs))
 
     def create(self) -> None:
         for path in (self.root, self.logs, self.run_dir):

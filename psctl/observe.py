@@ -210,21 +210,23 @@ def cluster_logs(cdir: ClusterDir, record: ClusterRecord) -> list[RoleLog]:
 _LINE_TIME = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[.,](\d{3})")
 
 
-def merged_tail(logs: Sequence[RoleLog], n: int) -> tuple[Iterator[str], Callable[[], dict[str, int]], list[str]]:
+def merged_tail(logs: Sequence[RoleLog], n: int) -> tuple[Iterator[str], Callable[[], dict[str, int]],
+                                                          list[tuple[str, bool]]]:
     """The last ``n`` lines (all if n <= 0, read as they are iterated) of every role's attempts, merged in time
     order and prefixed ``role: `` (an earlier attempt's ``role (attempt K): ``; a line without a time, such as a
     traceback's, keeps the time of the line above it); where each role's latest log was read up to, once the
-    lines are read (to follow them from there); and the logs that are missing (``host:path``)."""
+    lines are read (to follow them from there); and the logs that are missing (``host:path``, and whether it is
+    a role's latest attempt's: an earlier one may never have started)."""
     streams: list[Iterator[tuple[str, int, str]]] = []
     latest_lines: dict[str, LogLines] = {}
-    missing: list[str] = []
+    missing: list[tuple[str, bool]] = []
     for log in logs:
         latest = max(log.record.attempt, 1)
         for attempt in range(1, latest + 1):
             try:
                 check_log_exists(log, attempt)
             except LogNotFound:
-                missing.append(log.where(attempt))
+                missing.append((log.where(attempt), attempt == latest))
             lines = tail_log(log, attempt, n)
             prefix = f"{log.role}: " if attempt == latest else f"{log.role} (attempt {attempt}): "
             streams.append(_timed(lines, prefix, len(streams)))
@@ -413,7 +415,11 @@ def follow(
         if data:
             offset += len(data)
             *lines, pending = (pending + data).split(b"\n")
-            yield from (line.decode("utf-8", errors="replace") for line in lines)
+            yield from (line.decode("utf-8", errors="replace").removesuffix("\r") for line in lines)  # (as logs)
+            continue
+        end = log.read_end(attempt, 0)
+        if end is not None and end[1] < offset:  # cut short (truncated, rotated in place): from its start again
+            offset, pending = 0, b""
             continue
         record = load_state(cdir.state_file)
         log.record = record.role(log.role)  # the next attempt may run on another host

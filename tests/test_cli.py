@@ -833,11 +833,21 @@ def test_a_new_run_of_a_name_keeps_the_last_ones_files_and_drops_its_requests(tm
     assert (cdir.root / "checkpoints" / "ckpt-000000000100").is_dir()
     # an `up` that found nothing to train takes no place: it pushed out a run that trained (and its lone metrics
     # record cut the curves `psctl plot` continues)
+    def chief_attempts(attempts: int) -> None:
+        role = RoleRecord("chief-0", "chief", 0, "localhost", "127.0.0.1", 7000, attempt=attempts)
+        save_state(cdir.state_file, ClusterRecord(name="digits", cluster_id="digits-1", roles=[role]))
+
     for _ in range(KEPT_RUNS + 1):
         cdir.create()
         (cdir.logs / "chief-0.1.log").write_text("nothing to train\n")
         (cdir.run_dir / "result.json").write_text(json.dumps({"global_step": 100, "steps_this_run": 0}))
         cdir.events_file.write_text("{}\n")
+        chief_attempts(1)
         assert cdir.keep_last_run() is None
         assert not cdir.logs.exists() and not cdir.run_dir.exists() and not cdir.events_file.exists()
     assert [p.name for p in cdir.kept_runs()] == [str(n) for n in range(3, KEPT_RUNS + 3)]
+    # a run whose chief, restarted at its end, trained nothing itself is a run that trained: kept
+    cdir.create()
+    (cdir.run_dir / "result.json").write_text(json.dumps({"global_step": 100, "steps_this_run": 0}))
+    chief_attempts(2)
+    assert cdir.keep_last_run() == cdir.history / str(KEPT_RUNS + 3)

@@ -715,9 +715,9 @@ def test_a_chief_whose_program_left_a_thread_running_ends_with_its_training(psct
     chief = next(r for r in status_json(psctl_env, "thread")["roles"] if r["name"] == "chief-0")
     assert (chief["attempt"], chief["state"]) == (1, "succeeded"), chief
     log = psctl_env.run("logs", "chief-0", "thread").stdout
-    assert "exiting with 1 thread(s) of the program still running (not daemons" in log and "my-uploader" in log, log
+    assert "exiting with 1 thread(s) still running (not daemons" in log and "my-uploader" in log, log
     # the roles without such threads exit as they did, saying nothing of threads
-    assert "thread(s) of the program" not in psctl_env.run("logs", "worker-0", "thread").stdout
+    assert "thread(s) still running" not in psctl_env.run("logs", "worker-0", "thread").stdout
 
 
 def test_a_worker_out_of_memory_is_restarted_and_its_step_run_by_another(psctl_env) -> None:

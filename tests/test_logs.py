@@ -142,11 +142,17 @@ def test_every_role_s_log_merged_in_time_order_with_its_role_as_prefix(tmp_path:
     last = runner.invoke(cli, ["logs", "--all", "merge", "-n", "2"], env={"PSCTL_HOME": str(home)})
     assert last.output.splitlines() == ["worker-0: 2026-11-25 10:00:04,000 INFO worker step 7",
                                         "chief-0: 2026-11-25 10:00:05,000 INFO chief done"]
-    Path(cdir.role_log("worker-0", 1)).unlink()  # an earlier attempt's log deleted: said, and the others shown
+    Path(cdir.role_log("worker-0", 1)).unlink()  # an earlier attempt's log gone (or never started): warned of
+    earlier = runner.invoke(cli, ["logs", "--all", "merge", "-n", "1"], env={"PSCTL_HOME": str(home)})
+    assert earlier.exit_code == 0, earlier.output
+    assert earlier.stdout.splitlines() == ["chief-0: 2026-11-25 10:00:05,000 INFO chief done"]
+    assert f"warning: a log is missing: {cdir.role_log('worker-0', 1)} (deleted or moved, or the attempt never " \
+           "started?)" in " ".join(earlier.stderr.split()), earlier.stderr
+    Path(cdir.role_log("chief-0", 1)).unlink()  # a role's latest log deleted: said, the others shown, exit 4
     gone = runner.invoke(cli, ["logs", "--all", "merge", "-n", "1"], env={"PSCTL_HOME": str(home)})
     assert gone.exit_code == 4, gone.output
-    assert gone.stdout.splitlines() == ["chief-0: 2026-11-25 10:00:05,000 INFO chief done"]
-    assert f"a log is missing: {cdir.role_log('worker-0', 1)}" in " ".join(gone.stderr.split()), gone.stderr
+    assert gone.stdout.splitlines() == ["worker-0: 2026-11-25 10:00:04,000 INFO worker step 7"]
+    assert f"a log is missing: {cdir.role_log('chief-0', 1)} (deleted or moved?)" in " ".join(gone.stderr.split())
     assert "1 log(s) of 'merge' missing" in " ".join(gone.stderr.split()), gone.stderr
     bad = runner.invoke(cli, ["logs", "--all", "worker-0", "merge"], env={"PSCTL_HOME": str(home)})
     assert bad.exit_code == 2 and "with --all, give only the cluster's name" in bad.output
@@ -213,3 +219,25 @@ def test_events_shows_each_event_and_skips_lines_that_are_not_one(tmp_path: Path
     none = CliRunner().invoke(cli, ["events", "ev"], env={"PSCTL_HOME": str(home)})
     assert (none.exit_code, none.stdout) == (0, ""), none.output
     assert none.stderr == f"no events recorded for cluster 'ev' ({cdir.events_file})\n"
+
+
+def test_follow_reads_a_log_cut_short_from_its_start_again_and_strips_crlf(tmp_path: Path) -> None:
+    """`logs -f` of a log truncated in place (rotated by copytruncate) read nothing more, ever: its offset was past
+    the end. And it kept the carriage return of a CRLF line, which `logs` without -f drops."""
+    from psctl.supervisor.state import ClusterRecord, ClusterState, save_state
+
+    cdir = ClusterDir(tmp_path / "home" / "fol")
+    cdir.create()
+    role = RoleRecord("worker-0", "worker", 0, "localhost", "127.0.0.1", 1, attempt=1)
+    record = ClusterRecord(name="fol", cluster_id="fol-1", roles=[role], state=ClusterState.RUNNING)
+    save_state(cdir.state_file, record)
+    path = Path(cdir.role_log("worker-0", 1))
+    path.write_bytes(b"old line 1\r\nold line 2\n")
+    log = observe.RoleLog("worker-0", placements(cdir, {}, {"localhost": LocalRunner()}, cwd=str(tmp_path)), role)
+    lines = observe.follow(cdir, log, start_attempt=1, offset=0, poll=0.01)
+    assert [next(lines), next(lines)] == ["old line 1", "old line 2"]
+    path.write_bytes(b"new\n")  # cut short, then written on
+    assert next(lines) == "new"
+    save_state(cdir.state_file, ClusterRecord(name="fol", cluster_id="fol-1", roles=[role],
+                                              state=ClusterState.SUCCEEDED))
+    assert list(lines) == []

@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
@@ -273,8 +274,8 @@ def exit_now(code: int) -> NoReturn:
     left = _lingering()
     if not left:
         sys.exit(code)
-    logging.warning("exiting with %d thread(s) of the program still running (not daemons, they would have held "
-                    "this process at its exit): %s", len(left), ", ".join(t.name for t in left))
+    logging.warning("exiting with %d thread(s) still running (not daemons, they would have held this process at "
+                    "its exit; the program's?): %s", len(left), ", ".join(t.name for t in left))
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -289,8 +290,10 @@ def _lingering() -> list[threading.Thread]:
 if __name__ == "__main__":
     try:
         exit_code = main()
-    except BaseException:  # a crash: say so, rather than leave a launcher to read "killed" from no file
+    except (Exception, KeyboardInterrupt):  # a crash: say so, rather than leave a launcher to read "killed" from
+        # no file, and end (a thread of the program left running would hold the process as on a clean exit)
         record_exit(EXIT_FAILURE)
-        raise
+        traceback.print_exc()
+        exit_now(EXIT_FAILURE)
     record_exit(exit_code)
     exit_now(exit_code)
