@@ -218,9 +218,18 @@ def check_local_program(spec: ClusterSpec, plan: Plan) -> None:
                          "import tensorflow", hint="pip install 'psctl[tensorflow]' (tensorflow-cpu) there")
     commands: dict[tuple[str, ...], list[str]] = {("training", "command"): spec.training["command"]}
     commands.update({("roles", name, "command"): list(r.command) for name, r in spec.roles.items() if r.command})
+    folder = spec.path.parent if spec.path else Path.cwd()  # (where the roles run)
     for path, words in commands.items():
         program = words[0]
-        if "{" not in program and program not in ("python", "python3") and shutil.which(program) is None:
+        if "{" in program or program in ("python", "python3"):
+            continue
+        if "/" in program:  # a path: relative ones from the spec's folder, where the roles start it
+            where = folder / program
+            if not (where.is_file() and os.access(where, os.X_OK)):
+                raise UsageError(f"{spec.source.where(path)}: {'.'.join(path)}: {program!r} is not an executable "
+                                 f"file ({where})", hint="a relative path is from the spec's folder; chmod +x it, "
+                                                         "or start it with python")
+        elif shutil.which(program) is None:
             raise UsageError(f"{spec.source.where(path)}: {'.'.join(path)}: {program!r} not found on this machine "
                              "(PATH)", hint="give its full path, or install it")
 

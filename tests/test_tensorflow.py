@@ -101,6 +101,18 @@ def test_validate_check_and_a_dry_run_find_a_command_missing_here_and_name_the_s
         assert done.returncode == 2, (command, done.stdout, done.stderr)
         assert done.stderr.strip() == ("error: --set training.command=nosuchprog --x: training.command: 'nosuchprog' "
                                        "not found on this machine (PATH) (give its full path, or install it)"), command
+    # a relative path is from the spec's folder, where the roles start it, whatever folder psctl runs in (it was
+    # looked for from the caller's: the same spec valid or not by where one stood)
+    script = folder / "run.sh"
+    script.write_text("#!/bin/sh\nexec python3 train.py\n")
+    script.chmod(0o755)
+    assert psctl_env.run("validate", str(spec), "--set", "training.command=./run.sh").returncode == 0  # (cwd: repo)
+    script.chmod(0o644)
+    done = psctl_env.run("validate", str(spec), "--set", "training.command=./run.sh")
+    assert done.returncode == 2 and done.stderr.strip() == (
+        f"error: --set training.command=./run.sh: training.command: './run.sh' is not an executable file "
+        f"({folder}/run.sh) (a relative path is from the spec's folder; chmod +x it, or start it with python)"
+    ), done.stderr
 
 
 # -- the programs ----------------------------------------------------------------------------------------------

@@ -717,8 +717,8 @@ class _Decision:
         the coordinator's to re-schedule past its deadline (``training.step_timeout``), and a worker whose step
         hangs in the program leaves by itself once the chief's deadline for it has passed (see
         ``psctl.runtime.worker``)."""
-        if role.role not in ("worker", "chief") or (role.role == "worker" and self.runs_tensorflow()):
-            return  # (a TensorFlow program's worker prints no step of its own: its progress cannot be told)
+        if role.role not in ("worker", "chief") or self.runs_tensorflow():
+            return  # (a TensorFlow program's workers print no step, its chief one when it will: no stall is told)
         progress = role.local_step if role.role == "worker" else role.global_step
         if progress != live.progress:
             live.progress, live.progressed_at = progress, self.now
@@ -881,7 +881,9 @@ class _Decision:
         elif code is not None and code in policy.permanent_exit_codes:
             why_not = f"exit code {code} is permanent (a configuration or program error)"
         elif live.failures_in_a_row >= policy.max_restarts:
-            why_not = f"restarted {live.failures_in_a_row} times in a row, the limit (max_restarts)"
+            times = "once" if live.failures_in_a_row == 1 else f"{live.failures_in_a_row} times"
+            why_not = (f"restarted {times} in a row, the limit (max_restarts)" if live.failures_in_a_row
+                       else "max_restarts is 0")
         if why_not is not None:
             self.transition(role, R.FAILED, f"{role.reason}; not restarted: {why_not}")
             if role.role in ("chief", "ps"):
@@ -896,6 +898,7 @@ class _Decision:
             return
         backoff = min(policy.max_backoff_seconds, policy.backoff_seconds * (2**live.failures_in_a_row))
         backoff *= self.s.rng.uniform(0.8, 1.2)  # jitter: roles lost together do not restart in lockstep
+        backoff = min(max(backoff, policy.backoff_seconds), policy.max_backoff_seconds)  # (within its bounds)
         role.restarts += 1
         live.failures_in_a_row += 1
         live.running_since = None
