@@ -81,11 +81,12 @@ def test_restarts_stop_at_max_restarts_and_backoff_grows(c: FakeCluster) -> None
         backoffs.append(due - c.now)
         c.step(due - c.now + 0.01)
         c.step(0.1)
-    assert backoffs[1] > backoffs[0]  # 1 s then 2 s (each ±20%)
+    assert backoffs[1] > backoffs[0]  # 1 s then 2 s (each ±20%, within backoff_seconds..max_backoff_seconds)
+    assert 1.0 <= backoffs[0] <= 1.2 and 1.6 <= backoffs[1] <= 2.4, backoffs  # (0.8 s was below the 1 s floor)
     c.process("worker-0").exit_code = 1
     c.step()
     assert c.role("worker-0").state == RoleState.FAILED
-    assert "max_restarts" in c.role("worker-0").reason
+    assert "not restarted: restarted 2 times in a row, the limit (max_restarts)" in c.role("worker-0").reason
     assert c.record.state == ClusterState.RUNNING  # one worker left: training goes on
 
 
