@@ -31,6 +31,8 @@ class FakeProcess:
     local_step: int = 0
     global_step: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    #: Its heartbeat's status ("exiting" in the last one of a role that exits).
+    status: str = "training"
     #: The last lines of its log, as its agent reports them with its exit.
     log_tail: str = ""
 
@@ -79,7 +81,7 @@ class FakeCluster:
                           exited=p.exit_code is not None, exit_code=p.exit_code or 0, log_tail=p.log_tail,
                           heartbeat_age=self.now - p.beat if p.beat is not None else -1.0,
                           last=pb.HeartbeatRequest(local_step=p.local_step, global_step=p.global_step,
-                                                   metrics=p.metrics))
+                                                   metrics=p.metrics, status=p.status))
             for p in self.processes[host].values()
         ]
         return pb.AgentReport(host=host, agent_pid=1, hello=hello, roles=roles)

@@ -90,6 +90,29 @@ def test_restarts_stop_at_max_restarts_and_backoff_grows(c: FakeCluster) -> None
     assert c.record.state == ClusterState.RUNNING  # one worker left: training goes on
 
 
+def test_a_role_whose_last_beat_said_it_exits_is_given_time_to_end(c: FakeCluster) -> None:
+    """A preempted role that took longer to end than the heartbeat timeout (its program's threads, a loaded
+    machine) was killed as hung and counted as a failure: its last beat says it exits, and its silence counts
+    EXIT_ALLOWANCE longer; its end, when its agent reports it, is what it was."""
+    running(c)
+    c.process("worker-1").status = "exiting"
+    c.step(0.5)
+    c.step(6, silent=("worker-1",))  # past the 5 s heartbeat timeout: not taken for hung
+    assert c.role("worker-1").state == RoleState.RUNNING
+    c.process("worker-1").exit_code = 75  # preempted
+    c.step()
+    assert [e.reason for e in c.events("worker-1") if e.to == "lost"] == [
+        "preempted (stopped by SIGTERM, left within its grace)"]
+    # and one that never ends after all is taken for hung, only later
+    c.step(2)
+    c.process("worker-0").status = "exiting"
+    c.step(0.5)
+    c.step(policy.EXIT_ALLOWANCE + 4, silent=("worker-0",))
+    assert not [e for e in c.events("worker-0") if e.to == "lost"]
+    c.step(2, silent=("worker-0",))
+    assert next(e.reason for e in c.events("worker-0") if e.to == "lost").startswith("no heartbeat for")
+
+
 def test_an_exit_is_reported_with_its_code_and_the_last_lines_of_its_log(c: FakeCluster) -> None:
     running(c)
     c.process("worker-0").exit_code = -9

@@ -30,6 +30,7 @@ from psctl.runtime.exits import (
     EXIT_PREEMPTED,
     EXIT_TRAINING_FAILED,
     EXIT_TRAINING_OVER,
+    EXITING,
     write_exit_file,
 )
 from psctl.runtime.log_format import LOG_FORMAT
@@ -230,6 +231,7 @@ def main() -> int:
         return EXIT_CONFIG
     finally:
         if heartbeat is not None:
+            heartbeat.progress.status = EXITING  # (its supervisor then waits for its end, not for more beats)
             heartbeat.stop(final_within=FINAL_BEAT_WAIT)  # its final step and metrics, for psctl status
 
 

@@ -81,6 +81,8 @@ class Chief:
         PROGRESS.metrics = {**PROGRESS.metrics, "ps_layout": len(info.ps)}  # the supervisor retires ps by it
         #: The ps addresses of a layout with another ps count (psctl scale ps=N), until resharded onto it.
         self._ps_wanted: list[str] | None = None
+        #: PS clients of layouts resharded away from (each closed a while later, and all at the end).
+        self._replaced: list[PsClient] = []
         self.meter = TrainingMeter(by_global_step=cfg.mode == "sync")
         #: Asynchronous steps per call to a worker (training.steps_per_execution); one in bounded mode, whose
         #: staleness bound counts the steps as the chief hands them out.
@@ -634,6 +636,7 @@ class Chief:
             raise
         old, self.ps, self.model, self._ps_wanted = self.ps, ps, model, None
         old.close_later()  # the metrics thread may be asking it for a state now
+        self._replaced.append(old)  # (closed at the end too: its pool's thread held the process at its exit)
         coordinator.set_ps_addresses(addresses)
         PROGRESS.metrics = {**PROGRESS.metrics, "ps_layout": len(addresses)}
         self._resumed_at(before.global_step)
@@ -666,7 +669,8 @@ class Chief:
 
     def close(self) -> None:
         self._unfollow_ps()
-        self.ps.close()
+        for client in (*self._replaced, self.ps):
+            client.close()
         self.metrics.close()
 
 

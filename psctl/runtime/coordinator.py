@@ -635,7 +635,8 @@ class ClusterCoordinator:
                 closure.expired += 1
                 self.on_worker_event(
                     f"worker:{worker.index}: step {closure.step_id} ran past its deadline of "
-                    f"{deadline or 0:.0f}s (hung?); it goes back on the queue")
+                    f"{deadline or 0:.3g}s (hung, or training.step_timeout shorter than its steps?); it goes back "
+                    "on the queue")
             else:
                 self.on_worker_event(
                     f"worker:{worker.index} lost ({code.name}: {details.strip()[:200]}); "

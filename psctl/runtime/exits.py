@@ -45,3 +45,6 @@ def read_exit_file(path: str) -> int | None:
             return int(f.read().strip())
     except (OSError, ValueError):
         return None
+
+#: The status of a role's last heartbeat as it exits: its supervisor then waits for its end, not for more beats.
+EXITING = "exiting"

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from psctl.proto import psctl_pb2 as pb
-from psctl.runtime.exits import EXIT_PREEMPTED, EXIT_TRAINING_OVER
+from psctl.runtime.exits import EXIT_PREEMPTED, EXIT_TRAINING_OVER, EXITING
 from psctl.runtime.log_format import LOG_TIME
 from psctl.spec import ClusterSpec
 from psctl.supervisor.hosts import DIALED_ROLES, HostBench, Occupant, restart_host
@@ -54,6 +54,10 @@ FINISHING_ROLES = ("chief", "evaluator")
 STABLE_FACTOR = 10.0
 #: Seconds an evaluator gets, after training finished, to evaluate the final checkpoint.
 EVALUATOR_GRACE = 120.0
+#: A role whose last heartbeat said it exits (psctl.runtime.exits.EXITING) is taken for hung only this many
+#: seconds after the heartbeat timeout (a preempted role that took longer to end than the timeout was killed as
+#: hung, and counted as a failure).
+EXIT_ALLOWANCE = 30.0
 #: How often a role waiting for its host to answer looks again.
 HOST_WAIT = 1.0
 #: How often an agent is started again on a host where none is attached.
@@ -208,6 +212,8 @@ class RoleLive:
 
     started: float = 0.0
     last_heartbeat: float | None = None
+    #: Its last heartbeat said it exits (EXITING).
+    exiting: bool = False
     restart_at: float | None = None
     #: The role's progress counter (a worker's local step, the chief's global step) and when it last moved.
     progress: int = -1
@@ -629,6 +635,7 @@ class _Decision:
             role.steps_per_sec = hb.steps_per_second
             role.rss_bytes = hb.rss_bytes
             role.metrics = dict(hb.metrics)
+            live.exiting = hb.status == EXITING
 
     # -- the look at every host and role ----------------------------------------------------------------
     def tick(self) -> None:
@@ -701,7 +708,10 @@ class _Decision:
         ):
             live.failures_in_a_row = 0
         heard = max(live.last_heartbeat, live.vouched_at or 0.0)
-        if self.now - self.silent_since(heard) > self.sup.heartbeat_timeout:
+        # a role whose last beat said it exits beats no more: its agent reports its end (the process may take a
+        # while to go: its program's threads, a loaded machine), so its silence counts for longer
+        timeout = self.sup.heartbeat_timeout + (EXIT_ALLOWANCE if live.exiting else 0.0)
+        if self.now - self.silent_since(heard) > timeout:
             self.on_lost(role, f"no heartbeat for {self.now - heard:.1f}s (hung or cut off)")
         else:
             self.check_stall(role, live)
