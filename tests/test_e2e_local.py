@@ -541,27 +541,43 @@ def test_failed_start_names_the_role_and_leaves_nothing(psctl_env) -> None:
                detail=lambda: psctl_env.describe(psctl_env.processes(status["cluster_id"])))
 
 
+MISBEHAVING = textwrap.dedent("""\
+    import os, sys, time
+    from psctl.models import mlp
+
+    ROLE = os.environ.get("PSCTL_ROLE")
+
+    def build(args, data, seed):
+        model = mlp.build(args, data, seed)
+        calls = [0]
+        train = model.loss_and_grads
+
+        def loss_and_grads(params, batch):
+            calls[0] += 1
+            if CONDITION:
+    ACTION
+            return train(params, batch)
+
+        model.loss_and_grads = loss_and_grads
+        return model
+    """)
+
+
+def misbehaving_program(path: Path, condition: str, *action: str) -> int:
+    """Write ``path``: psctl.models.mlp whose training step, once ``condition`` holds (Python over ``calls``, the
+    steps this process computed, ``os`` and ``ROLE``), runs the ``action`` lines instead. Returns the line
+    number of the action's first line (where a traceback points)."""
+    text = MISBEHAVING.replace("CONDITION", condition).replace("ACTION", "\n".join(" " * 12 + a for a in action))
+    path.write_text(text, encoding="utf-8")
+    return MISBEHAVING.splitlines().index("ACTION") + 1
+
+
 def test_a_program_error_in_a_step_fails_the_cluster_saying_which_worker_and_what(psctl_env) -> None:
     """A program that raises while it trains (its own bug): the step is not retried elsewhere (it would fail
     there too), and `psctl up` ends saying which worker raised what, once, without gRPC's status code."""
     program = psctl_env.tmp_path / "buggy_program.py"
-    program.write_text(textwrap.dedent("""\
-        from psctl.models import mlp
-
-        def build(args, data, seed):
-            model = mlp.build(args, data, seed)
-            calls = [0]
-            train = model.loss_and_grads
-
-            def loss_and_grads(params, batch):
-                calls[0] += 1
-                if calls[0] > 5:
-                    raise ValueError("shapes (50,32) and (64,10) not aligned: my model's bug")
-                return train(params, batch)
-
-            model.loss_and_grads = loss_and_grads
-            return model
-        """), encoding="utf-8")
+    line = misbehaving_program(program, "calls[0] > 5",
+                               "raise ValueError(\"shapes (50,32) and (64,10) not aligned: my model's bug\")")
     spec = psctl_env.write_spec("buggy", program=str(program), workers=2, steps=LONG)
     done = psctl_env.run("up", str(spec), timeout=120)
     assert done.returncode == 3, (done.returncode, done.stdout, done.stderr, cluster_logs(psctl_env, "buggy"))
@@ -572,7 +588,7 @@ def test_a_program_error_in_a_step_fails_the_cluster_saying_which_worker_and_wha
     assert said is not None and said[1] == said[2] and "INTERNAL" not in error, error
     # the log it names shows where in the program: the file and line that raised
     log = psctl_env.run("logs", f"worker-{said[1]}", "buggy").stdout
-    assert "Traceback (most recent call last)" in log and f'File "{program}", line 11, in loss_and_grads' in log \
+    assert "Traceback (most recent call last)" in log and f'File "{program}", line {line}, in loss_and_grads' in log \
         and "ValueError: shapes (50,32)" in log, log[-3000:]
     # the agent ended cleanly with its roles (its watch thread once read a descriptor closed at the exit)
     agent_log = (psctl_env.home / "buggy" / "logs" / "agent-localhost.log").read_text()
@@ -591,25 +607,8 @@ def test_a_step_hung_in_the_program_goes_to_another_worker_and_its_worker_is_res
     goes to another worker, and the worker, its step still running, leaves and is restarted."""
     program = psctl_env.tmp_path / "hanging_program.py"
     hung = psctl_env.tmp_path / "hung-once"  # (its second attempt does not hang)
-    program.write_text(textwrap.dedent(f"""\
-        import os, time
-        from psctl.models import mlp
-
-        def build(args, data, seed):
-            model = mlp.build(args, data, seed)
-            calls = [0]
-            train = model.loss_and_grads
-
-            def loss_and_grads(params, batch):
-                calls[0] += 1
-                if os.environ.get("PSCTL_ROLE") == "worker-1" and calls[0] > 30 and not os.path.exists({str(hung)!r}):
-                    open({str(hung)!r}, "w").close()
-                    time.sleep(10**6)
-                return train(params, batch)
-
-            model.loss_and_grads = loss_and_grads
-            return model
-        """), encoding="utf-8")
+    misbehaving_program(program, f"ROLE == 'worker-1' and calls[0] > 30 and not os.path.exists({str(hung)!r})",
+                        f"open({str(hung)!r}, 'w').close()", "time.sleep(10**6)")
     steps = 4000
     spec = psctl_env.write_spec("hang", program=str(program), workers=2, steps=steps)
     text = spec.read_text().replace("  mode: async\n", "  mode: async\n  step_timeout: 3s\n  steps_per_execution: 1\n"
@@ -633,24 +632,7 @@ def test_a_program_that_calls_sys_exit_in_a_step_fails_the_cluster_saying_so(psc
     """sys.exit in a step raised SystemExit in the worker's server thread, where nothing caught it: the call was
     never answered, and the whole cluster waited for it forever, the worker still beating."""
     program = psctl_env.tmp_path / "exiting_program.py"
-    program.write_text(textwrap.dedent("""\
-        import sys
-        from psctl.models import mlp
-
-        def build(args, data, seed):
-            model = mlp.build(args, data, seed)
-            calls = [0]
-            train = model.loss_and_grads
-
-            def loss_and_grads(params, batch):
-                calls[0] += 1
-                if calls[0] > 5:
-                    sys.exit(0)
-                return train(params, batch)
-
-            model.loss_and_grads = loss_and_grads
-            return model
-        """), encoding="utf-8")
+    misbehaving_program(program, "calls[0] > 5", "sys.exit(0)")
     spec = psctl_env.write_spec("exits", program=str(program), workers=1, steps=LONG)
     done = psctl_env.run("up", str(spec), timeout=120)
     assert done.returncode == 3, (done.returncode, done.stdout, done.stderr, cluster_logs(psctl_env, "exits"))
