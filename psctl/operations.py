@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -370,10 +369,8 @@ def resupervise(cdir: ClusterDir, *, wait_started: float = 30.0) -> ClusterRecor
     adopted as they run (nothing restarted). Returns the record once the new supervisor runs."""
     record = load_state(cdir.state_file)
     if record.state.terminal:
-        again = shlex.join(["psctl", "up", record.spec_path or "SPEC",
-                            *(arg for override in record.spec_overrides for arg in ("--set", override))])
         raise UsageError(f"cluster {cdir.name!r} has {record.state.value}; nothing to supervise",
-                         hint=f"start it again with `{again}` (raise training.steps to train further)")
+                         hint=f"start it again with `{record.up_command()}` (raise training.steps to train further)")
     if supervisor_alive(cdir, record):
         raise UsageError(f"cluster {cdir.name!r} is supervised already", hint=f"see `psctl status {cdir.name}`")
     old_pid = record.supervisor_pid

@@ -52,7 +52,7 @@ def check_request(cdir: ClusterDir, spec: ClusterSpec, record: ClusterRecord, wa
     """Refuse, in one line that says how to fix it, what the cluster cannot do now."""
     if record.state.terminal:
         raise UsageError(f"cluster {record.name!r} has {record.state.value}; there is nothing to scale",
-                         hint=f"start it again with `psctl up {record.spec_path or 'SPEC'}`")
+                         hint=f"start it again with `{record.up_command()}`")
     if not supervisor_alive(cdir, record):
         raise UsageError(f"cluster {record.name!r} has no supervisor running to carry out the change",
                          hint=f"start one with `psctl supervise {record.name}`, then scale")

@@ -212,8 +212,11 @@ def test_scale_requests_outside_the_specs_bounds_name_the_line_to_change(tmp_pat
     with pytest.raises(UsageError, match=r"no supervisor running.*psctl supervise elastic"):
         check_request(ClusterDir(tmp_path), spec, record, {"worker": 3})
     record.state = ClusterState.SUCCEEDED
-    with pytest.raises(UsageError, match="has succeeded; there is nothing to scale"):
+    record.spec_path, record.spec_overrides = "/specs/el.yaml", ["name=s2"]
+    with pytest.raises(UsageError, match="has succeeded; there is nothing to scale") as done:
         check_request(ClusterDir(tmp_path), spec, record, {"worker": 3})
+    # its run's overrides too (without them, `up` of the spec alone starts the spec's own name)
+    assert done.value.hint == "start it again with `psctl up /specs/el.yaml --set name=s2`"
 
 
 @pytest.mark.parametrize("distinct", [False, True])

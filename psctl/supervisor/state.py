@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
@@ -170,6 +171,11 @@ class ClusterRecord:
             index = (self.roles, {r.name: r for r in self.roles})
             self.__dict__["_index"] = index
         return index[1][name]
+
+    def up_command(self) -> str:
+        """The command that starts this cluster again: its spec with the run's ``--set`` overrides."""
+        return shlex.join(["psctl", "up", self.spec_path or "SPEC",
+                           *(arg for override in self.spec_overrides for arg in ("--set", override))])
 
     def put_role(self, role: RoleRecord) -> None:
         """Add ``role`` after the last of its kind, or in place of the record of the same name (psctl scale)."""
