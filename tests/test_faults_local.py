@@ -569,7 +569,8 @@ def test_sigterm_of_a_worker_with_grace_hands_its_work_back_and_nothing_is_recom
     assert result["retried_steps"] == 0, result
     assert result["ps_restores"] == 0
     lost = [e for e in cluster.events("worker-1") if e["to"] == "lost"]
-    assert [e["reason"] for e in lost] == ["preempted (stopped by SIGTERM, left within its grace)"], lost
+    # how it left, as it said (a grace that ran out with steps running said "left within its grace" too)
+    assert [e["reason"] for e in lost] == ["preempted (stopped by SIGTERM): its steps finished"], lost
     # max_restarts: 0, and still restarted: a preemption is not a failure
     assert restarted["restarts"] == 1
     log = (cluster.root / "logs" / "worker-1.1.log").read_text()
@@ -601,6 +602,6 @@ def test_sigterm_of_a_ps_with_grace_is_checkpointed_first_and_no_step_is_recompu
     assert all(b >= a for a, b in itertools.pairwise(progress)), progress
     assert result["retried_steps"] == 0 and result["steps_this_run"] == steps, result
     lost = [e for e in cluster.events("ps-1") if e["to"] == "lost"]
-    assert [e["reason"] for e in lost] == ["preempted (stopped by SIGTERM, left within its grace)"], lost
+    assert [e["reason"] for e in lost] == ["preempted (stopped by SIGTERM): the chief checkpointed it first"], lost
     assert cluster.role("ps-1")["attempt"] == 2 and cluster.role("chief-0")["attempt"] == 1
     assert "ps:1 stopping: the chief checkpointed it first" in (cluster.root / "logs" / "ps-1.1.log").read_text()

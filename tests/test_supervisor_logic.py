@@ -102,7 +102,7 @@ def test_a_role_whose_last_beat_said_it_exits_is_given_time_to_end(c: FakeCluste
     c.process("worker-1").exit_code = 75  # preempted
     c.step()
     assert [e.reason for e in c.events("worker-1") if e.to == "lost"] == [
-        "preempted (stopped by SIGTERM, left within its grace)"]
+        "preempted (stopped by SIGTERM)"]
     # and one that never ends after all is taken for hung, only later
     c.step(2)
     c.process("worker-0").status = "exiting"
@@ -399,6 +399,18 @@ def test_the_policy_module_does_no_io_and_reads_no_clock() -> None:
         assert forbidden not in source, forbidden
 
 
+def test_a_preempted_role_s_reason_says_how_it_left(c: FakeCluster) -> None:
+    """(It said "left within its grace" also of a worker whose grace ran out with steps running, re-run.)"""
+    running(c)
+    worker = c.process("worker-0")
+    worker.log_tail = ("2026-11-28 06:20:01,000 INFO worker:0 stopping: 2 step(s) still running after 0.5s | "
+                       "2026-11-28 06:20:01,100 INFO worker:0 stopped")
+    worker.exit_code = policy.EXIT_PREEMPTED
+    c.step()
+    assert [e.reason for e in c.events("worker-0") if e.to == "lost"] == [
+        "preempted (stopped by SIGTERM): 2 step(s) still running after 0.5s"]
+
+
 def test_a_preempted_role_is_restarted_without_counting_it_as_a_failure(tmp_path: Path) -> None:
     c = FakeCluster(SPEC.replace("max_restarts: 2", "max_restarts: 0"), tmp_path)
     c.step()
@@ -413,7 +425,7 @@ def test_a_preempted_role_is_restarted_without_counting_it_as_a_failure(tmp_path
         assert (c.role("worker-0").state, c.role("worker-0").attempt) == (RoleState.STARTING, attempt)
         c.step(0.1)
     lost = [e for e in c.events("worker-0") if e.to == "lost"]
-    assert [e.reason for e in lost] == ["preempted (stopped by SIGTERM, left within its grace)"] * 2
+    assert [e.reason for e in lost] == ["preempted (stopped by SIGTERM)"] * 2
     c.process("worker-0").exit_code = 1  # a real failure is still one
     c.step()
     assert c.role("worker-0").state == RoleState.FAILED

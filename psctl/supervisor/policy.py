@@ -338,9 +338,13 @@ def cluster_view(state: PolicyState, *, for_chief: bool = True) -> pb.ClusterVie
     return view
 
 
+#: How a role of psctl's runtime says it left once stopped (psctl.runtime.__main__), in its log's last lines.
+_STOPPING = re.compile(r" stopping: ([^|]+)")
+
+
 def describe_exit(code: int) -> str:
     if code == EXIT_PREEMPTED:
-        return "preempted (stopped by SIGTERM, left within its grace)"
+        return "preempted (stopped by SIGTERM)"
     if code == EXIT_TRAINING_OVER:
         return "ended by itself: training was over"
     if code == -255:
@@ -838,8 +842,10 @@ class _Decision:
         if role.retired:
             self.transition(role, R.STOPPED, f"scaled down; {what}")
             return
-        if code == EXIT_PREEMPTED:  # not a failure: no log lines, no count towards max_restarts or benching
-            self.transition(role, R.LOST, what)
+        if code == EXIT_PREEMPTED:  # not a failure: no count towards max_restarts or benching
+            # how it left, as it said (its steps finished, or still running when its grace ran out: re-run)
+            how = _STOPPING.findall(tail)
+            self.transition(role, R.LOST, f"{what}: {how[-1].strip()}" if how else what)
             self.restart_uncounted(role, "preempted")
             return
         self.lose(role, exit_text(code, tail), code)
