@@ -298,16 +298,17 @@ def check_attempt(record: ClusterRecord, role: str, attempt: int | None) -> int:
 def tail_lines(path: Path, n: int) -> Iterable[str]:
     """The last ``n`` lines of a local file (all if n <= 0, read as they are iterated; none if it does not
     exist). Only the end of a long file is read for its last lines."""
+    here = LocalRunner()
 
     def read_end(nbytes: int) -> tuple[bytes, int] | None:
         try:
-            return LocalRunner().read_end(str(path), nbytes)
+            return here.read_end(str(path), nbytes)
         except FileNotFoundError:
             return None
 
     def read(offset: int) -> bytes | None:
         try:
-            return LocalRunner().read_file(str(path), offset, READ_CHUNK)
+            return here.read_file(str(path), offset, READ_CHUNK)
         except FileNotFoundError:
             return None
 
@@ -333,7 +334,7 @@ def event_text(line: str) -> str | None:
 
 
 def _last_lines(data: bytes, n: int) -> list[str]:
-    lines = data.decode("utf-8", errors="replace").splitlines()
+    lines = _decoded(data)
     return lines[-n:] if n > 0 else lines
 
 
@@ -353,16 +354,24 @@ class LogLines:
         offset, pending = 0, b""
         while data := self._read(offset):
             offset += len(data)
-            cut = data.rfind(b"\n") + 1  # (a multi-byte character never holds a newline byte)
-            if not cut:
-                pending += data
-                continue
-            yield from (pending + data[:cut]).decode("utf-8", errors="replace").splitlines()
-            pending = data[cut:]
+            lines, pending = complete_lines(pending, data)
+            yield from lines
             self.offset = offset - len(pending)
         if pending:  # a last line without its newline (yet): printed; a follower goes on after it
-            yield from pending.decode("utf-8", errors="replace").splitlines()
+            yield from _decoded(pending)
         self.offset = offset
+
+
+def complete_lines(pending: bytes, data: bytes) -> tuple[list[str], bytes]:
+    """The lines ``pending + data`` ends (as ``psctl logs`` prints them), and the start of one not ended yet.
+    (Cut at a newline byte: a multi-byte character never holds one.)"""
+    joined = pending + data
+    cut = joined.rfind(b"\n") + 1
+    return _decoded(joined[:cut]), joined[cut:]
+
+
+def _decoded(data: bytes) -> list[str]:
+    return data.decode("utf-8", errors="replace").splitlines()
 
 
 #: ``logs -f`` of a cluster without a supervisor asks this often whether the role's process still runs.
@@ -414,8 +423,8 @@ def follow(
         data = log.read(attempt, offset, READ_CHUNK)
         if data:
             offset += len(data)
-            *lines, pending = (pending + data).split(b"\n")
-            yield from (line.decode("utf-8", errors="replace").removesuffix("\r") for line in lines)  # (as logs)
+            lines, pending = complete_lines(pending, data)  # (split as `psctl logs` splits them)
+            yield from lines
             continue
         end = log.read_end(attempt, 0)
         if end is not None and end[1] < offset:  # cut short (truncated, rotated in place): from its start again
@@ -424,9 +433,8 @@ def follow(
         record = load_state(cdir.state_file)
         log.record = record.role(log.role)  # the next attempt may run on another host
         if log.read_end(attempt + 1, 0) is not None:  # the next attempt has begun (its log exists)
-            if pending:
-                yield pending.decode("utf-8", errors="replace")
-                pending = b""
+            yield from _decoded(pending)
+            pending = b""
             attempt += 1
             offset = 0
             yield f"--- {log.role}: attempt {attempt} ---"
@@ -436,7 +444,6 @@ def follow(
             asked = time.monotonic()  # no supervisor to say when it ends: its process says (over SSH, a command)
             ended = not log.still_running()
         if ended:
-            if pending:
-                yield pending.decode("utf-8", errors="replace")
+            yield from _decoded(pending)
             return
         time.sleep(poll)

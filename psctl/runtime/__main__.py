@@ -235,12 +235,11 @@ def main() -> int:
             heartbeat.stop(final_within=FINAL_BEAT_WAIT)  # its final step and metrics, for psctl status
 
 
-def leave_hung() -> None:
+def leave_hung() -> NoReturn:
     """End this process now, as failed (to be restarted): a step of its program hangs, and its thread cannot be
     stopped (see ``WorkerServicer``'s ``on_hung``)."""
     record_exit(EXIT_FAILURE)
-    logging.shutdown()
-    os._exit(EXIT_FAILURE)
+    _exit_at_once(EXIT_FAILURE)
 
 
 def record_exit(code: int) -> None:
@@ -278,6 +277,11 @@ def exit_now(code: int) -> NoReturn:
         sys.exit(code)
     logging.warning("exiting with %d thread(s) still running (not daemons, they would have held this process at "
                     "its exit; the program's?): %s", len(left), ", ".join(t.name for t in left))
+    _exit_at_once(code)
+
+
+def _exit_at_once(code: int) -> NoReturn:
+    """End the process with ``code`` now, its logs and output flushed (threads that hang are not waited for)."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
