@@ -606,9 +606,14 @@ def test_a_step_hung_in_the_program_goes_to_another_worker_and_its_worker_is_res
     checkpoints and end waited for it, and held the whole cluster at one step forever. Past its deadline the step
     goes to another worker, and the worker, its step still running, leaves and is restarted."""
     program = psctl_env.tmp_path / "hanging_program.py"
-    hung = psctl_env.tmp_path / "hung-once"  # (its second attempt does not hang)
-    misbehaving_program(program, f"ROLE == 'worker-1' and calls[0] > 30 and not os.path.exists({str(hung)!r})",
-                        f"open({str(hung)!r}, 'w').close()", "time.sleep(10**6)")
+    hung = str(psctl_env.tmp_path / "hung-once")  # (its second attempt does not hang)
+    back = str(psctl_env.tmp_path / "back")  # worker-1's second attempt has computed a step
+    # worker-0 goes slowly until worker-1 is back: on a fast machine it finished the run alone before the
+    # supervisor had restarted worker-1, and nothing was left to restart it for
+    misbehaving_program(program, "True",
+                        f"if ROLE == 'worker-1' and os.path.exists({hung!r}): open({back!r}, 'w').close()",
+                        f"elif ROLE == 'worker-1' and calls[0] > 30: open({hung!r}, 'w').close(); time.sleep(10**6)",
+                        f"elif ROLE == 'worker-0' and not os.path.exists({back!r}): time.sleep(0.01)")
     steps = 4000
     spec = psctl_env.write_spec("hang", program=str(program), workers=2, steps=steps)
     text = spec.read_text().replace("  mode: async\n", "  mode: async\n  step_timeout: 3s\n  steps_per_execution: 1\n"
