@@ -77,6 +77,51 @@ def spec_text(
     )
 
 
+HELD_PROGRAM = textwrap.dedent("""\
+    import os, time
+    from MODULE import build as build_model
+
+    def build(args, data, seed):
+        model = build_model(args, data, seed)
+        train = model.loss_and_grads
+
+        def loss_and_grads(params, batch):
+            if os.path.exists(MARKER):
+                time.sleep(PAUSE)
+            return train(params, batch)
+
+        model.loss_and_grads = loss_and_grads
+        return model
+    """)
+
+
+class Hold:
+    """A training program (``module``'s, unchanged) whose every step takes ``pause`` seconds longer while the
+    test holds it (``with hold:``). A test that must act before training ends (kill a worker and see it
+    restarted, scale, probe the roles) holds the run meanwhile: a run of fixed steps on a faster machine than
+    the one the test was written on otherwise finished first, and the restart or the scale never came."""
+
+    def __init__(self, folder: Path, module: str = "psctl.models.mlp", pause: float = 0.01) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.marker = folder / "held"
+        self.program = folder / "held_program.py"
+        text = HELD_PROGRAM.replace("MODULE", module).replace("MARKER", repr(str(self.marker)))
+        self.program.write_text(text.replace("PAUSE", repr(pause)), encoding="utf-8")
+
+    def start(self) -> None:
+        self.marker.touch()
+
+    def release(self) -> None:
+        self.marker.unlink(missing_ok=True)
+
+    def __enter__(self) -> Hold:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 def readme_files(section: str) -> dict[str, str]:
     """The files a README section shows, by name: each fenced block whose first line is a comment naming its file
     (``# my_model.py``, ``# spec.yaml, beside ...``), so that the tests run what the README says."""

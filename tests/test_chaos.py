@@ -26,6 +26,8 @@ from cluster_helpers import wait_until
 from conftest import PsctlEnv
 from supervised_cluster import SupervisedCluster, sigkill
 
+from psctl.runtime.coordinator import NEVER_SENT
+
 pytestmark = pytest.mark.slow
 
 STEPS = 1000
@@ -177,7 +179,9 @@ def test_sync_training_survives_repeated_worker_kills(psctl_env: PsctlEnv) -> No
     assert result["sync"]["gradients_applied"] == R * STEPS, result
     assert result["sync"]["timed_out_steps"] == 0, result
     assert result["ps_restores"] == 0, result
-    assert result["retried_steps"] >= 1, result  # killed workers' in-flight steps went back on the queue
+    # killed workers' in-flight steps went back on the queue (unless every kill fell between two calls: then
+    # each worker's next call found no connection and was requeued as never sent)
+    assert result["retried_steps"] >= 1 or NEVER_SENT in chaotic.log("chief-0"), result
     assert chaotic.state()["result"]["global_step"] == STEPS
 
     # as good a model as the fault-free run

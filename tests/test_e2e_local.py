@@ -29,7 +29,7 @@ from typing import Any
 import psutil
 import pytest
 from cluster_helpers import REPO_ROOT, wait_until
-from conftest import psctl_binary, readme_files
+from conftest import Hold, psctl_binary, readme_files
 
 from psctl.launch.cpus import allowed_cpus, cpus_for_slot, host_slots
 from psctl.runtime.checkpoint import list_checkpoints, step_of
@@ -931,10 +931,12 @@ def test_logs_follow_prints_new_lines_until_the_cluster_ends(psctl_env) -> None:
 
 # -- (f) ----------------------------------------------------------------------------------------------------
 def test_killed_worker_is_restarted_and_training_finishes(psctl_env) -> None:
-    # One worker: while it is down no step can run, so training cannot finish before the restart; enough steps
-    # (at ~200 steps/s) that the kill lands well before the end, whenever the test sees training start.
-    steps = 4000
-    up_detached(psctl_env, "rst", steps=steps, ps=1, workers=1)
+    # One worker: while it is down no step can run, so training cannot finish before the restart; its steps
+    # held (10 ms each) until the kill, so that it lands before the end, whenever the test sees training start.
+    steps = 2000
+    hold = Hold(psctl_env.tmp_path / "hold")
+    hold.start()
+    up_detached(psctl_env, "rst", steps=steps, ps=1, workers=1, program=str(hold.program))
     before = wait_cluster(
         psctl_env, "rst",
         lambda s: role_of(s, "chief-0")["global_step"] > 0 and role_of(s, "worker-0")["state"] == "running",
@@ -945,6 +947,7 @@ def test_killed_worker_is_restarted_and_training_finishes(psctl_env) -> None:
     assert worker["attempt"] == 1
     first_pid = worker["pid"]
     same_process(first_pid, worker["create_time"]).send_signal(signal.SIGKILL)
+    hold.release()
 
     restarted = wait_cluster(psctl_env, "rst", lambda s: role_of(s, "worker-0")["attempt"] == 2,
                              timeout=30, what="worker-0 to be restarted (attempt 2)")

@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 import pytest
 from cluster_helpers import wait_until
-from conftest import PsctlEnv
+from conftest import Hold, PsctlEnv
 from supervised_cluster import SupervisedCluster, gone, sigkill
 
 from psctl.runtime.checkpoint import latest_checkpoint, list_checkpoints
@@ -58,8 +58,10 @@ MODELS = {
 
 
 def spec_text(name: str, steps: int, model: str = "mlp", ps: int = 2,
-              heartbeat_timeout: float = QUIET_HEARTBEAT_TIMEOUT) -> str:
-    model_keys = "".join(f"  {key}: {value}\n" for key, value in MODELS[model].items())
+              heartbeat_timeout: float = QUIET_HEARTBEAT_TIMEOUT, program: str | None = None) -> str:
+    """(``program``: one in place of the model's own, e.g. a Hold's of it.)"""
+    keys = {**MODELS[model], **({"program": program} if program else {})}
+    model_keys = "".join(f"  {key}: {value}\n" for key, value in keys.items())
     return (
         f"name: {name}\n"
         "roles:\n"
@@ -79,11 +81,13 @@ def spec_text(name: str, steps: int, model: str = "mlp", ps: int = 2,
 
 
 class Cluster(SupervisedCluster):
-    """One named cluster of the test's PSCTL_HOME, with the checkpoints and progress the fault tests wait for."""
+    """One named cluster of the test's PSCTL_HOME, with the checkpoints and progress the fault tests wait for.
+    Its model's steps go slowly while the test holds it (``with cluster.hold:``)."""
 
     def __init__(self, penv: PsctlEnv, name: str, steps: int, model: str = "mlp", ps: int = 2,
                  heartbeat_timeout: float = QUIET_HEARTBEAT_TIMEOUT) -> None:
-        super().__init__(penv, name, spec_text(name, steps, model, ps, heartbeat_timeout))
+        self.hold = Hold(penv.tmp_path / f"{name}-hold", str(MODELS[model]["program"]))
+        super().__init__(penv, name, spec_text(name, steps, model, ps, heartbeat_timeout, str(self.hold.program)))
         self.steps = steps
 
     @property
@@ -130,8 +134,9 @@ def training_without_its_supervisor(cluster: Cluster, at_step: int) -> tuple[str
     """Start ``cluster``, and SIGKILL its supervisor once training reached ``at_step``; its id and each role's pid."""
     cluster_id = cluster.up()
     cluster.wait_progress(at_step)
-    pids = {role: cluster.process(role).pid for role in ROLES}
-    sigkill(psutil.Process(cluster.state()["supervisor_pid"]))
+    with cluster.hold:  # (a fast machine could train to the end meanwhile)
+        pids = {role: cluster.process(role).pid for role in ROLES}
+        sigkill(psutil.Process(cluster.state()["supervisor_pid"]))
     return cluster_id, pids
 
 
@@ -188,10 +193,10 @@ def test_sigkill_of_a_worker(cluster_factory: MakeCluster) -> None:
     cluster.up()
     cluster.wait_progress(300)
     victim = cluster.process("worker-1")
-    sigkill(victim)
-
-    wait_until(lambda: cluster.role("worker-1")["attempt"] == 2, timeout=30, what="worker-1's restart",
-               detail=cluster.describe)
+    with cluster.hold:  # (worker-0 alone could finish the run before worker-1's restart)
+        sigkill(victim)
+        wait_until(lambda: cluster.role("worker-1")["attempt"] == 2, timeout=30, what="worker-1's restart",
+                   detail=cluster.describe)
     cluster.wait_finished()
     result = assert_finished_with_exactly(cluster, steps)
     assert result["steps_this_run"] == steps
@@ -286,35 +291,38 @@ def test_sigstop_of_a_worker_is_detected_by_heartbeat_and_the_worker_replaced(cl
     cluster.up()
     cluster.wait_progress(300)
     victim = cluster.process("worker-1")
-    try:
-        stopped_at = time.time()
-        victim.suspend()  # SIGSTOP: alive to the kernel, silent to everyone else
-        lost = wait_until(
-            lambda: next((e for e in cluster.events("worker-1") if e["to"] == "lost"), None),
-            timeout=HEARTBEAT_TIMEOUT + 15, what="worker-1 to be declared lost", detail=cluster.describe,
-        )
-        detection = lost["time"] - stopped_at
-        silence = re.search(r"no heartbeat for ([0-9.]+)s", lost["reason"])
-        assert silence, lost
-        # declared lost once the last beat it heard is 3 s old, at a pass (polling: a few tenths of a second).
-        # That beat came up to an interval (plus a niced worker's lateness) before the stop: the test's own clock
-        # bounds the detection only loosely.
-        assert HEARTBEAT_TIMEOUT <= float(silence[1]) <= HEARTBEAT_TIMEOUT + 1.5, lost
-        assert HEARTBEAT_TIMEOUT - 2 * HEARTBEAT_INTERVAL - 1.0 <= detection <= HEARTBEAT_TIMEOUT + 5.0, detection
-        # the supervisor kills the hung process (SIGKILL reaches a stopped process) and starts another
-        wait_until(lambda: gone(victim), timeout=10, what="the stopped worker to be killed")
-        killed = time.time() - stopped_at
-        restarted = wait_until(
-            lambda: next((e for e in cluster.events("worker-1") if e["to"] == "running" and e["attempt"] == 2), None),
-            timeout=60, what="worker-1's second attempt to run", detail=cluster.describe,
-        )
-        back = restarted["time"] - stopped_at
-        print(f"SIGSTOP: lost after {detection:.2f}s, killed by {killed:.2f}s, replacement running after {back:.2f}s")
-    finally:
-        if not gone(victim):
-            with contextlib.suppress(psutil.Error):
-                victim.resume()
-                victim.kill()
+    with cluster.hold:  # (worker-0 alone could finish the run before worker-1's restart)
+        try:
+            stopped_at = time.time()
+            victim.suspend()  # SIGSTOP: alive to the kernel, silent to everyone else
+            lost = wait_until(
+                lambda: next((e for e in cluster.events("worker-1") if e["to"] == "lost"), None),
+                timeout=HEARTBEAT_TIMEOUT + 15, what="worker-1 to be declared lost", detail=cluster.describe,
+            )
+            detection = lost["time"] - stopped_at
+            silence = re.search(r"no heartbeat for ([0-9.]+)s", lost["reason"])
+            assert silence, lost
+            # declared lost once the last beat it heard is 3 s old, at a pass (polling: a few tenths of a second).
+            # That beat came up to an interval (plus a niced worker's lateness) before the stop: the test's own clock
+            # bounds the detection only loosely.
+            assert HEARTBEAT_TIMEOUT <= float(silence[1]) <= HEARTBEAT_TIMEOUT + 1.5, lost
+            assert HEARTBEAT_TIMEOUT - 2 * HEARTBEAT_INTERVAL - 1.0 <= detection <= HEARTBEAT_TIMEOUT + 5.0, detection
+            # the supervisor kills the hung process (SIGKILL reaches a stopped process) and starts another
+            wait_until(lambda: gone(victim), timeout=10, what="the stopped worker to be killed")
+            killed = time.time() - stopped_at
+            restarted = wait_until(
+                lambda: next((e for e in cluster.events("worker-1") if e["to"] == "running" and e["attempt"] == 2),
+                             None),
+                timeout=60, what="worker-1's second attempt to run", detail=cluster.describe,
+            )
+            back = restarted["time"] - stopped_at
+            print(f"SIGSTOP: lost after {detection:.2f}s, killed by {killed:.2f}s, replacement running after "
+                  f"{back:.2f}s")
+        finally:
+            if not gone(victim):
+                with contextlib.suppress(psutil.Error):
+                    victim.resume()
+                    victim.kill()
 
     cluster.wait_finished()
     assert_finished_with_exactly(cluster, steps)
@@ -330,11 +338,12 @@ def test_resume_after_every_process_was_killed(cluster_factory: MakeCluster, psc
     killed_step = cluster.wait_progress(500, checkpoints=3)
 
     # the supervisor first (so it restarts nothing), then the agent and every role, all with SIGKILL
-    supervisor = psutil.Process(cluster.state()["supervisor_pid"])
-    victims = [supervisor] + [p for p in psctl_env.processes(first_id) if p.pid != supervisor.pid]
-    assert len(victims) == 7, psctl_env.describe(victims)  # supervisor, agent, chief, 2 ps, 2 workers
-    for proc in victims:
-        proc.send_signal(signal.SIGKILL)
+    with cluster.hold:  # (finding them takes a while, in which a fast machine trained to the end)
+        supervisor = psutil.Process(cluster.state()["supervisor_pid"])
+        victims = [supervisor] + [p for p in psctl_env.processes(first_id) if p.pid != supervisor.pid]
+        assert len(victims) == 7, psctl_env.describe(victims)  # supervisor, agent, chief, 2 ps, 2 workers
+        for proc in victims:
+            proc.send_signal(signal.SIGKILL)
     wait_until(lambda: all(gone(p) for p in victims), timeout=15, what="every process to die")
     assert psctl_env.processes(first_id) == []
 
@@ -439,28 +448,31 @@ def test_a_state_file_that_cannot_be_written_for_a_while_ends_no_supervision(clu
     cluster = cluster_factory("unwritable", steps)
     cluster.up()
     cluster.wait_progress(200)
-    pids = {r["name"]: r["pid"] for r in cluster.state()["roles"]}
-    supervisor = psutil.Process(cluster.state()["supervisor_pid"])
-    victim = cluster.process("worker-1")
-    state_file = cluster.root / "state.json"
-    # what replaces it (os.replace onto a folder that holds a file) fails, as a full disk would. (A save can land
-    # between the unlink and the mkdir: then again.)
-    wait_until(lambda: block_with_a_folder(state_file), timeout=10, what="state.json replaced by a folder")
-    (state_file / "in-the-way").write_text("")
-    log = cluster.root / "supervisor.log"
-    try:
-        wait_until(lambda: f"cannot write {state_file}" in log.read_text(), timeout=30,
-                   what="the supervisor to say it cannot write its state")
-        sigkill(victim)  # a failure meanwhile is still seen to, and written once it can be
-        wait_until(lambda: log.read_text().count("worker-1: running -> lost") == 1, timeout=30,
-                   what="worker-1's loss seen while the state cannot be written")
-        assert supervisor.is_running() and supervisor.status() != psutil.STATUS_ZOMBIE
-        assert log.read_text().count(f"cannot write {state_file}") == 1  # said once, not every second
-    finally:
-        (state_file / "in-the-way").unlink()
-        state_file.rmdir()
-    wait_until(lambda: state_file.is_file(), timeout=30, what="state.json written again")
-    assert f"{state_file} written again" in log.read_text()
+    with cluster.hold:  # (worker-0 alone could finish the run before worker-1's restart)
+        pids = {r["name"]: r["pid"] for r in cluster.state()["roles"]}
+        supervisor = psutil.Process(cluster.state()["supervisor_pid"])
+        victim = cluster.process("worker-1")
+        state_file = cluster.root / "state.json"
+        # what replaces it (os.replace onto a folder that holds a file) fails, as a full disk would. (A save can land
+        # between the unlink and the mkdir: then again.)
+        wait_until(lambda: block_with_a_folder(state_file), timeout=10, what="state.json replaced by a folder")
+        (state_file / "in-the-way").write_text("")
+        log = cluster.root / "supervisor.log"
+        try:
+            wait_until(lambda: f"cannot write {state_file}" in log.read_text(), timeout=30,
+                       what="the supervisor to say it cannot write its state")
+            sigkill(victim)  # a failure meanwhile is still seen to, and written once it can be
+            wait_until(lambda: log.read_text().count("worker-1: running -> lost") == 1, timeout=30,
+                       what="worker-1's loss seen while the state cannot be written")
+            assert supervisor.is_running() and supervisor.status() != psutil.STATUS_ZOMBIE
+            assert log.read_text().count(f"cannot write {state_file}") == 1  # said once, not every second
+        finally:
+            (state_file / "in-the-way").unlink()
+            state_file.rmdir()
+        wait_until(lambda: state_file.is_file(), timeout=30, what="state.json written again")
+        assert f"{state_file} written again" in log.read_text()
+        wait_until(lambda: cluster.role("worker-1")["attempt"] == 2, timeout=30, what="worker-1's restart",
+                   detail=cluster.describe)
     cluster.wait_finished()
     assert_finished_with_exactly(cluster, steps)
     assert cluster.role("worker-1")["attempt"] == 2
@@ -522,13 +534,14 @@ def test_sigkill_of_the_agent_its_successor_adopts_the_roles_and_training_ends_e
     restart and the ps the steps since their last checkpoint)."""
     cluster = cluster_factory("agentkill", 6000)
     cluster_id, pids, agent = training_with_its_agent(cluster, psctl_env)
-    sigkill(agent)
 
     def successor() -> psutil.Process | None:
         found = processes_of(psctl_env, cluster_id, "psctl.agent")
         return found[0] if found and found[0].pid != agent.pid else None
 
-    wait_until(successor, timeout=30, what="a new agent", detail=cluster.describe)
+    with cluster.hold:  # (a fast machine could train to the end before the new agent comes)
+        sigkill(agent)
+        wait_until(successor, timeout=30, what="a new agent", detail=cluster.describe)
     assert_adopted_to_the_end(cluster, pids)  # ended by the new agent's word
 
 
@@ -539,30 +552,31 @@ def test_a_hung_agent_is_replaced_by_one_that_adopts_its_roles_and_nothing_resta
     timeout and restart them all, the ps falling back to their checkpoints)."""
     cluster = cluster_factory("agenthang", 6000, heartbeat_timeout=HEARTBEAT_TIMEOUT)
     _, pids, agent = training_with_its_agent(cluster, psctl_env)
-    agent.suspend()
-    try:
-        wait_until(lambda: gone(agent), timeout=HEARTBEAT_TIMEOUT + 10, what="the hung agent to be killed",
-                   detail=cluster.describe)
-    finally:
-        with contextlib.suppress(psutil.Error):
-            agent.resume()
+    with cluster.hold:  # (a fast machine could train to the end before the agent is replaced)
+        agent.suspend()
+        try:
+            wait_until(lambda: gone(agent), timeout=HEARTBEAT_TIMEOUT + 10, what="the hung agent to be killed",
+                       detail=cluster.describe)
+        finally:
+            with contextlib.suppress(psutil.Error):
+                agent.resume()
     assert_adopted_to_the_end(cluster, pids)
 
 
 def test_sigterm_of_a_worker_with_grace_hands_its_work_back_and_nothing_is_recomputed(psctl_env: PsctlEnv) -> None:
-    steps = 10_000  # training must outlast the drain and the restart's backoff (2,000 took ~3 s at 700 steps/s)
-    text = spec_text("preempt", steps).replace(
+    steps = 3000
+    cluster = Cluster(psctl_env, "preempt", steps)
+    cluster.spec.write_text(cluster.spec.read_text().replace(
         "worker: {replicas: 2}", "worker: {replicas: 2, restart: {max_restarts: 0}}"
-    ).replace("supervision: {", "supervision: {preemption_grace: 20s, ")
-    cluster = SupervisedCluster(psctl_env, "preempt", text)
+    ).replace("supervision: {", "supervision: {preemption_grace: 20s, "))
     cluster.up()
-    wait_until(lambda: cluster.progress() >= 300, timeout=120, what="global step 300", detail=cluster.describe)
+    cluster.wait_progress(300)
     victim = cluster.process("worker-1")
-    victim.send_signal(signal.SIGTERM)  # a preemption's warning
-    wait_until(lambda: gone(victim), timeout=30, what="the preempted worker to leave")
-
-    restarted = wait_until(lambda: cluster.role("worker-1")["attempt"] == 2 and cluster.role("worker-1"),
-                           timeout=30, what="worker-1's restart", detail=cluster.describe)
+    with cluster.hold:  # training must outlast the drain and the restart's backoff
+        victim.send_signal(signal.SIGTERM)  # a preemption's warning
+        wait_until(lambda: gone(victim), timeout=30, what="the preempted worker to leave")
+        restarted = wait_until(lambda: cluster.role("worker-1")["attempt"] == 2 and cluster.role("worker-1"),
+                               timeout=30, what="worker-1's restart", detail=cluster.describe)
     cluster.wait_finished(RUN_TIMEOUT)
     result = assert_finished_with_exactly(cluster, steps)  # type: ignore[arg-type]
     # it finished the step it ran and took no other: nothing was recomputed, its next steps went elsewhere
@@ -581,9 +595,8 @@ def test_sigterm_of_a_worker_with_grace_hands_its_work_back_and_nothing_is_recom
 
 def test_sigterm_of_a_ps_with_grace_is_checkpointed_first_and_no_step_is_recomputed(psctl_env: PsctlEnv) -> None:
     steps = 2000
-    text = spec_text("preemptps", steps).replace("supervision: {", "supervision: {preemption_grace: 20s, ")
     cluster = Cluster(psctl_env, "preemptps", steps)
-    cluster.spec.write_text(text)
+    cluster.spec.write_text(cluster.spec.read_text().replace("supervision: {", "supervision: {preemption_grace: 20s, "))
     cluster.up()
     cluster.wait_progress(400, checkpoints=2)
     victim = cluster.process("ps-1")

@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import pytest
 from cluster_helpers import wait_until
-from conftest import PsctlEnv
+from conftest import Hold, PsctlEnv
 from supervised_cluster import SupervisedCluster
 
 from psctl.launch.cpus import YIELD_NICE, allowed_cpus, cpus_for_slot, host_slots
@@ -25,7 +25,14 @@ pytestmark = pytest.mark.slow
 RUN_TIMEOUT = 240.0
 
 
-def spec_text(name: str, steps: int) -> str:
+def held_cluster(penv: PsctlEnv, name: str, steps: int) -> tuple[SupervisedCluster, Hold]:
+    """The cluster, its steps 50 ms slower while the test holds it: a fast machine trained to the end before the
+    scales were seen through."""
+    hold = Hold(penv.tmp_path / f"{name}-hold", pause=0.05)
+    return SupervisedCluster(penv, name, spec_text(name, steps, str(hold.program))), hold
+
+
+def spec_text(name: str, steps: int, program: str = "psctl.models.mlp") -> str:
     return textwrap.dedent(
         f"""\
         name: {name}
@@ -34,7 +41,7 @@ def spec_text(name: str, steps: int) -> str:
           ps: {{replicas: 2, max_replicas: 3}}
           worker: {{replicas: 2, max_replicas: 4}}
         training:
-          program: psctl.models.mlp
+          program: {program}
           args: {{hidden_units: 32}}
           data: {{name: digits}}
           batch_size: 50
@@ -92,10 +99,11 @@ def assert_on_their_slots_cpus(roles: list[dict[str, Any]]) -> None:
 
 
 def test_workers_scaled_2_to_4_to_1_while_training_take_every_batch_exactly_once(psctl_env: PsctlEnv) -> None:
-    steps = 12_000  # training outlasts both scales with room (at the last check ~6,700 steps were done on 2 cores)
-    cluster = SupervisedCluster(psctl_env, "scalew", spec_text("scalew", steps))
+    steps = 6000
+    cluster, hold = held_cluster(psctl_env, "scalew", steps)
     cluster.up()
     wait_until(lambda: cluster.progress() >= 300, timeout=120, what="global step 300", detail=cluster.describe)
+    hold.start()  # until both scales are seen through
 
     # two at once: one is carried out, the other waits for it and finds nothing left to change (without the
     # scale lock both read 2 workers, or the second found the first's request and refused)
@@ -131,6 +139,7 @@ def test_workers_scaled_2_to_4_to_1_while_training_take_every_batch_exactly_once
     assert [r["name"] for r in status["roles"] if r["state"] == "running"] == ["chief-0", "ps-0", "ps-1", "worker-0"]
     assert_on_their_slots_cpus([r for r in cluster.state()["roles"] if r["state"] == "running"])
     assert cluster.progress() < steps, "training ended before the last scale was seen through"
+    hold.release()
 
     result = assert_every_batch_once(cluster, steps)
     assert result["workers"] == 1
@@ -145,10 +154,11 @@ def test_ps_scaled_2_to_3_while_training_reshards_every_variable_unchanged(psctl
     """Then 3 -> 2 while the chief is away (stopped, then killed before it could reshard): the leaving ps used to
     be stopped at once and the next chief restored the latest checkpoint onto 2 ps (the steps since it trained
     again); it starts on the 3 ps the last one left, resumes from them and reshards."""
-    steps = 5000
-    cluster = SupervisedCluster(psctl_env, "scaleps", spec_text("scaleps", steps))
+    steps = 3000
+    cluster, hold = held_cluster(psctl_env, "scaleps", steps)
     cluster.up()
     wait_until(lambda: cluster.progress() >= 300, timeout=120, what="global step 300", detail=cluster.describe)
+    hold.start()  # until the chief is killed
 
     assert "ps 2 -> 3" in scale(psctl_env, cluster, "ps=3")
     resharded = wait_until(
@@ -170,6 +180,7 @@ def test_ps_scaled_2_to_3_while_training_reshards_every_variable_unchanged(psctl
         assert "ps 3 -> 2" in scale(psctl_env, cluster, "ps=2")
     finally:
         chief.kill()
+        hold.release()
     wait_until(lambda: "resharded from 3 to 2 ps" in cluster.log("chief-0"), timeout=60,
                what="the next chief to reshard onto 2 ps", detail=cluster.describe)
     result = assert_every_batch_once(cluster, steps)  # (no ps restored, the global step never went back)

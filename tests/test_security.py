@@ -30,6 +30,7 @@ import psutil
 import pytest
 from click.testing import CliRunner
 from cluster_helpers import wait_until
+from conftest import Hold
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -588,7 +589,7 @@ roles:
   ps: {{replicas: 1}}
   worker: {{replicas: 1}}
 training:
-  program: psctl.models.mlp
+  program: {program}
   args: {{hidden_units: 16}}
   data: {{name: digits}}
   batch_size: 50
@@ -599,9 +600,9 @@ supervision: {{heartbeat_interval: 0.5s, heartbeat_timeout: 10s}}
 """
 
 
-def up(psctl_env: Any, name: str) -> dict[str, Any]:
+def up(psctl_env: Any, name: str, program: str = "psctl.models.mlp") -> dict[str, Any]:
     spec = psctl_env.tmp_path / f"{name}.yaml"
-    spec.write_text(SPEC.format(name=name), encoding="utf-8")
+    spec.write_text(SPEC.format(name=name, program=program), encoding="utf-8")
     result = psctl_env.run("up", "--detach", str(spec), timeout=90)
     assert result.returncode == 0, (result.stdout, result.stderr)
     return psctl_env.state(name)  # type: ignore[no-any-return]  # also registers the cluster id for teardown
@@ -627,7 +628,10 @@ def cluster_environments(psctl_env: Any, cluster_id: str) -> dict[str, dict[str,
 @pytest.mark.slow
 def test_up_runs_every_role_over_tls_and_keeps_its_files_private(psctl_env: Any, pki: Pki) -> None:
     name = "sec"
-    state = up(psctl_env, name)
+    # its 100 steps held at a second each until the roles are probed: a fast machine finished them before
+    hold = Hold(psctl_env.tmp_path / "hold", pause=1.0)
+    hold.start()
+    state = up(psctl_env, name, str(hold.program))
     cdir = psctl_env.home / name
     tls_dir = cdir / "tls"
     member = member_files(tls_dir, "chief-0")  # the cluster's own credentials, as a role holds them
@@ -683,6 +687,7 @@ def test_up_runs_every_role_over_tls_and_keeps_its_files_private(psctl_env: Any,
         next(pb_grpc.AgentLinkStub(channel).Attach(iter([hello]), timeout=RPC_TIMEOUT))
     assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value  # type: ignore[attr-defined]
     member_reaches_the_ps()  # still up: the refusals above were TLS, not a cluster that had already finished
+    hold.release()
 
     final = wait_until(
         lambda: (s := psctl_env.state(name))["state"] in ("succeeded", "failed", "stopped") and s,
