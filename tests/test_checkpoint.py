@@ -739,6 +739,49 @@ def test_a_chief_that_died_before_restoring_into_the_ps_is_followed_by_one_that_
         second.close()
 
 
+@pytest.mark.parametrize("cut_short", ["restore", "reset"])
+def test_a_restore_of_every_ps_cut_short_is_done_again_not_resumed_as_the_model(
+        tmp_path: Path, ps_servers: PsServers, cut_short: str) -> None:
+    """A chief restoring the latest checkpoint (``reset``: with none, setting every ps back to its initializers)
+    gives each ps its part; one lost half-way left ps 0 at the checkpoint and ps 1 where training had taken it.
+    Its successor found every ps holding variables and resumed that mix as the model. Each ps now names the
+    model its shards belong to: ps of different models are restored again, all of them."""
+    group = ps_servers.start(2)
+    first = resuming_chief(tmp_path, group.client.addresses)
+    try:
+        first._init_or_restore()  # the initializers, at global step 0
+        start = take_snapshot(first.model, first.ps)
+        if cut_short == "restore":
+            start.global_step, start.shard_positions = 300, [149, 149]
+            write_checkpoint(tmp_path / "ckpts", start)
+        trained = take_snapshot(first.model, first.ps)  # training went on: every variable moved
+        trained.variables = {name: value + 1 for name, value in trained.variables.items()}
+        trained.global_step, trained.shard_positions = 500, [249, 249]
+        restore_snapshot(first.model, first.ps, trained)
+        only_ps0 = PsClient(group.client.addresses[:1], timeout=30)  # the chief lost after ps 0 took its part
+        try:
+            if cut_short == "restore":
+                restore_snapshot(first.model, only_ps0, start)
+            else:
+                cfg = first.config
+                only_ps0.init(first.model.shard_specs(cfg.seed), cfg.optimizer_proto(), first.info.cluster_id,
+                              reset=True)
+        finally:
+            only_ps0.close()
+    finally:
+        first.close()
+    second = resuming_chief(tmp_path, group.client.addresses)
+    try:
+        second._init_or_restore()
+        now = take_snapshot(second.model, second.ps)
+        assert now.global_step == start.global_step
+        for name, value in start.variables.items():  # one model, on every ps: the checkpoint's, or the initial
+            np.testing.assert_array_equal(now.variables[name], value, err_msg=name)
+        assert second.restores == 1
+    finally:
+        second.close()
+
+
 def test_synchronous_counters_carry_on_from_the_checkpoint_into_restarted_ps(
         tmp_path: Path, ps_servers: PsServers) -> None:
     """A restarted ps counts from zero: restored from a checkpoint, every ps takes the run's counts as of it

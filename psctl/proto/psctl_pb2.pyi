@@ -86,7 +86,7 @@ class OptimizerConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., params: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class InitRequest(_message.Message):
-    __slots__ = ("variables", "optimizer", "cluster_id", "reset", "replicas_to_aggregate", "distinct_replicas", "chief_incarnation")
+    __slots__ = ("variables", "optimizer", "cluster_id", "reset", "replicas_to_aggregate", "distinct_replicas", "chief_incarnation", "model_id")
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class InitRequest(_message.Message):
     REPLICAS_TO_AGGREGATE_FIELD_NUMBER: _ClassVar[int]
     DISTINCT_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     variables: _containers.RepeatedCompositeFieldContainer[VariableSpec]
     optimizer: OptimizerConfig
     cluster_id: str
@@ -101,15 +102,18 @@ class InitRequest(_message.Message):
     replicas_to_aggregate: int
     distinct_replicas: bool
     chief_incarnation: int
-    def __init__(self, variables: _Optional[_Iterable[_Union[VariableSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., cluster_id: _Optional[str] = ..., reset: _Optional[bool] = ..., replicas_to_aggregate: _Optional[int] = ..., distinct_replicas: _Optional[bool] = ..., chief_incarnation: _Optional[int] = ...) -> None: ...
+    model_id: int
+    def __init__(self, variables: _Optional[_Iterable[_Union[VariableSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., cluster_id: _Optional[str] = ..., reset: _Optional[bool] = ..., replicas_to_aggregate: _Optional[int] = ..., distinct_replicas: _Optional[bool] = ..., chief_incarnation: _Optional[int] = ..., model_id: _Optional[int] = ...) -> None: ...
 
 class InitResponse(_message.Message):
-    __slots__ = ("already_initialized", "global_step")
+    __slots__ = ("already_initialized", "global_step", "model_id")
     ALREADY_INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     already_initialized: bool
     global_step: int
-    def __init__(self, already_initialized: _Optional[bool] = ..., global_step: _Optional[int] = ...) -> None: ...
+    model_id: int
+    def __init__(self, already_initialized: _Optional[bool] = ..., global_step: _Optional[int] = ..., model_id: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("entries", "include_slots")
@@ -176,18 +180,20 @@ class PullChunk(_message.Message):
     def __init__(self, part: _Optional[_Union[PullResponse, _Mapping]] = ...) -> None: ...
 
 class AssignRequest(_message.Message):
-    __slots__ = ("entries", "global_step", "shard_positions", "chief_incarnation", "sync_counters")
+    __slots__ = ("entries", "global_step", "shard_positions", "chief_incarnation", "sync_counters", "model_id")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     SHARD_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SYNC_COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[NamedTensor]
     global_step: int
     shard_positions: _containers.RepeatedScalarFieldContainer[int]
     chief_incarnation: int
     sync_counters: SyncCounters
-    def __init__(self, entries: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., global_step: _Optional[int] = ..., shard_positions: _Optional[_Iterable[int]] = ..., chief_incarnation: _Optional[int] = ..., sync_counters: _Optional[_Union[SyncCounters, _Mapping]] = ...) -> None: ...
+    model_id: int
+    def __init__(self, entries: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., global_step: _Optional[int] = ..., shard_positions: _Optional[_Iterable[int]] = ..., chief_incarnation: _Optional[int] = ..., sync_counters: _Optional[_Union[SyncCounters, _Mapping]] = ..., model_id: _Optional[int] = ...) -> None: ...
 
 class SyncCounters(_message.Message):
     __slots__ = ("gradients_applied", "stale_dropped", "timed_out_steps")

@@ -405,7 +405,11 @@ class Chief:
                                    replicas_to_aggregate=r, distinct_replicas=distinct)
             replies[0].already_initialized = True  # (counted as a restore below)
         kept = [r.already_initialized for r in replies]
-        held = replies[0].global_step if all(kept) else None  # every ps holds a model, at this step
+        one_model = len({r.model_id for r in replies}) == 1
+        if all(kept) and not one_model:
+            log.warning("the ps hold parts of different models (a restore of every ps cut short by the loss of "
+                        "the chief doing it): the latest checkpoint goes onto every ps")
+        held = replies[0].global_step if all(kept) and one_model else None  # every ps holds the model, at this step
         if self.checkpointer is not None:
             self.checkpointer.wait()  # a checkpoint still being written counts
         # The ps hold nothing (or not all of them), or hold less than a checkpoint: a chief that died between

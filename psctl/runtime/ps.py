@@ -128,6 +128,9 @@ class VariableStore:
         self._newest_step = 0
         self._incarnations: dict[str, int] = {}
         self.global_step = 0
+        #: The model the shards belong to: the id of the Init that created them or of the Assign that last
+        #: replaced them (see InitResponse.model_id).
+        self.model_id = 0
         #: The optimizer's step count (TF's ``iterations``): the updates applied here, one per step whichever
         #: variables and shards it touched. Every push reaches every PS, so each counts every step. It is the
         #: count each update runs at (Adam's ``t``, kept in every shard's scalar slots for checkpoints): per
@@ -164,8 +167,10 @@ class VariableStore:
         replicas_to_aggregate: int = 0,
         distinct_replicas: bool = False,
         chief_incarnation: int = 0,
+        model_id: int = 0,
     ) -> bool:
-        """Create the shards; True if exactly these already existed (a restarted chief).
+        """Create the shards, of model ``model_id``; True if exactly these already existed (a restarted chief):
+        then they, and their model id, stay as they were.
 
         ``reset`` re-creates them from their initializers and zeroes the global step (recovery without a
         checkpoint); step ids already applied stay remembered.
@@ -195,6 +200,7 @@ class VariableStore:
                 )
                 shards[spec.name] = Shard(spec, value, opt.create_slots(value))
             self._shards, self._optimizer = shards, opt
+            self.model_id = model_id
             self.optimizer_steps = 0
             if reset:  # training starts again: its counts too
                 self.global_step = 0
@@ -452,10 +458,11 @@ class VariableStore:
 
     def assign(
         self, entries: Sequence[Entry], global_step: int, positions: Sequence[int], *, chief_incarnation: int = 0,
-        counters: pb.SyncCounters | None = None,
+        counters: pb.SyncCounters | None = None, model_id: int = 0,
     ) -> None:
-        """Replace every shard's value and slots (restoring a checkpoint), and the synchronous training's counters
-        where given (else they are kept). Validates all, then applies all."""
+        """Replace every shard's value and slots (restoring a checkpoint, the shards now of model ``model_id``),
+        and the synchronous training's counters where given (else they are kept). Validates all, then applies
+        all."""
         if global_step < 0:
             raise WireError(f"assign's global step must be >= 0, got {global_step}")
         values: dict[str, np.ndarray] = {}
@@ -500,6 +507,7 @@ class VariableStore:
                     for slot, array in slots.get(name, {}).items():  # SGD has no slots
                         shard.slots[slot][...] = array
             self.global_step = int(global_step)
+            self.model_id = model_id
             # the checkpoint's step count (a checkpoint of per-shard counts: the most advanced shard's)
             assert self._optimizer is not None
             counted = self._optimizer.scalar_slot_names
@@ -715,7 +723,7 @@ def _push_header(p: pb.PushRequest) -> pb.PushRequest:
 
 def _assign_header(p: pb.AssignRequest) -> pb.AssignRequest:
     header = pb.AssignRequest(global_step=p.global_step, shard_positions=list(p.shard_positions),
-                              chief_incarnation=p.chief_incarnation)
+                              chief_incarnation=p.chief_incarnation, model_id=p.model_id)
     if p.HasField("sync_counters"):
         header.sync_counters.CopyFrom(p.sync_counters)
     return header
@@ -766,6 +774,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                 replicas_to_aggregate=request.replicas_to_aggregate,
                 distinct_replicas=request.distinct_replicas,
                 chief_incarnation=request.chief_incarnation,
+                model_id=request.model_id,
             )
         except ChiefReplaced as exc:
             self._abort(context, exc)
@@ -775,7 +784,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                           grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except MemoryError as exc:  # (nothing was kept: the shards replace the old ones only once all are made)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this PS has no memory for these variables: {exc}")
-        return pb.InitResponse(already_initialized=already, global_step=self.store.global_step)
+        return pb.InitResponse(already_initialized=already, global_step=self.store.global_step,
+                               model_id=self.store.model_id)
 
     # -- shared by both forms -------------------------------------------------------------------------
     def _decoded(self, decode: Callable[[], T], context: grpc.ServicerContext) -> T:
@@ -856,7 +866,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         """A restore, from the chief (each way in checks that first: a stream before it is read)."""
         try:
             self.store.assign(entries, request.global_step, list(request.shard_positions),
-                              chief_incarnation=request.chief_incarnation,
+                              chief_incarnation=request.chief_incarnation, model_id=request.model_id,
                               counters=request.sync_counters if request.HasField("sync_counters") else None)
         except (ValueError, NotInitializedError, ChiefReplaced) as exc:
             self._abort(context, exc)

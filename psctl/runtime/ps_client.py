@@ -7,6 +7,7 @@ Arrays travel in frames (psctl.runtime.wire) over the PS's framed rpcs: small pa
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -121,6 +122,11 @@ def sync_counters(state: pb.StateResponse) -> dict[str, int]:
     """A PS's synchronous training counters, by the names of ``SYNC_COUNTERS``."""
     return {"gradients_applied": state.sync_gradients_applied, "stale_dropped": state.stale_dropped,
             "timed_out_steps": state.timed_out_steps}
+
+def new_model_id() -> int:
+    """The id of a model every PS is given at once (an Init or a restore of all of them): PS left holding
+    different ids hold parts of different models, one such call cut short (see InitResponse.model_id)."""
+    return secrets.randbits(64) or 1
 
 
 class PsClient:
@@ -350,10 +356,11 @@ class PsClient:
                counters: Mapping[str, int] | None = None) -> None:
         """Replace every PS's variables and slots (restore), all PS in parallel, streamed; ``counters``: the
         synchronous training's counters (``sync_counters``) for every PS to count on from."""
+        model_id = new_model_id()
 
         def one(ps: int) -> bytes:
             header = pb.AssignRequest(global_step=global_step, shard_positions=list(positions),
-                                      chief_incarnation=self.chief_incarnation)
+                                      chief_incarnation=self.chief_incarnation, model_id=model_id)
             if counters is not None:
                 header.sync_counters.CopyFrom(pb.SyncCounters(**counters))
             frames = wire.frames(per_ps.get(ps, []), header)
@@ -365,11 +372,13 @@ class PsClient:
     def init(self, specs: Mapping[int, Sequence[pb.VariableSpec]], optimizer: pb.OptimizerConfig,
              cluster_id: str, *, reset: bool = False, replicas_to_aggregate: int = 0,
              distinct_replicas: bool = False) -> list[pb.InitResponse]:
+        """Create (``reset``: re-create) every PS's shards, all of one new model id; what each PS answered."""
+        model_id = new_model_id()
         calls: dict[int, Call] = {
             ps: (self.stubs[ps].Init, pb.InitRequest(
                 variables=list(specs.get(ps, [])), optimizer=optimizer, cluster_id=cluster_id, reset=reset,
                 replicas_to_aggregate=replicas_to_aggregate, distinct_replicas=distinct_replicas,
-                chief_incarnation=self.chief_incarnation,
+                chief_incarnation=self.chief_incarnation, model_id=model_id,
             ))
             for ps in range(len(self.stubs))
         }
