@@ -162,6 +162,40 @@ def test_a_failed_role_s_reason_leads_with_the_error_its_log_ends_with(c: FakeCl
     assert c.record.reason.startswith(said), c.record.reason
 
 
+TRACEBACK = 'Traceback (most recent call last): | File "train.py", line 88, in <module> | {}'
+
+
+@pytest.mark.parametrize(("raised", "restarted"), [
+    ("NameError: name 'lr_schedule' is not defined", False),
+    ("  File \"train.py\", line 9 | SyntaxError: invalid syntax", False),
+    ("ModuleNotFoundError: No module named 'tensorflow_addons'", False),
+    ("UnboundLocalError: cannot access local variable 'loss' where it is not associated with a value", False),
+    # what a restart may not meet again: the data, the cluster, the machine
+    ("ValueError: could not convert string to float: 'n/a'", True),
+    ("tensorflow.python.framework.errors_impl.UnavailableError: failed to connect to all addresses", True),
+    ("MemoryError", True),
+])
+def test_a_role_that_ends_with_an_error_of_the_program_s_own_text_is_not_restarted(
+        c: FakeCluster, raised: str, restarted: bool) -> None:
+    """A NameError (a typo on a path first taken at step 100), SyntaxError or missing module is raised again by
+    every restart: a TensorFlow chief's cost ~10 restarts (minutes, TensorFlow's start each time) before
+    max_restarts ended it."""
+    running(c)
+    chief = c.process("chief-0")
+    chief.log_tail = TRACEBACK.format(raised)
+    chief.exit_code = 1
+    c.step()
+    role = c.role("chief-0")
+    if restarted:
+        assert role.state == RoleState.RESTARTING, role.reason
+        return
+    kind = raised.rsplit(" | ", 1)[-1].split(":", 1)[0]
+    assert role.state == RoleState.FAILED and c.record.state == ClusterState.FAILED
+    assert c.record.reason == (f"chief-0 failed: exit code 1: {raised.rsplit(' | ', 1)[-1]}; not restarted: a {kind} "
+                               "is the program's own error, raised again by every restart; fix the program, then "
+                               "psctl up again"), c.record.reason
+
+
 def test_a_permanent_exit_code_is_not_restarted_and_a_failed_ps_fails_the_cluster(c: FakeCluster) -> None:
     running(c)
     c.process("ps-0").exit_code = 2  # bad configuration

@@ -365,15 +365,32 @@ _CAUSE = re.compile(LOG_TIME + r"(?:ERROR|CRITICAL) (?P<logged>.+)"
                     r"|(?P<fatal>.*Fatal Python error: .+)")
 
 
+def _causes(tail: str) -> list[re.Match[str]]:
+    return [m for m in map(_CAUSE.fullmatch, tail.split(" | ")) if m]
+
+
 def exit_text(code: int, tail: str) -> str:
     """How a role ended (``describe_exit``) and why, as the end of its log (``tail``: its last lines joined by
     `` | ``) says it: the last line that gives a cause, else those last lines."""
     what = describe_exit(code)
-    causes = [m.group("logged") or m.group("raised") or m.group("fatal")
-              for m in map(_CAUSE.fullmatch, tail.split(" | ")) if m]
+    causes = [m.group("logged") or m.group("raised") or m.group("fatal") for m in _causes(tail)]
     if causes:
         return f"{what}: {causes[-1]}"
     return what + (f"; last log lines: {tail}" if tail else "")
+
+
+#: Exceptions that only a program's own text raises: a role that ends with one would raise it again however
+#: often it was restarted (a TensorFlow program's typo found at step 100 cost ~10 restarts, minutes of them).
+PROGRAM_ERRORS = frozenset({"SyntaxError", "IndentationError", "TabError", "NameError", "UnboundLocalError",
+                            "ImportError", "ModuleNotFoundError"})
+
+
+def program_error(tail: str) -> str | None:
+    """The exception a log's ``tail`` ends with (its last cause) where it is one of PROGRAM_ERRORS."""
+    causes = _causes(tail)
+    raised = causes[-1].group("raised") if causes else None
+    kind = raised.split(":", 1)[0].rsplit(".", 1)[-1] if raised else None
+    return kind if kind in PROGRAM_ERRORS else None
 
 
 def role_of_task(task: str) -> str:
@@ -805,9 +822,10 @@ class _Decision:
         self.actions.append(SendView())
         self.actions.extend(RebindCpus(host) for host in (old, target))  # both hosts' roles changed
 
-    def lose(self, role: RoleRecord, reason: str, code: int | None = None) -> None:
+    def lose(self, role: RoleRecord, reason: str, code: int | None = None, raised: str | None = None) -> None:
         """The role's process is gone, or never started: on the cluster's first start that fails the
-        cluster (a bad spec or program shows at once); else its restart policy decides."""
+        cluster (a bad spec or program shows at once); else its restart policy decides (``raised``: a
+        PROGRAM_ERRORS exception it ended with)."""
         if role.retired:  # scaled away while it ran
             self.transition(role, R.STOPPED, f"scaled down; {reason}")
             return
@@ -816,7 +834,7 @@ class _Decision:
             self.finish(ClusterState.FAILED, f"{role.name} failed to start: {reason}")
             return
         self.transition(role, R.LOST, reason)
-        self.maybe_restart(role, code)
+        self.maybe_restart(role, code, raised)
 
     # -- losing -----------------------------------------------------------------------------------------
     def on_exit(self, role: RoleRecord, code: int, tail: str) -> None:
@@ -848,7 +866,7 @@ class _Decision:
             self.transition(role, R.LOST, f"{what}: {how[-1].strip()}" if how else what)
             self.restart_uncounted(role, "preempted")
             return
-        self.lose(role, exit_text(code, tail), code)
+        self.lose(role, exit_text(code, tail), code, program_error(tail) if code > 0 else None)
 
     def runs_tensorflow(self) -> bool:
         """Whether the roles run a TensorFlow program of the user's rather than psctl's runtime."""
@@ -881,7 +899,7 @@ class _Decision:
             self.s.roles[role.name].waits_for = role.host
         self.maybe_restart(role, None)
 
-    def maybe_restart(self, role: RoleRecord, code: int | None) -> None:
+    def maybe_restart(self, role: RoleRecord, code: int | None, raised: str | None = None) -> None:
         policy = self.s.spec.roles[role.role].restart
         live = self.s.roles[role.name]
         # A host that does not answer is not benched for it (its roles wait for it, or move); a host that
@@ -896,6 +914,9 @@ class _Decision:
             why_not = "restart policy is never"
         elif code is not None and code in policy.permanent_exit_codes:
             why_not = f"exit code {code} is permanent (a configuration or program error)"
+        elif raised is not None:
+            why_not = (f"a {raised} is the program's own error, raised again by every restart; fix the program, "
+                       "then psctl up again")
         elif live.failures_in_a_row >= policy.max_restarts:
             times = "once" if live.failures_in_a_row == 1 else f"{live.failures_in_a_row} times"
             why_not = (f"restarted {times} in a row, the limit (max_restarts)" if live.failures_in_a_row
