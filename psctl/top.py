@@ -44,17 +44,21 @@ _LEFT = ("role", "host", "state", "flag")
 _LIVE = frozenset({RoleState.RUNNING, RoleState.STALLED})
 
 
-def _row(role: RoleRecord) -> dict[str, Any]:
+def _row(role: RoleRecord, counts_steps: bool) -> dict[str, Any]:
+    """(``counts_steps``: the role runs psctl's runtime, or is a TensorFlow program's chief, which prints its
+    steps; a TensorFlow server's steps are not known to psctl: none shown, not 0.)"""
     live = role.state in _LIVE
     m = role.metrics if live else {}
     row: dict[str, Any] = {
         "role": role.name, "kind": role.role, "host": role.host, "state": role.state.value,
-        "steps_per_s": (role.steps_per_sec or 0.0) if live else None, "global_step": role.global_step,
+        "steps_per_s": (role.steps_per_sec or 0.0) if live and counts_steps else None,
+        "global_step": role.global_step,
         "local_step": role.local_step, "cpu": m.get(CPU_METRIC),
         "rss_mb": role.rss_bytes / 1e6 if live and role.rss_bytes else None,
     }
     if role.role == "worker":
-        row["steps_per_s"] = m.get("steps_per_s", row["steps_per_s"])
+        if counts_steps:
+            row["steps_per_s"] = m.get("steps_per_s", row["steps_per_s"])
         row.update(step_ms_p50=m.get("step_ms_p50"), step_ms_p99=m.get("step_ms_p99"),
                    pull=m.get("pull_frac"), compute=m.get("compute_frac"), push=m.get("push_frac"),
                    wait=m.get("wait_frac"), mb_per_s=m["bytes_per_s"] / 1e6 if "bytes_per_s" in m else None)
@@ -71,8 +75,9 @@ def _median(values: list[float]) -> float:
 
 def snapshot(record: ClusterRecord) -> dict[str, Any]:
     """The rows ``top`` shows, flags included (what ``top --json`` prints)."""
-    rows = [_row(r) for r in record.roles]
-    workers = [r for r in rows if r["kind"] == "worker" and r["state"] in _LIVE]
+    tensorflow = record.framework == "tensorflow"
+    rows = [_row(r, not tensorflow or r.role == "chief") for r in record.roles]
+    workers = [r for r in rows if r["kind"] == "worker" and r["state"] in _LIVE and r["steps_per_s"] is not None]
     rate = _median([r["steps_per_s"] for r in workers])
     for r in workers:
         if len(workers) > 1 and rate > 0 and r["steps_per_s"] < STRAGGLER * rate:

@@ -24,7 +24,7 @@ from supervised_cluster import SupervisedCluster
 from psctl.cli import cli
 from psctl.home import ClusterDir
 from psctl.supervisor.state import ClusterRecord, ClusterState, RoleRecord, RoleState, save_state
-from psctl.top import top_view
+from psctl.top import snapshot, top_view
 
 
 def role(name: str, state: RoleState = RoleState.RUNNING, **metrics: float) -> RoleRecord:
@@ -65,6 +65,25 @@ def test_stragglers_and_hot_parameter_servers_are_flagged(tmp_path: Path) -> Non
     assert "straggler" in straggler and "85%" in straggler and "90.0" in straggler
     stopped = next(line for line in shown.output.splitlines() if "worker-4" in line)
     assert "stopped" in stopped and "900" not in stopped and "70%" not in stopped, stopped
+
+
+def test_a_tensorflow_program_s_servers_show_no_rate_rather_than_zero(tmp_path: Path) -> None:
+    """psctl does not know the steps of TensorFlow's servers (ps, workers): `top` showed 0.0 steps/s for each
+    worker of a training that ran at hundreds; its chief prints its steps, so its rate is shown."""
+    chief = role("chief-0", cpu=0.5)
+    chief.steps_per_sec = 250.0
+    record = ClusterRecord(name="tf", cluster_id="tf-1", state=ClusterState.RUNNING, steps=1000,
+                           framework="tensorflow", roles=[chief, role("ps-0", cpu=0.2),
+                                                          role("worker-0", cpu=0.9), role("worker-1", cpu=0.9)])
+    rows = {r["role"]: r for r in snapshot(record)["roles"]}
+    assert rows["chief-0"]["steps_per_s"] == 250.0
+    assert [rows[r]["steps_per_s"] for r in ("ps-0", "worker-0", "worker-1")] == [None, None, None]
+    console = Console(width=200, record=True)
+    console.print(top_view(record, 200))
+    worker = next(line for line in console.export_text().splitlines() if "worker-0" in line)
+    assert worker.split()[3] == "-" and "0.0" not in worker, worker  # (role, host, state, steps/s)
+    record.framework = "psctl"  # psctl's own workers that have not stepped yet: 0
+    assert snapshot(record)["roles"][2]["steps_per_s"] == 0.0
 
 
 def test_a_narrow_terminal_hides_the_columns_read_least_and_says_which(tmp_path: Path) -> None:
