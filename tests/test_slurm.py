@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 import pytest
 from cluster_helpers import wait_until
-from conftest import PsctlEnv
+from conftest import Hold, PsctlEnv
 from slurmbed import SlurmBed, slurmbed_fixture
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -38,7 +38,8 @@ def penv(psctl_env: PsctlEnv, slurm: SlurmBed) -> PsctlEnv:
     return psctl_env
 
 
-def write_spec(penv: PsctlEnv, name: str, *, steps: int, slurm: str = "{partition: debug, time: '00:10:00'}") -> Path:
+def write_spec(penv: PsctlEnv, name: str, *, steps: int, slurm: str = "{partition: debug, time: '00:10:00'}",
+               program: str = "psctl.models.mlp") -> Path:
     path = penv.tmp_path / f"{name}.yaml"
     path.write_text(textwrap.dedent(f"""\
         name: {name}
@@ -50,7 +51,7 @@ def write_spec(penv: PsctlEnv, name: str, *, steps: int, slurm: str = "{partitio
           worker: {{replicas: 2, port: 7420, restart: {{backoff_seconds: 0.5}}}}
           evaluator: {{port: 7430}}
         training:
-          program: psctl.models.mlp
+          program: {program}
           args: {{hidden_units: 64}}
           data: {{name: digits}}
           batch_size: 50
@@ -114,15 +115,17 @@ def task_process(penv: PsctlEnv, cluster_id: str, role: str) -> psutil.Process:
 
 
 def test_the_digits_mlp_trains_through_one_slurm_job_whose_roles_are_steps(penv: PsctlEnv, slurm: SlurmBed) -> None:
-    spec = write_spec(penv, "sl-train", steps=3000)
+    hold = Hold(penv.tmp_path / "hold")
+    spec = write_spec(penv, "sl-train", steps=3000, program=str(hold.program))
     job = up(penv, spec)
     running = training(penv, "sl-train", 100)
-    assert running["slurm"]["job_id"] == job and running["slurm"]["nodes"] == ["localhost"]
-    assert {r["name"]: r["node"] for r in running["roles"]} == dict.fromkeys(
-        ["chief-0", "ps-0", "ps-1", "worker-0", "worker-1", "evaluator-0"], "localhost")
-    assert set(slurm.steps(job)) >= {"chief-0", "ps-0", "ps-1", "worker-0", "worker-1", "batch"}
-    shown = penv.run("status", "sl-train").stdout
-    assert f"Slurm job {job} on localhost" in shown and re.search(r"worker-1\s+localhost", shown), shown
+    with hold:  # (while the job's steps are looked at: a fast machine ended the training first)
+        assert running["slurm"]["job_id"] == job and running["slurm"]["nodes"] == ["localhost"]
+        assert {r["name"]: r["node"] for r in running["roles"]} == dict.fromkeys(
+            ["chief-0", "ps-0", "ps-1", "worker-0", "worker-1", "evaluator-0"], "localhost")
+        assert set(slurm.steps(job)) >= {"chief-0", "ps-0", "ps-1", "worker-0", "worker-1", "batch"}
+        shown = penv.run("status", "sl-train").stdout
+        assert f"Slurm job {job} on localhost" in shown and re.search(r"worker-1\s+localhost", shown), shown
 
     done = finished(penv, "sl-train")
     assert done["result"]["global_step"] == 3000
@@ -132,22 +135,24 @@ def test_the_digits_mlp_trains_through_one_slurm_job_whose_roles_are_steps(penv:
 
 def test_a_cancelled_step_and_a_killed_worker_come_back_as_new_steps(penv: PsctlEnv, slurm: SlurmBed) -> None:
     steps = 5000
-    spec = write_spec(penv, "sl-fault", steps=steps)
+    hold = Hold(penv.tmp_path / "hold")
+    spec = write_spec(penv, "sl-fault", steps=steps, program=str(hold.program))
     job = up(penv, spec)
     training(penv, "sl-fault", 500)
     cluster_id = penv.state("sl-fault")["cluster_id"]
-    first = slurm.steps(job)["worker-1"]
-    slurm.run("scancel", first)  # the scheduler (or an admin) ends one role's step
-    victim = task_process(penv, cluster_id, "worker-0")
-    victim.kill()
 
     def back(role: str) -> bool:
         record = penv.role("sl-fault", role)
         return bool(record["attempt"] == 2 and record["state"] == "running" and role in slurm.steps(job))
 
-    for role in ("worker-1", "worker-0"):
-        wait_until(lambda role=role: back(role), timeout=60, what=f"{role} as a new step",  # type: ignore[misc]
-                   detail=lambda: describe(penv, "sl-fault"))
+    with hold:  # (one worker back before the other could train to the end, and the other restart never come)
+        first = slurm.steps(job)["worker-1"]
+        slurm.run("scancel", first)  # the scheduler (or an admin) ends one role's step
+        victim = task_process(penv, cluster_id, "worker-0")
+        victim.kill()
+        for role in ("worker-1", "worker-0"):
+            wait_until(lambda role=role: back(role), timeout=60, what=f"{role} as a new step",  # type: ignore[misc]
+                       detail=lambda: describe(penv, "sl-fault"))
     assert slurm.steps(job)["worker-1"] != first
     lost = {e["role"]: e["reason"] for e in map(json.loads, (penv.home / "sl-fault" / "events.jsonl").read_text()
                                                 .splitlines()) if e["to"] == "lost"}
@@ -250,6 +255,16 @@ def test_a_tensorflow_program_trains_through_a_slurm_job_and_its_agent_s_death_r
     if importlib.util.find_spec("tensorflow") is None:
         pytest.skip("tensorflow is not installed (pip install -e '.[tensorflow]')")
     shutil.copytree(REPO / "cluster_examples" / "tensorflow", penv.tmp_path / "tensorflow")
+    # its chief held at step 150 while a marker file exists: the agent is killed (and its successor seen) while
+    # training runs (a fast machine ended it first)
+    hold = penv.tmp_path / "hold"
+    program = penv.tmp_path / "tensorflow" / "tf2_pss_train.py"
+    loop = "    while (done := int(step.numpy())) < args.steps:\n"
+    text = program.read_text()
+    assert text.count(loop) == 1, "the example's training loop changed: hold it another way"
+    gate = f"        while done >= 150 and os.path.exists({str(hold)!r}):\n            time.sleep(0.1)\n"
+    program.write_text(text.replace(loop, loop + gate).replace("import time\n", "import os\nimport time\n"))
+    hold.touch()
     spec = penv.tmp_path / "sl-tf.yaml"
     spec.write_text(textwrap.dedent("""\
         name: sl-tf
@@ -269,9 +284,15 @@ def test_a_tensorflow_program_trains_through_a_slurm_job_and_its_agent_s_death_r
     before = training(penv, "sl-tf", 100)
     assert set(slurm.steps(job)) >= {"chief-0", "ps-0", "worker-0", "worker-1"}
     cluster_id = penv.state("sl-tf")["cluster_id"]
-    agents = [p for p in penv.processes(cluster_id) if p.cmdline()[1:3] == ["-m", "psctl.agent"]]
-    assert len(agents) == 1, penv.describe(agents)
-    agents[0].kill()
+    def agents() -> list[psutil.Process]:
+        return [p for p in penv.processes(cluster_id) if p.cmdline()[1:3] == ["-m", "psctl.agent"]]
+
+    first = agents()
+    assert len(first) == 1, penv.describe(first)
+    first[0].kill()
+    wait_until(lambda: [p for p in agents() if p.pid != first[0].pid], timeout=60, what="the agent's successor",
+               detail=lambda: describe(penv, "sl-tf"))
+    hold.unlink()
     done = finished(penv, "sl-tf")
     assert "chief: finished at step 1000" in (penv.home / "sl-tf" / "logs" / "chief-0.1.log").read_text()
     pids = {r["name"]: r["pid"] for r in before["roles"]}

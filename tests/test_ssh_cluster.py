@@ -29,6 +29,7 @@ import grpc
 import numpy as np
 import pytest
 from cluster_helpers import wait_until
+from conftest import Hold
 from sshbed import SUBNET, SSHBed, sshbed_fixture  # noqa: F401
 
 from psctl import __version__
@@ -41,11 +42,6 @@ from psctl.runtime.rpc import make_channel
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 
 #: A small program file of the user's: copied to every host (a softmax regression on the given data).
-PROGRAM = """\
-from psctl.models.softmax import build  # noqa: F401  (the program interface: build(args, data, seed))
-"""
-
-
 @dataclass
 class Remote:
     """A cluster spec over the bed's hosts, and how to run psctl against it."""
@@ -56,6 +52,12 @@ class Remote:
     spec: Path
     env: dict[str, str]
     workdirs: dict[str, Path]
+    #: program.py's steps 50 ms slower while the test holds it (the hosts share this machine's files)
+    hold: Hold
+
+    def events(self) -> list[dict[str, Any]]:
+        path = Path(self.env["PSCTL_HOME"]) / self.name / "events.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
     def psctl(self, *args: str, timeout: float = 240.0, check: int | None = 0) -> subprocess.CompletedProcess[str]:
         done = subprocess.run(["psctl", *args], env=self.env, cwd=self.folder, capture_output=True, text=True,
@@ -135,7 +137,8 @@ def remote(sshbed: SSHBed, tmp_path: Path) -> Iterator[Remote]:
 
     folder = tmp_path / "project"
     (folder / "data").mkdir(parents=True)
-    (folder / "program.py").write_text(PROGRAM)
+    hold = Hold(tmp_path / "hold", "psctl.models.softmax", pause=0.05)
+    (folder / "program.py").write_text(hold.program.read_text())
     digits = load_digits()
     np.savez(folder / "data" / "digits.npz", x=(digits.data / 16.0).astype(np.float32), y=digits.target)
     home = tmp_path / "home"
@@ -144,7 +147,7 @@ def remote(sshbed: SSHBed, tmp_path: Path) -> Iterator[Remote]:
     env = dict(os.environ, HOME=str(home), PSCTL_HOME=str(tmp_path / "psctl-home"))
     name = f"ssh-{uuid.uuid4().hex[:6]}"
     spec, workdirs = write_spec(sshbed, folder, name, steps=300)
-    r = Remote(sshbed, name, folder, spec, env, workdirs)
+    r = Remote(sshbed, name, folder, spec, env, workdirs, hold)
     try:
         yield r
     finally:
@@ -185,7 +188,7 @@ def test_a_cluster_over_three_hosts_trains_to_completion_and_leaves_nothing(remo
     # The program, the data, the keys and (on h3 only) psctl were copied; keys are private.
     for host, workdir in remote.workdirs.items():
         root = workdir / remote.name
-        assert (root / "files" / "program.py").read_text() == PROGRAM
+        assert (root / "files" / "program.py").read_text() == (remote.folder / "program.py").read_text()
         assert (root / "files" / "data" / "digits.npz").stat().st_size > 0
         keys = sorted(p.name for p in (root / "tls").iterdir())
         # up copies each host its agent's key only; a role's key comes with its start, to the host it runs on
@@ -697,6 +700,13 @@ def test_a_new_supervisor_adopts_the_roles_on_the_hosts_and_training_ends_exactl
     before = wait_until(lambda: (s := remote.status())["roles"][0]["global_step"] >= 300 and s, timeout=120,
                         what="training to pass step 300")
     pids = {r["name"]: (r["host"], r["pid"]) for r in before["roles"]}
+    metrics = Path(remote.env["PSCTL_HOME"]) / remote.name / "run" / "metrics.jsonl"
+
+    def progress_since(when: float) -> list[dict[str, Any]]:
+        return [r for r in map(json.loads, metrics.read_text().splitlines())
+                if r.get("event") == "progress" and r["time"] > when]
+
+    remote.hold.start()  # (until the new supervisor has watched training go on: a fast machine ended it first)
     psutil.Process(before["supervisor_pid"]).send_signal(signals.SIGKILL)
     wait_until(lambda: remote.status()["stale"], timeout=20, what="the supervisor to be gone")
     remote.bed.partition("h3")
@@ -710,6 +720,9 @@ def test_a_new_supervisor_adopts_the_roles_on_the_hosts_and_training_ends_exactl
     wait_until(lambda: "h3" not in remote.status()["host_problems"], timeout=30,
                what="h3's agent to dial in once h3 answers", detail=remote.supervisor_log)
     adopted_at = time.time()
+    wait_until(lambda: progress_since(adopted_at + 1), timeout=60, what="training to go on under the new supervisor",
+               detail=remote.supervisor_log)
+    remote.hold.release()
     final = wait_until(lambda: (s := remote.status())["state"] in ("succeeded", "failed") and s, timeout=240,
                        what="training to finish under the new supervisor", detail=remote.supervisor_log)
     assert final["state"] == "succeeded", final["reason"]
@@ -720,9 +733,7 @@ def test_a_new_supervisor_adopts_the_roles_on_the_hosts_and_training_ends_exactl
         assert (role["host"], role["pid"]) == pids[role["name"]], role
         assert (role["attempt"], role["restarts"]) == (1, 0), role
     # the new supervisor watched training go on (the chief's metrics it copied from h1 after adopting it)
-    metrics = Path(remote.env["PSCTL_HOME"]) / remote.name / "run" / "metrics.jsonl"
-    later = [r for r in map(json.loads, metrics.read_text().splitlines())
-             if r.get("event") == "progress" and r["time"] > adopted_at + 1]
+    later = progress_since(adopted_at + 1)
     assert later and min(r["global_step"] for r in later) < steps, later[:3]
 
 
@@ -744,14 +755,22 @@ def test_an_agent_killed_then_its_successor_hung_on_a_host_are_replaced_and_the_
     def agents() -> list[str]:
         return [line.split()[0] for line in remote.processes("h2", cluster_id) if "psctl.agent" in line]
 
-    for signal_name in ("KILL", "STOP"):
-        old = agents()
-        assert len(old) == 1, remote.processes("h2", cluster_id)
-        remote.bed.exec("h2", f"kill -{signal_name} {old[0]}", check=True)
-        wait_until(lambda old=old: bool(agents()) and old[0] not in agents(), timeout=60,
-                   what=f"an agent on h2 in place of the {signal_name}ed one", detail=remote.supervisor_log)
-        wait_until(lambda: "h2" not in remote.status()["host_problems"], timeout=30,
-                   what="h2's new agent to attach", detail=remote.supervisor_log)
+    def attached_since(when: float) -> bool:
+        """h2's agent attached after ``when`` (a hung one's successor can dial in before its stream is seen
+        closed: then it replaces it, reachable throughout)."""
+        return any(e["role"] == "host h2" and e["to"] == "reachable" and e["time"] > when for e in remote.events())
+
+    with remote.hold:  # (a fast machine ended training before the agents were replaced: none is, after it)
+        for signal_name in ("KILL", "STOP"):
+            old = agents()
+            assert len(old) == 1, remote.processes("h2", cluster_id)
+            signalled = time.time()
+            remote.bed.exec("h2", f"kill -{signal_name} {old[0]}", check=True)
+            wait_until(lambda old=old: bool(agents()) and old[0] not in agents(), timeout=60,
+                       what=f"an agent on h2 in place of the {signal_name}ed one", detail=remote.supervisor_log)
+            wait_until(lambda signalled=signalled: attached_since(signalled), timeout=30,
+                       what="h2's new agent to attach", detail=remote.supervisor_log)
+            assert "h2" not in remote.status()["host_problems"]
     final = wait_until(lambda: (s := remote.status())["state"] in ("succeeded", "failed") and s, timeout=240,
                        what="training to finish", detail=remote.supervisor_log)
     assert final["state"] == "succeeded", final["reason"]
@@ -775,6 +794,7 @@ def test_workers_and_ps_scaled_on_ssh_hosts_start_on_their_pools_and_training_en
     spec, _ = write_spec(remote.bed, remote.folder, remote.name, steps=steps, roles=roles)
     remote.psctl("up", str(spec), "--detach")
     wait_until(lambda: remote.status()["roles"][0]["global_step"] >= 300, timeout=120, what="training to pass 300")
+    remote.hold.start()  # (until both scales are seen through: a fast machine ended training first)
     done = remote.psctl("scale", remote.name, "worker=3", "ps=3")
     assert "worker 2 -> 3" in done.stdout and "ps 2 -> 3" in done.stdout
 
@@ -789,6 +809,7 @@ def test_workers_and_ps_scaled_on_ssh_hosts_start_on_their_pools_and_training_en
                timeout=120, what="the chief to reshard", detail=remote.supervisor_log)
     ps = next(r for r in remote.status()["roles"] if r["name"] == "ps-2")
     assert (ps["host"], ps["port"], ps["state"]) == ("h1", 7112, "running")
+    remote.hold.release()
     final = wait_until(lambda: (s := remote.status())["state"] in ("succeeded", "failed") and s, timeout=240,
                        what="training to finish", detail=remote.supervisor_log)
     assert final["state"] == "succeeded", final["reason"]
