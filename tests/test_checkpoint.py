@@ -835,6 +835,18 @@ def test_synchronous_counters_carry_on_from_the_checkpoint_into_restarted_ps(
     (lambda s: s.slots["hid/bias"].update({"accum": np.zeros_like(s.variables["hid/bias"])}),  # (adagrad's)
      "'hid/bias' has the optimizer slots ['accum', 'm', 't', 'v'] there, training.optimizer adam keeps ['m', 't', "
      "'v']"),
+    # what a checkpoint records of its run: another optimizer (momentum's and Adagrad's slots are both `accum`:
+    # each took the other's state and trained on, or failed on a NaN), batch size (its data positions count
+    # batches: another size repeated or skipped data), or program (its variables checked first: the message
+    # named the slots of a variable it does not have)
+    (lambda s: s.meta.update(optimizer={"name": "adagrad", "learning_rate": 0.1}),
+     "it was trained with training.optimizer adagrad, this spec's is adam (its optimizer state is adagrad's)"),
+    (lambda s: s.meta.update(batch_size=20), "it read its data in batches of 20, this spec's are of 100 (its data "
+     "positions count batches): set training.batch_size: 20 to resume it"),
+    (lambda s: (s.meta.update(program="psctl.models.softmax"), s.slots.pop("hid/kernel"),
+                s.variables.update({"softmax/kernel": s.variables.pop("hid/kernel")})),
+     "the checkpoint has no variable 'hid/kernel' (it was trained by program psctl.models.softmax, this spec's is "
+     "psctl.models.mlp)"),
 ])
 def test_a_checkpoint_that_does_not_fit_the_spec_is_a_permanent_error_naming_it(
         tmp_path: Path, ps_servers: PsServers, change: Callable[[Snapshot], None], message: str) -> None:

@@ -1363,6 +1363,28 @@ def test_a_local_cluster_s_checkpoint_folder_must_be_a_folder_and_its_data_path_
     assert load_spec(write(tmp_path, spec.format(data="{name: digits}", folder="new/ckpt")))  # made when saved
 
 
+def test_a_checkpoint_folder_in_another_cluster_s_folder_is_refused(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pointed at cluster r2's checkpoints, cluster sh resumed r2's run, wrote its own checkpoints among them and
+    pruned r2's final one; `psctl export r2` then gave sh's model."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("PSCTL_HOME", str(home))
+    (home / "r2" / "checkpoints").mkdir(parents=True)
+    (home / "r2" / "state.json").write_text("{}", encoding="utf-8")
+    spec = """\
+        name: {name}
+        roles: {{chief: {{}}, ps: {{}}, worker: {{}}}}
+        training: {{program: psctl.models.mlp, data: {{name: digits}}, steps: 10, checkpoint: {{dir: {folder}}}}}
+        """
+    theirs = home / "r2" / "checkpoints"
+    error = spec_error(write(tmp_path, spec.format(name="sh", folder=theirs)))
+    assert str(error) == (f"{tmp_path / 'cluster.yaml'}:3: training.checkpoint.dir: {theirs} is in cluster 'r2''s "
+                          "folder: its checkpoints are that cluster's, which 'sh' would prune as its own; give 'sh' "
+                          "a folder of its own (copy a checkpoint of 'r2' into it to start from there)")
+    assert load_spec(write(tmp_path, spec.format(name="r2", folder=theirs)))  # its own
+    assert load_spec(write(tmp_path, spec.format(name="sh", folder=home / "shared" / "ckpt")))  # no cluster's
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mount") is None,
                     reason="mounting a read-only tmpfs needs root and mount(8)")
 def test_a_checkpoint_folder_on_a_read_only_file_system_is_refused_as_such(tmp_path: Path) -> None:

@@ -142,18 +142,23 @@ def snapshot_difference(a: Snapshot, b: Snapshot) -> str:
     return ""
 
 
-def restore_snapshot(model: ShardedModel, ps: PsClient, snapshot: Snapshot) -> None:
-    """Split the snapshot into this model's current layout (any ps count or partitioning) and assign it."""
-    per_ps: dict[int, list[Entry]] = {i: [] for i in range(model.num_ps)}
-    slots = one_step_count(snapshot.slots)  # (a checkpoint of an older psctl: a count per variable)
+def check_variables(model: ShardedModel, snapshot: Snapshot) -> None:
+    """CheckpointError unless ``snapshot`` holds every variable of ``model``, each of its shape."""
     for name, layout in model.layouts.items():
         if name not in snapshot.variables:
             raise CheckpointError(f"the checkpoint has no variable {name!r}")
+        if snapshot.variables[name].shape != layout.variable.shape:
+            raise CheckpointError(f"{name!r} is {snapshot.variables[name].shape} in the checkpoint, the program says "
+                                  f"{layout.variable.shape}")
+
+
+def restore_snapshot(model: ShardedModel, ps: PsClient, snapshot: Snapshot) -> None:
+    """Split the snapshot into this model's current layout (any ps count or partitioning) and assign it."""
+    check_variables(model, snapshot)
+    per_ps: dict[int, list[Entry]] = {i: [] for i in range(model.num_ps)}
+    slots = one_step_count(snapshot.slots)  # (a checkpoint of an older psctl: a count per variable)
+    for name, layout in model.layouts.items():
         full = snapshot.variables[name]
-        if full.shape != layout.variable.shape:
-            raise CheckpointError(
-                f"{name!r} is {full.shape} in the checkpoint, the program says {layout.variable.shape}"
-            )
         parts = [full] if len(layout.shards) == 1 else layout.split(full)
         for shard, part in zip(layout.shards, parts, strict=True):
             per_ps[shard.ps].append(Entry(shard.name, DENSE, np.ascontiguousarray(part)))

@@ -23,6 +23,7 @@ from psctl.runtime.checkpoint import (
     Checkpointer,
     CheckpointError,
     Snapshot,
+    check_variables,
     list_checkpoints,
     mark_finished,
     reshard_onto,
@@ -430,8 +431,7 @@ class Chief:
         if found is not None:
             path, snapshot = found
             try:
-                self._check_data_shards(snapshot)
-                self._check_slots(snapshot)  # (before any ps takes its part: they take them one by one)
+                self._check_fits(snapshot)  # (before any ps takes its part)
                 restore_snapshot(self.model, self.ps, snapshot)
             except CheckpointError as exc:
                 raise CheckpointMismatch(
@@ -452,7 +452,34 @@ class Chief:
 
     def _meta(self) -> dict[str, Any]:
         """What a checkpoint records of the run besides the model: what resuming it must match."""
-        return {"optimizer": self.config.optimizer, "program": self.config.program, "data_shards": self.data_shards}
+        return {"optimizer": self.config.optimizer, "program": self.config.program, "data_shards": self.data_shards,
+                "batch_size": self.config.batch_size}
+
+    def _check_fits(self, snapshot: Snapshot) -> None:
+        """CheckpointError unless ``snapshot`` can go on training under this spec: the same variables (of its
+        program), data shards and batch size (its data positions count batches of each shard), optimizer (its
+        slots are that optimizer's state, whatever their names: momentum's and Adagrad's are both ``accum``).
+        What a checkpoint of an older psctl does not record is not compared."""
+        meta, cfg = snapshot.meta, self.config
+        try:
+            check_variables(self.model, snapshot)
+        except CheckpointError as exc:
+            trained_by = meta.get("program")
+            if trained_by and trained_by != cfg.program:
+                raise CheckpointError(f"{exc} (it was trained by program {trained_by}, this spec's is "
+                                      f"{cfg.program})") from None
+            raise
+        self._check_data_shards(snapshot)
+        batch = meta.get("batch_size")
+        if batch is not None and batch != cfg.batch_size:
+            raise CheckpointError(f"it read its data in batches of {batch}, this spec's are of {cfg.batch_size} "
+                                  f"(its data positions count batches): set training.batch_size: {batch} to resume "
+                                  "it")
+        optimizer = (meta.get("optimizer") or {}).get("name")
+        if optimizer is not None and optimizer != cfg.optimizer["name"]:
+            raise CheckpointError(f"it was trained with training.optimizer {optimizer}, this spec's is "
+                                  f"{cfg.optimizer['name']} (its optimizer state is {optimizer}'s)")
+        self._check_slots(snapshot)
 
     def _check_data_shards(self, snapshot: Snapshot) -> None:
         """CheckpointError unless ``snapshot`` read its data in this run's number of shards: as it records it, or

@@ -33,6 +33,7 @@ from psctl.spec.model import (
 )
 from psctl.spec.plan import LOCAL_HOST, conflict_error, layout, port_conflict
 from psctl.spec.training import (
+    check_checkpoints_its_own,
     check_confined,
     check_local_checkpoint_folder,
     check_local_data,
@@ -115,6 +116,7 @@ def build_spec(data: Any, source: SourceMap, *, path: Path | None, base_dir: Pat
     if backend == "local" and not top.get("setup"):  # (set-up may make them)
         check_local_data(c, training, (top["training"].get("data") or {}).get("path"))
         check_local_checkpoint_folder(c, training, (top["training"].get("checkpoint") or {}).get("dir"))
+        check_checkpoints_its_own(c, name, training)
     if backend == "local" and training.get("framework") != "tensorflow" and not top.get("setup"):
         check_local_program(c, training["program"], base_dir, pythonpaths={  # (a ps imports no program)
             role: [entry for entry in spec.env.get("PYTHONPATH", "").split(":") if entry]

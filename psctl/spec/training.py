@@ -251,6 +251,24 @@ def check_local_checkpoint_folder(c: Checker, training: Mapping[str, Any], writt
                "give a folder you can write, or change its permissions")
 
 
+def check_checkpoints_its_own(c: Checker, name: str, training: Mapping[str, Any]) -> None:
+    """The checkpoint folder of a cluster of this machine is not in another cluster's folder under PSCTL_HOME:
+    those checkpoints are that cluster's, and this one would prune them as its own (and that one's resume,
+    export and evaluator would read this one's)."""
+    folder = (training.get("checkpoint") or {}).get("dir")
+    if folder is None or folder.startswith("~"):
+        return
+    home = psctl_home().resolve()
+    try:
+        owner = Path(folder).resolve().relative_to(home).parts[0]
+    except (ValueError, IndexError):
+        return
+    if owner != name and (home / owner / "state.json").is_file():
+        c.fail((*T, "checkpoint", "dir"), f"{folder} is in cluster {owner!r}'s folder: its checkpoints are that "
+               f"cluster's, which {name!r} would prune as its own",
+               f"give {name!r} a folder of its own (copy a checkpoint of {owner!r} into it to start from there)")
+
+
 def _on_read_only_mount(path: Path) -> bool:
     try:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
