@@ -313,7 +313,16 @@ def _watch(cdir: ClusterDir, *, plain_every: float = 5.0) -> Any:
 
 def _steps_text(record: ClusterRecord, result: dict[str, Any]) -> str:
     """``1000 steps in 1.2s``; where the chief resumed (a checkpoint of an earlier run of the same name, or the
-    ps's global step after a restart of the chief), the steps it ran and from where."""
+    ps's global step after a restart of the chief), the steps it ran and from where; the steps trained again
+    after a lost ps was restored (the run's cost of it, else only in the chief's log)."""
+    text = _resumed_text(record, result)
+    again = result.get("recomputed_steps", 0)
+    if again:
+        text += f"; {again} of them trained again after a ps was lost"
+    return text
+
+
+def _resumed_text(record: ClusterRecord, result: dict[str, Any]) -> str:
     total = result.get("global_step", 0)
     this_run = result.get("steps_this_run", total)
     took = f"{result.get('seconds', 0):.1f}s"

@@ -455,6 +455,9 @@ def test_the_finish_line_says_where_training_resumed() -> None:
         "1500 steps; 500 in 2.0s from an earlier run's checkpoint at global step 1000 in /c")
     record.roles[0].attempt = 2  # a restarted chief resumes where the ps are
     assert _steps_text(record, result) == "1500 steps; 500 in 2.0s since the chief resumed at global step 1000"
+    result["recomputed_steps"] = 120  # a ps lost: every ps restored to a checkpoint 120 steps behind
+    assert _steps_text(record, result) == ("1500 steps; 500 in 2.0s since the chief resumed at global step 1000; "
+                                           "120 of them trained again after a ps was lost")
 
 
 def test_the_finish_line_and_status_say_that_checkpoints_failed(psctl_env) -> None:

@@ -251,6 +251,9 @@ def test_sigkill_of_a_ps_restores_the_latest_checkpoint(
     assert restored_step >= written, (restored_step, written, at_kill)
     assert restored_step >= at_kill - EVERY_STEPS - EVERY_STEPS // 3 - 2 * WINDOW, (restored_step, at_kill)
     assert result["ps_restores"] >= 1
+    # the steps trained again: from the restored step to where training had gone (at least the step at the kill)
+    assert result["recomputed_steps"] >= at_kill - restored_step, (result, at_kill, restored_step)
+    assert result["steps_this_run"] == steps  # (counts each global step once)
     assert cluster.role(victim)["attempt"] == 2
     print(f"{victim} SIGKILLed at step {at_kill}: restored step {restored_step} ({at_kill - restored_step} steps "
           f"lost) {recovered:.2f}s later; chief attempts {cluster.role('chief-0')['attempt']}")
@@ -614,6 +617,7 @@ def test_sigterm_of_a_ps_with_grace_is_checkpointed_first_and_no_step_is_recompu
     progress = [r["global_step"] for r in cluster.progress_records()]
     assert all(b >= a for a, b in itertools.pairwise(progress)), progress
     assert result["retried_steps"] == 0 and result["steps_this_run"] == steps, result
+    assert result["recomputed_steps"] == 0, result  # restored from the snapshot taken as it left
     lost = [e for e in cluster.events("ps-1") if e["to"] == "lost"]
     assert [e["reason"] for e in lost] == ["preempted (stopped by SIGTERM): the chief checkpointed it first"], lost
     assert cluster.role("ps-1")["attempt"] == 2 and cluster.role("chief-0")["attempt"] == 1

@@ -102,6 +102,8 @@ class Chief:
         self.data_shards = cfg.data_shards or len(info.workers)
         self.ps_wait = 300.0
         self.restores = 0
+        #: Steps trained again after a lost ps: the global step reached, less the one every ps was restored to.
+        self.recomputed_steps = 0
         #: The checkpoints that did not verify where a restore looked, each with why: set aside (``damaged-``).
         self.damaged_checkpoints: list[str] = []
         #: The ps that said they are leaving (preempted): checkpointed, then restored into their successors.
@@ -202,6 +204,7 @@ class Chief:
             "retried_steps": coordinator.retries,
             "handed_back_steps": coordinator.handed_back,
             "ps_restores": self.restores,
+            "recomputed_steps": self.recomputed_steps,
             "max_observed_lag": coordinator.max_observed_lag if cfg.mode == "bounded" else None,
             # asynchronous: the steps a worker ran per call from the chief, on average (steps_per_execution)
             "steps_per_call": round(self._call_size.mean(), 2) if cfg.mode != "sync" else None,
@@ -683,6 +686,7 @@ class Chief:
         A ps can look ready and still fail the restore (a channel to a cut-off host stays open until keepalive
         gives up on it): that is retried until ``ps_wait`` has passed, then it is the training's failure."""
         deadline = time.monotonic() + self.ps_wait
+        reached = self.meter.global_step
         while True:
             try:
                 self.ps.wait_ready(max(1.0, deadline - time.monotonic()))
@@ -695,8 +699,11 @@ class Chief:
                 log.warning("restore not done yet (%s): retrying", exc)
                 self.stop.wait(1.0)
         self._resumed_at(restored.global_step)
+        again = max(0, reached - restored.global_step)
+        self.recomputed_steps += again
         dropped = coordinator.recover(_cursors(list(restored.shard_positions)))
-        log.info("resuming at global step %d (%d queued steps re-planned)", restored.global_step, dropped)
+        log.info("resuming at global step %d: %d steps to train again (%d queued steps re-planned)",
+                 restored.global_step, again, dropped)
 
     def close(self) -> None:
         self._unfollow_ps()
