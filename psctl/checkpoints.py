@@ -82,6 +82,8 @@ def find_snapshot(cdir: ClusterDir | None, record: ClusterRecord | None, locatio
 
 
 def _local(path: Path) -> tuple[str, Snapshot]:
+    if not path.exists():
+        raise CheckpointNotFound(f"no checkpoint folder {path}", hint=_NONE_YET)
     try:
         if (path / "manifest.json").is_file():
             return str(path), load_checkpoint(path)

@@ -384,7 +384,12 @@ def test_export_writes_the_newest_checkpoints_variables(psctl_env) -> None:
     passed = check(psctl_env.run("export", "exp", "--checkpoint", str(damaged.parent), "-o", str(out)))
     assert passed.stdout.startswith(f"exported {damaged.parent / older.name} (global step {step_of(older)})"), \
         passed.stdout
-    assert flat(passed.stderr).startswith(f"warning: skipping checkpoint {damaged}: "), passed.stderr
+    # (its cause once, the checkpoint named once: it said "skipping checkpoint X: X: arrays.npz ...")
+    assert flat(passed.stderr).startswith(f"warning: skipping checkpoint {damaged}: arrays.npz does not match its "
+                                          "checksum"), passed.stderr
+    nowhere = check(psctl_env.run("export", "exp", "--checkpoint", str(psctl_env.tmp_path / "nope"), "-o", str(out)),
+                    4)
+    assert f"no checkpoint folder {psctl_env.tmp_path / 'nope'}" in flat(nowhere.stderr), nowhere.stderr
     a_file = psctl_env.tmp_path / "a-file"
     a_file.write_text("")
     unwritable = check(psctl_env.run("export", "exp", "-o", str(a_file / "model.npz")), 2)

@@ -423,7 +423,10 @@ def first_that_loads(
         try:
             return path, load(path)
         except skip as exc:
-            log.warning("skipping checkpoint %s: %s", where(path), exc)
+            said, named, why = str(exc).partition(": ")
+            if named and PurePath(said).name == PurePath(str(path)).name:  # (its message names it already)
+                said = why
+            log.warning("skipping checkpoint %s: %s", where(path), said if named else exc)
     return None
 
 
