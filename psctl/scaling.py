@@ -17,6 +17,7 @@ from psctl.home import ClusterDir, exclusive_lock, release
 from psctl.observe import supervisor_alive
 from psctl.runtime.atomic import write_json_atomic
 from psctl.spec import ClusterSpec
+from psctl.spec.checks import seconds_text
 from psctl.supervisor.policy import members
 from psctl.supervisor.state import ClusterRecord, cluster_spec, load_state
 
@@ -81,8 +82,10 @@ def check_request(cdir: ClusterDir, spec: ClusterSpec, record: ClusterRecord, wa
                              "complete", hint=f"scale to at least {aggregated}")
         leaving = [r.name for r in record.roles if r.role == role and r.retired and r.pid is not None]
         if leaving:
-            raise UsageError(f"{', '.join(leaving)} of the last scale-down are still leaving",
-                             hint="try again once `psctl status` no longer shows them running")
+            # (status shows them stopped already: they were told to go, and finish the steps they run first)
+            raise UsageError(f"{', '.join(leaving)} of the last scale-down are still finishing their steps",
+                             hint=f"try again in a moment: they leave within supervision.preemption_grace "
+                                  f"({seconds_text(spec.supervision.preemption_grace)})")
 
 
 def scale(cdir: ClusterDir, wanted: Mapping[str, int], *, timeout: float = 30.0) -> list[Change]:

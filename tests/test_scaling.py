@@ -219,6 +219,20 @@ def test_scale_requests_outside_the_specs_bounds_name_the_line_to_change(tmp_pat
     assert done.value.hint == "start it again with `psctl up /specs/el.yaml --set name=s2`"
 
 
+def test_a_scale_while_the_last_scale_down_s_workers_finish_their_steps_says_so(tmp_path: Path) -> None:
+    """It said to try again once `psctl status` no longer showed them running, while status showed them stopped
+    (told to go) from the moment of the scale-down."""
+    spec, record = record_for(tmp_path, SPEC)
+    leaving = next(r for r in record.roles if r.name == "worker-1")
+    leaving.retired, leaving.state, leaving.pid = True, RoleState.STOPPED, 4242  # its process still finishing
+    with pytest.raises(UsageError) as caught:
+        check_request(ClusterDir(tmp_path), spec, record, {"worker": 3})
+    assert str(caught.value) == ("worker-1 of the last scale-down are still finishing their steps (try again in a "
+                                 "moment: they leave within supervision.preemption_grace (25s))")
+    leaving.pid = None  # gone
+    check_request(ClusterDir(tmp_path), spec, record, {"worker": 3})
+
+
 @pytest.mark.parametrize("distinct", [False, True])
 def test_synchronous_workers_scale_below_the_replicas_aggregated_unless_each_must_give_one(
     tmp_path: Path, distinct: bool
