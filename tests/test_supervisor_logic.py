@@ -495,6 +495,8 @@ def test_a_tensorflow_chief_restarts_with_a_lost_ps_once_the_ps_runs_again(tmp_p
     c = FakeCluster(spec, tmp_path)
     c.step()
     running(c)
+    c.process("chief-0").global_step = 300  # (as it printed)
+    c.step(0.5)
     c.process("ps-0").exit_code = -9
     c.step()
     chief = c.role("chief-0")
@@ -508,6 +510,11 @@ def test_a_tensorflow_chief_restarts_with_a_lost_ps_once_the_ps_runs_again(tmp_p
     assert (RoleState.STARTING, RoleState.RESTARTING) in order  # the ps started, the chief still waited
     assert all(chief_state == RoleState.RESTARTING for ps_state, chief_state in order if ps_state != RoleState.RUNNING)
     assert (c.role("ps-0").state, chief.state, chief.attempt) == (RoleState.RUNNING, RoleState.RUNNING, 2)
+    # the new chief has printed nothing yet: the step its predecessor printed stands (not 0), until it prints
+    assert c.process("chief-0").global_step == 0 and chief.global_step == 300
+    c.process("chief-0").global_step = 250  # restored from its checkpoint at 250
+    c.step(0.5)
+    assert chief.global_step == 250
 
 
 def test_a_stalled_supervisor_judges_silence_from_its_resumption_not_from_before(c: FakeCluster) -> None:

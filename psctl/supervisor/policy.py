@@ -651,7 +651,12 @@ class _Decision:
             live.last_heartbeat = beat
             hb = rr.last
             role.last_heartbeat = beat + self.s.wall_offset
-            role.global_step, role.local_step = hb.global_step, hb.local_step
+            step = hb.global_step
+            if not step and role.role == "chief" and self.runs_tensorflow():
+                # a restarted TensorFlow chief prints its step once it has restored (~10 s on): the step it
+                # printed last stands until then (status showed step 0: all training lost, it seemed)
+                step = role.global_step
+            role.global_step, role.local_step = step, hb.local_step
             role.loss = hb.loss if hb.loss == hb.loss else None
             role.steps_per_sec = hb.steps_per_second
             role.rss_bytes = hb.rss_bytes
