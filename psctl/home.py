@@ -26,8 +26,9 @@ KEPT_RUNS = 5
 
 
 def psctl_home() -> Path:
-    """``$PSCTL_HOME`` (default ``~/.psctl``), made absolute: the supervisor and agents run in other folders."""
-    return Path(os.environ.get("PSCTL_HOME", "~/.psctl")).expanduser().absolute()
+    """``$PSCTL_HOME`` (default ``~/.psctl``, also where it is set empty), made absolute: the supervisor and agents
+    run in other folders."""
+    return Path(os.environ.get("PSCTL_HOME") or "~/.psctl").expanduser().absolute()
 
 
 @dataclass(frozen=True)

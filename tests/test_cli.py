@@ -854,3 +854,14 @@ def test_a_new_run_of_a_name_keeps_the_last_ones_files_and_drops_its_requests(tm
     (cdir.run_dir / "result.json").write_text(json.dumps({"global_step": 100, "steps_this_run": 0}))
     chief_attempts(2)
     assert cdir.keep_last_run() == cdir.history / str(KEPT_RUNS + 3)
+
+
+def test_an_empty_psctl_home_is_the_default_not_the_current_folder(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`PSCTL_HOME= psctl up ...` ran the cluster in ./NAME of whatever folder it was started from."""
+    from psctl.home import psctl_home
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path / "..")
+    monkeypatch.setenv("PSCTL_HOME", "")
+    assert psctl_home() == tmp_path / ".psctl"

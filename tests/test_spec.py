@@ -534,6 +534,34 @@ MISTAKES = [
         "write a number of seconds or a number with a unit: 500ms, 5s, 2m, 1h",
     ),
     (
+        # 1000h passed, and the agents' poll overflowed: the cluster hung in "starting" with training done
+        "a duration too long",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10}
+        supervision: {heartbeat_interval: 1000h, heartbeat_timeout: 5000h}
+        """,
+        "cluster.yaml:3: supervision.heartbeat_interval: expected a duration of at most 7 days (604800s), got "
+        "'1000h'; write a shorter one",
+    ),
+    (
+        "a step timeout too long",  # (the chief failed on an OverflowError)
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10, step_timeout: 1000000h}
+        """,
+        "cluster.yaml:2: training.step_timeout: expected a duration of at most 7 days (604800s), got 3600000000.0; "
+        "write a shorter one",
+    ),
+    (
+        "a choice in another case",  # (it said: did you mean 'sync'?)
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10, mode: Async}
+        """,
+        "cluster.yaml:2: training.mode: unknown mode 'Async'; did you mean 'async'? (one of: async, sync, bounded)",
+    ),
+    (
         "heartbeat timeout not above the interval",
         """\
         roles: {chief: {}, ps: {}, worker: {}}
@@ -1067,13 +1095,14 @@ def test_anchors_and_merge_keys_are_followed() -> None:
 
 @pytest.mark.parametrize(
     ("value", "seconds"),
-    [(0, 0.0), (2, 2.0), (1.5, 1.5), ("500ms", 0.5), ("5s", 5.0), ("2m", 120.0), ("1h", 3600.0), ("1m30s", 90.0)],
+    [(0, 0.0), (2, 2.0), (1.5, 1.5), ("500ms", 0.5), ("5s", 5.0), ("2m", 120.0), ("1h", 3600.0), ("1m30s", 90.0),
+     ("5", 5.0), ("2.5", 2.5)],  # (quoted seconds are seconds: "write a number of seconds", it said to "10")
 )
 def test_parse_duration(value: object, seconds: float) -> None:
     assert parse_duration(value) == seconds
 
 
-@pytest.mark.parametrize("value", ["5", "5 seconds", "-1s", "1d", "", True, None, -1, float("inf"), 10**400, [1]])
+@pytest.mark.parametrize("value", ["5 seconds", "-1s", "1d", "", True, None, -1, float("inf"), 10**400, [1]])
 def test_parse_duration_refuses(value: object) -> None:
     with pytest.raises(ValueError):
         parse_duration(value)

@@ -19,6 +19,7 @@ from psctl.runtime.coordinator import (
     AUTO,
     AUTO_DEADLINE_FACTOR,
     AUTO_DEADLINE_FLOOR,
+    MAX_DEADLINE,
     Closure,
     ClusterCoordinator,
     RemoteValue,
@@ -253,6 +254,8 @@ def test_a_training_step_s_automatic_deadline_follows_the_slowest_step_seen(clus
     assert coordinator._deadline(Closure("evaluate", 2, RemoteValue())) is None
     train.expired = 2  # (each time it ran past its deadline doubles the next)
     assert coordinator._deadline(train) == 4 * 10.0 * AUTO_DEADLINE_FACTOR * 4
+    train.expired = 2000  # (up to a week: doubled without end it overflowed, and the chief failed)
+    assert coordinator._deadline(train) == MAX_DEADLINE
     train.expired = 0
     coordinator.step_timeout = 2.5
     assert coordinator._deadline(train) == 10.0 and coordinator._deadline(Closure("evaluate", 2, RemoteValue())) == 2.5

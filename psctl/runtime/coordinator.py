@@ -47,6 +47,8 @@ NEVER_SENT = "failed to connect to all addresses"
 AUTO = "auto"
 AUTO_DEADLINE_FACTOR = 20.0
 AUTO_DEADLINE_FLOOR = 120.0
+#: The longest a call's deadline grows to, doubled per expiry (the spec's longest duration).
+MAX_DEADLINE = 7 * 24 * 3600.0
 _WORKER_LOST = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.CANCELLED,
@@ -612,7 +614,8 @@ class ClusterCoordinator:
             return None  # (an evaluation is its own length; the first steps load data, connect, compile)
         else:
             each = max(AUTO_DEADLINE_FLOOR, AUTO_DEADLINE_FACTOR * self.slowest_step)
-        return each * closure.steps * 2**closure.expired if each else None
+        # (doubled per expiry, up to a week: gRPC's timeout and the clock's arithmetic overflow far beyond)
+        return min(each * closure.steps * 2.0 ** min(closure.expired, 64), MAX_DEADLINE) if each else None
 
     def _on_rpc_error(self, worker: WorkerState, closure: Closure, exc: grpc.RpcError,
                       deadline: float | None = None) -> None:

@@ -22,6 +22,10 @@ INT64_MAX = 2**63 - 1
 _DURATION = re.compile(r"(?:(?:\d+(?:\.\d*)?|\.\d+)(?:ms|s|m|h))+")
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|s|m|h)")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_SECONDS = re.compile(r"\d+(?:\.\d*)?|\.\d+")
+#: The longest duration a spec may give: longer waits overflow the system's (a poll's milliseconds end at
+#: ~596 h) and left a cluster hanging or a role crashing; none of psctl's waits needs more than days.
+MAX_DURATION = 7 * 24 * 3600.0
 
 
 def show(value: object) -> str:
@@ -51,9 +55,12 @@ def parse_duration(value: object) -> float:
         raise ValueError(f"expected a duration, got {show(value)}")
     if isinstance(value, str):
         text = value.strip()
-        if not _DURATION.fullmatch(text):
+        if _SECONDS.fullmatch(text):  # ("10", quoted: seconds, as 10 is)
+            seconds = float(text)
+        elif not _DURATION.fullmatch(text):
             raise ValueError(f"expected a duration, got {show(value)}")
-        seconds = sum(float(n) * _UNIT_SECONDS[unit] for n, unit in _DURATION_PART.findall(text))
+        else:
+            seconds = sum(float(n) * _UNIT_SECONDS[unit] for n, unit in _DURATION_PART.findall(text))
     else:
         try:
             seconds = float(value)
@@ -71,7 +78,9 @@ def seconds_text(seconds: float) -> str:
 
 def suggestion(word: object, choices: Sequence[str]) -> str:
     """``did you mean 'x'?`` when ``word`` is close to one of ``choices``, else the list of choices."""
-    close = difflib.get_close_matches(word, choices, n=1) if isinstance(word, str) else []
+    close: list[str] = []
+    if isinstance(word, str):  # (the case is the likeliest slip: ASYNC is async, not sync)
+        close = [c for c in choices if c.lower() == word.lower()] or difflib.get_close_matches(word, choices, n=1)
     return f"did you mean {close[0]!r}?" if close else f"expected one of: {', '.join(choices)}"
 
 
@@ -175,6 +184,9 @@ class Checker:
             self.fail(path, f"expected a duration such as 5s, got {show(value)}", fix)
         if positive and seconds <= 0:
             self.fail(path, f"expected a duration > 0, got {show(value)}", fix)
+        if seconds > MAX_DURATION:
+            self.fail(path, f"expected a duration of at most 7 days ({seconds_text(MAX_DURATION)}), got "
+                      f"{show(value)}", "write a shorter one")
         return seconds
 
     def string(

@@ -181,7 +181,7 @@ def _step_timeout(c: Checker, value: object) -> float | str:
     if seconds < 0:
         c.fail((*T, "step_timeout"), f"expected auto, 0 or a duration such as 10m, got {show(value)}",
                "write auto (a deadline from the steps' durations), 0 (none) or a duration: 90s, 10m")
-    return seconds
+    return c.duration((*T, "step_timeout"), seconds, positive=False)  # (its bounds)
 
 
 def _int(c: Checker, t: dict[str, Any], key: str, default: int | None, *, minimum: int, example: str = "2") -> int:
