@@ -554,6 +554,25 @@ MISTAKES = [
         "write a shorter one",
     ),
     (
+        # a key of another section: it was asked "did you mean 'setup'?" (top level), or "'step_timeout'?"
+        "a key in the wrong section",
+        """\
+        steps: 10
+        roles: {chief: {}, ps: {}, worker: {}}
+        training: {program: psctl.models.mlp, data: {name: digits}}
+        """,
+        "cluster.yaml:1: steps: unknown key here: it belongs under training; move it there (training.steps)",
+    ),
+    (
+        "a supervision key under training",
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10, heartbeat_timeout: 5s}
+        """,
+        "cluster.yaml:2: training.heartbeat_timeout: unknown key here: it belongs under supervision; move it there "
+        "(supervision.heartbeat_timeout)",
+    ),
+    (
         "a choice in another case",  # (it said: did you mean 'sync'?)
         """\
         roles: {chief: {}, ps: {}, worker: {}}

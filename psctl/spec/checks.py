@@ -87,8 +87,11 @@ def suggestion(word: object, choices: Sequence[str]) -> str:
 class Checker:
     """The typed checks, bound to one spec's :class:`SourceMap` so that every error has its line."""
 
-    def __init__(self, source: SourceMap) -> None:
+    def __init__(self, source: SourceMap, sections: Sequence[tuple[str, Sequence[str]]] = ()) -> None:
         self.source = source
+        #: Each section of the spec (as a user writes its path) with its keys: an unknown key that is another
+        #: section's is said to belong there (a top-level `steps:` was asked "did you mean 'setup'?").
+        self.sections = sections
 
     def fail(self, path: KeyPath, what: str, fix: str, *, key: bool = False, at: KeyPath | None = None) -> NoReturn:
         """Raise the spec error for ``path``, at the line of ``at`` (default: ``path`` itself)."""
@@ -105,6 +108,11 @@ class Checker:
         self.string_keys(path, value)
         for key in value:
             if key not in allowed:
+                home = next((name for name, keys in self.sections if key in keys), None)
+                if home is not None:
+                    where = f"under {home}" if home else "at the top level"
+                    self.fail((*path, key), f"unknown key here: it belongs {where}",
+                              f"move it there ({home}.{key})" if home else "move it there", key=True)
                 self.fail((*path, key), "unknown key", suggestion(key, allowed), key=True)
         return value
 

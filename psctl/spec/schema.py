@@ -33,6 +33,8 @@ from psctl.spec.model import (
 )
 from psctl.spec.plan import LOCAL_HOST, conflict_error, layout, port_conflict
 from psctl.spec.training import (
+    CHECKPOINT_KEYS,
+    TRAINING_KEYS,
     check_checkpoints_its_own,
     check_confined,
     check_local_checkpoint_folder,
@@ -86,7 +88,11 @@ _PORT_FIX = "use a port number such as 7000"
 
 def build_spec(data: Any, source: SourceMap, *, path: Path | None, base_dir: Path, default_name: str) -> ClusterSpec:
     """Validate loaded data and build the spec; the first mistake found is raised as a SpecError."""
-    c = Checker(source)
+    c = Checker(source, sections=[  # (most specific first; `name` is too common a word to place)
+        ("training", TRAINING_KEYS), ("supervision", SUPERVISION_KEYS), ("training.checkpoint", CHECKPOINT_KEYS),
+        ("roles.<role>", ROLE_KEYS), ("roles.<role>.restart", RESTART_KEYS),
+        ("", tuple(k for k in TOP_KEYS if k != "name")),
+    ])
     if data is None:
         c.fail((), "the spec is empty", "write a mapping with at least roles: and training: (see cluster_examples/)")
     if not isinstance(data, dict):
