@@ -521,7 +521,8 @@ def test_up_refuses_a_cluster_that_is_already_up(psctl_env) -> None:
 # -- (d) ----------------------------------------------------------------------------------------------------
 def write_boom(tmp_path: Path) -> Path:
     program = tmp_path / "boom_program.py"
-    program.write_text('raise RuntimeError("boom")\n', encoding="utf-8")
+    program.write_text('raise RuntimeError("boom")\n\n\ndef build(args, data, seed):  # (its import raises first)\n'
+                       '    pass\n', encoding="utf-8")
     return program
 
 

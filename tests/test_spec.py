@@ -1411,6 +1411,27 @@ def test_a_local_cluster_s_checkpoint_folder_must_be_a_folder_and_its_data_path_
     assert load_spec(write(tmp_path, spec.format(data="{name: digits}", folder="new/ckpt")))  # made when saved
 
 
+@pytest.mark.parametrize(("text", "said"), [
+    ("def build(args, data, seed)\n    pass\n", "does not parse: SyntaxError: expected ':' ({file}, line 1)"),
+    ("x = 1\n", "defines no build(args, data, seed) ({file})"),
+    ("def build(args):\n    pass\n", "build in program file 'prog.py' takes 1 argument(s) ({file}, line 1); the "
+     "runtime calls build(args, data, seed)"),
+])
+def test_a_program_file_that_cannot_be_a_program_is_refused_at_validation(tmp_path: Path, text: str,
+                                                                            said: str) -> None:
+    """Each passed validation, and every role of the cluster failed at its start (up's exit 3, not a spec's 2)."""
+    (tmp_path / "prog.py").write_text(text, encoding="utf-8")
+    spec = "roles: {chief: {}, ps: {}, worker: {}}\ntraining: {program: prog.py, data: {name: digits}, steps: 10}\n"
+    error = str(spec_error(write(tmp_path, spec)))
+    assert error.startswith(f"{tmp_path / 'cluster.yaml'}:2: training.program: ") and \
+        said.format(file=tmp_path / "prog.py") in error, error
+    for fine in ("from psctl.models.mlp import build  # noqa\n",  # bound otherwise: imported, assigned, in a try
+                 "try:\n    from psctl.models.mlp import build\nexcept ImportError:\n    build = None\n",
+                 "def build(args, data, seed, extra=None):\n    pass\n", "build, other = 1, 2\n"):
+        (tmp_path / "prog.py").write_text(fine, encoding="utf-8")
+        assert load_spec(write(tmp_path, spec))
+
+
 def test_a_checkpoint_folder_in_another_cluster_s_folder_is_refused(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Pointed at cluster r2's checkpoints, cluster sh resumed r2's run, wrote its own checkpoints among them and

@@ -8,6 +8,7 @@ accepts.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.machinery
 import importlib.util
@@ -16,7 +17,7 @@ import os
 import re
 import stat
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -327,7 +328,59 @@ def _program(c: Checker, value: object, base_dir: Path, allowed: tuple[Path, ...
             "give a path relative to the spec's folder, or a module name such as psctl.models.mlp",
         )
     check_confined(c, path, str(resolved), base_dir, allowed, what="program file")
+    _check_program_text(c, text, resolved)
     return str(resolved)
+
+
+def _check_program_text(c: Checker, text: str, resolved: Path) -> None:
+    """A program file parses and binds ``build`` at its top level (a def taking three arguments, or any other
+    binding: an import, an assignment): read, not run (nothing of the user's runs here). It passed, and every
+    role failed at its start."""
+    path = (*T, "program")
+    try:
+        tree = ast.parse(resolved.read_bytes(), filename=str(resolved))
+    except SyntaxError as exc:
+        c.fail(path, f"program file {show(text)} does not parse: {type(exc).__name__}: {exc.msg} ({resolved}, "
+               f"line {exc.lineno})", "fix the program")
+    except (OSError, ValueError) as exc:
+        c.fail(path, f"program file {show(text)} cannot be read: {exc}", "give a readable Python file")
+    statements = list(_top_level(tree.body))
+    if any((isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names))
+           or (isinstance(n, ast.FunctionDef) and n.name == "__getattr__") for n in statements):
+        return  # (what it binds is another module's, or its __getattr__'s, to say)
+    builds = [n for n in statements if _binds_build(n)]
+    if not builds:
+        c.fail(path, f"program file {show(text)} defines no build(args, data, seed) ({resolved})",
+               "add def build(args, data, seed): returning the program (README, \"Your own program\")")
+    last = builds[-1]
+    if isinstance(last, (ast.FunctionDef, ast.AsyncFunctionDef)) and not (last.args.vararg or last.args.posonlyargs):
+        given = len(last.args.args)
+        needed = given - len(last.args.defaults)
+        if not needed <= 3 <= given:
+            c.fail(path, f"build in program file {show(text)} takes {given} argument(s) ({resolved}, line "
+                   f"{last.lineno}); the runtime calls build(args, data, seed)", "give it those three arguments")
+
+
+def _top_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """A module's statements that run at its import, those in its if/try/with blocks included."""
+    for node in body:
+        yield node
+        if isinstance(node, (ast.If, ast.Try, ast.With)):
+            for block in ("body", "orelse", "finalbody"):
+                yield from _top_level(getattr(node, block, []))
+            for handler in getattr(node, "handlers", []):
+                yield from _top_level(handler.body)
+
+
+def _binds_build(node: ast.stmt) -> bool:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return node.name == "build"
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return any((a.asname or a.name).split(".")[0] == "build" for a in node.names)
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return any(isinstance(n, ast.Name) and n.id == "build" for t in targets for n in ast.walk(t))
+    return False
 
 
 def _data(c: Checker, value: object, base_dir: Path, allowed: tuple[Path, ...] = (), *,
