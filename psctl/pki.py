@@ -22,8 +22,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from psctl.runtime.cluster import TlsFiles
 from psctl.runtime.rpc import TLS_SERVER_NAME
 
-#: Certificates outlive no cluster by much: a week, renewed at each ``up``.
-VALIDITY = dt.timedelta(days=7)
+#: A cluster's certificates, made at each ``up`` by a CA of its own whose key is discarded, serve that cluster
+#: only, for as long as it may train: a week was shorter than long runs, whose roles could then neither restart
+#: nor reconnect (every handshake refused the expired certificates).
+VALIDITY = dt.timedelta(days=365)
 
 
 def _write(path: Path, data: bytes) -> None:

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -689,6 +690,81 @@ def test_checkpoints_are_listed_in_step_order(tmp_path: Path) -> None:
         write_checkpoint(directory, sample_snapshot(step))
     assert [load_checkpoint(p).global_step for p in list_checkpoints(directory)] == steps
     assert leftover_temporaries(directory) == []
+
+
+def _rewritten(path: Path, name: str, data: bytes, *, files: dict[str, Any] | None = None) -> None:
+    """``name`` in the checkpoint at ``path`` replaced by ``data``, its manifest made to match (as whoever can
+    write the folder could)."""
+    import hashlib
+
+    (path / name).write_bytes(data)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    manifest["files"].update(files or {})
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _npz(members: dict[str, bytes], compression: int) -> bytes:
+    import io
+    import zipfile
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression=compression) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return out.getvalue()
+
+
+def test_a_checkpoint_that_would_inflate_or_names_other_files_is_damaged_not_loaded(tmp_path: Path) -> None:
+    """Whoever can write a checkpoint folder (shared storage; a host `export` copies from): an array whose header
+    declares terabytes crashed the chief with a MemoryError on every restart (not set aside as damaged); compressed
+    arrays inflated a thousandfold; a manifest naming ../../etc/hostname had that file read and hashed."""
+    import hashlib
+    import io
+    import zipfile
+
+    header = b"{'descr': '<f8', 'fortran_order': False, 'shape': (1099511627776,), }"
+    huge = b"\x93NUMPY\x01\x00" + (len(header) + 1).to_bytes(2, "little") + header + b"\n" + bytes(64)
+    plain = io.BytesIO()
+    np.save(plain, np.zeros(100_000, np.float32))
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not a checkpoint's")
+    cases: dict[str, tuple[str, bytes, dict[str, Any]]] = {
+        "an array larger than memory": ("arrays.npz", _npz({"var:x.npy": huge}, zipfile.ZIP_STORED), {}),
+        "compressed arrays": ("arrays.npz", _npz({"var:x.npy": plain.getvalue()}, zipfile.ZIP_DEFLATED), {}),
+        "the manifest names": ("state.json", b"{}", {"../../../outside": {
+            "sha256": hashlib.sha256(outside.read_bytes()).hexdigest(), "bytes": outside.stat().st_size}}),
+    }
+    for said, (name, data, files) in cases.items():
+        folder = tmp_path / said.replace(" ", "-")
+        path = write_checkpoint(folder, sample_snapshot(10))
+        _rewritten(path, name, data, files=files)
+        with pytest.raises(CheckpointError, match=said) as caught:
+            load_checkpoint(path)
+        assert caught.value.damaged, said
+        found, damaged = restorable_checkpoint(folder)  # a resume sets it aside, and goes on without it
+        assert found is None and len(damaged) == 1 and said in damaged[0], damaged
+
+
+def test_export_and_state_writes_follow_no_link_planted_at_a_temporary_name(tmp_path: Path) -> None:
+    """They wrote `model.npz.tmp` (and `.state.json.HOST.PID.tmp`), names known in advance: another user of a
+    shared folder could plant a link there, and the write went through it into a file of the user's."""
+    from psctl.runtime.atomic import write_json_atomic
+    from psctl.runtime.checkpoint import export_arrays
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"mine")
+    out = tmp_path / "model.npz"
+    (tmp_path / "model.npz.tmp").symlink_to(victim)
+    state = tmp_path / "state.json"
+    (tmp_path / f".state.json.{socket.gethostname()}.{os.getpid()}.tmp").symlink_to(victim)
+    export_arrays(sample_snapshot(10), out)
+    write_json_atomic(state, {"x": 1})
+    assert victim.read_bytes() == b"mine"
+    with np.load(out) as arrays:
+        assert sorted(arrays.files) == sorted(sample_snapshot(10).variables)
+    assert json.loads(state.read_text()) == {"x": 1} and stat.S_IMODE(state.stat().st_mode) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".tmp" and not p.is_symlink()) == []
 
 
 # -- the chief's resume ---------------------------------------------------------------------------------------

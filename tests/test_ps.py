@@ -755,6 +755,11 @@ REFUSALS: dict[str, tuple[Callable[[Ps], object], grpc.StatusCode]] = {
         _framed("PullFramed", wire.encode_frame(pb.PullRequest(), [Entry(EMB_IDS, IDS, np.array([1, 2]))])[:-4]),
         grpc.StatusCode.INVALID_ARGUMENT,
     ),
+    # a shard index of 2**31-1 made every later GetState build billions of positions under the store's lock
+    "framed-shard-beyond-any-run": (
+        _framed("PushFramed", _push_frame([GOOD_W], shard=limits.MAX_DATA_SHARDS, position=0)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
     "framed-pull-ids-out-of-range": (
         _framed("PullFramed", wire.encode_frame(pb.PullRequest(), [Entry(EMB_IDS, IDS, np.array([1, 5]))])),
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -799,6 +804,18 @@ def test_bad_request_is_refused_and_changes_nothing(ps: Ps, case: str) -> None:
     assert response.applied
     assert response.global_step == before.state.global_step + 1
     assert pull_dense(ps)["w"].tobytes() != before.values["w"]
+
+
+def test_a_pull_of_more_rows_than_a_pull_may_gather_is_refused_before_they_are_gathered(
+        ps: Ps, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ids of one byte each asked a PS to gather 256 times the request's size (any member may pull)."""
+    init(ps, optimizer=ADAM)
+    row = 2 * 4  # (emb/part_1: rows of 2 float32)
+    monkeypatch.setattr(ps_module, "MAX_PULLED_ROWS_BYTES", 8 * row)
+    pull = _framed("PullFramed", wire.encode_frame(pb.PullRequest(), [Entry(EMB_IDS, IDS, np.zeros(9, np.uint8))]))
+    assert rpc_code(lambda: pull(ps)) == grpc.StatusCode.INVALID_ARGUMENT
+    fits = _framed("PullFramed", wire.encode_frame(pb.PullRequest(), [Entry(EMB_IDS, IDS, np.zeros(8, np.uint8))]))
+    assert len(wire.read_frame(fits(ps), pb.PullResponse)[1][0].array) == 8
 
 
 def test_a_streamed_push_is_refused_at_its_first_non_finite_piece_before_the_rest_is_sent(ps: Ps) -> None:

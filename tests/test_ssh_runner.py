@@ -29,7 +29,7 @@ from psctl.launch.base import ProcessHandle, stop_processes
 from psctl.launch.fanout import HostsError, check_results, run_on_all
 from psctl.launch.hostset import RemoteHost
 from psctl.launch.local import UNKNOWN_EXIT
-from psctl.launch.remote import _PREFLIGHT, LOCATED_MODULES, HostDir, prepare_host
+from psctl.launch.remote import _PREFLIGHT, LOCATED_MODULES, HostDir, preflight, prepare_host
 from psctl.launch.ssh import HostUnreachable, SSHRunner
 from psctl.runtime.checkpoint import Snapshot, write_checkpoint
 from psctl.spec.model import HostSpec
@@ -518,6 +518,20 @@ def test_accept_new_records_the_key_and_a_changed_key_is_refused(sshbed: SSHBed,
     assert known.read_text() == key_before + "\n"  # nothing recorded
     with sshbed.runner("h1") as runner:  # the bed's known_hosts has the new key
         assert runner.run("hostname") == (0, "h1\n", "")
+
+
+@pytest.mark.parametrize("printed", ['{"python": "3.11"}', '{"python": "3.11", "psctl": null, "cpus": "many", '
+                                     '"free": 1, "times": [0, 0], "missing": [], "busy": []}'])
+def test_a_host_whose_python_prints_an_odd_report_is_a_one_line_error(sshbed: SSHBed, tmp_path: Path,
+                                                                       printed: str) -> None:
+    """(hosts[].python a wrapper that prints something else last: `up` ended in a KeyError's traceback.)"""
+    fake = tmp_path / "odd-python"
+    fake.write_text(f"#!/bin/sh\necho '{printed}'\n")
+    fake.chmod(0o755)
+    with sshbed.runner("h1", python=str(fake)) as runner, pytest.raises(LaunchError) as caught:
+        preflight(runner, {}, {})
+    assert caught.value.format_message().startswith(
+        f"host h1: python {str(fake)!r} printed a report psctl cannot read ("), caught.value.format_message()
 
 
 def test_the_preflight_finds_tensorflow_installed_without_importing_it(tmp_path: Path) -> None:

@@ -222,21 +222,28 @@ def preflight(runner: SSHRunner, ports: Mapping[int, str], port_keys: Mapping[in
     except (ValueError, IndexError):
         raise LaunchError(f"host {runner.host}: python {spec.python!r} printed no report ({out[:80]!r}); "
                           "set hosts[].python") from None
-    report = HostReport(host=runner.host, python=found["python"], psctl=found["psctl"], cpus=int(found["cpus"]),
-                        free_bytes=int(found["free"]))
-    remote_start, remote_end = found["times"]
+    try:  # (what a host printed: of the shape the script prints, or refused in words, not a traceback)
+        report = HostReport(host=runner.host, python=str(found["python"]), psctl=found["psctl"],
+                            cpus=int(found["cpus"]), free_bytes=int(found["free"]))
+        remote_start, remote_end = (float(t) for t in found["times"])
+        missing = [str(m) for m in found["missing"]]
+        busy = [(int(port), int(errno_), str(strerror)) for port, errno_, strerror in found["busy"]
+                if int(port) in ports]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise LaunchError(f"host {runner.host}: python {spec.python!r} printed a report psctl cannot read "
+                          f"({type(exc).__name__}: {exc}; {out.strip()[-80:]!r}); set hosts[].python") from None
     report.clock_skew = ((remote_start - sent) + (remote_end - received)) / 2  # NTP's offset estimate
     where = f"host {runner.host}"
     if tuple(int(p) for p in report.python.split(".")[:2]) < (3, 10):
         report.problems.append(f"{where}: python {spec.python!r} is {report.python}; psctl needs 3.10 or newer; "
                                "set hosts[].python")
-    if found["missing"]:
-        packages = " ".join(PACKAGES.get(m, m) for m in found["missing"])
+    if missing:
+        packages = " ".join(PACKAGES.get(m, m) for m in missing)
         report.problems.append(
-            f"{where}: python {spec.python!r} cannot import {', '.join(found['missing'])}; install them there "
+            f"{where}: python {spec.python!r} cannot import {', '.join(missing)}; install them there "
             f"(pip install {packages}) or set hosts[].python to one that has them"
         )
-    for port, errno_, strerror in found["busy"]:
+    for port, errno_, strerror in busy:
         what = "needs root to bind" if errno_ in (1, 13) else "is already in use"
         fix = "pick a port above 1023" if errno_ in (1, 13) else "pick another port or stop what holds it"
         report.problems.append(f"{where}: port {port} ({ports[port]}) {what} ({strerror}); {fix} "

@@ -33,7 +33,7 @@ import grpc
 import numpy as np
 
 from psctl.proto import psctl_pb2 as pb
-from psctl.runtime.atomic import write_json_atomic
+from psctl.runtime.atomic import private_temporary, write_json_atomic
 from psctl.runtime.model import ShardedModel
 from psctl.runtime.ps_client import SYNC_COUNTERS, PsClient, sync_counters
 from psctl.runtime.wire import DENSE, SLOT, Entry
@@ -324,6 +324,10 @@ def step_of(path: PurePath) -> int:
     return step
 
 
+#: The files of a checkpoint, as its manifest lists them.
+CHECKPOINT_FILES = ("arrays.npz", "state.json")
+
+
 def verify_checkpoint(path: Path, *, checksums: bool = True) -> None:
     """CheckpointError unless every file the manifest names is there, of its size and (``checksums``) its sha256."""
     try:
@@ -332,6 +336,10 @@ def verify_checkpoint(path: Path, *, checksums: bool = True) -> None:
         raise _unread(path, "no readable manifest", exc) from None
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path}: no readable manifest ({exc})") from None
+    if not isinstance(manifest, dict) or set(manifest) != set(CHECKPOINT_FILES):  # (a name such as ../../x: read)
+        names = sorted(map(str, manifest)) if isinstance(manifest, dict) else manifest
+        raise CheckpointError(f"{path}: the manifest names {names!r}, not a checkpoint's files "
+                              f"{list(CHECKPOINT_FILES)}")
     for name, info in manifest.items():
         file = path / name
         try:
@@ -351,6 +359,11 @@ def load_checkpoint(path: str | Path, *, verify: bool = True) -> Snapshot:
         state = json.loads((path / "state.json").read_text())
         variables: dict[str, np.ndarray] = {}
         slots: dict[str, dict[str, np.ndarray]] = {}
+        with zipfile.ZipFile(path / "arrays.npz") as archive:  # (as written: stored, so no member inflates)
+            packed = [i.filename for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED]
+        if packed:
+            raise CheckpointError(f"{path}: arrays.npz holds compressed arrays ({', '.join(packed[:3])}): not as a "
+                                  "checkpoint is written")
         with np.load(path / "arrays.npz", allow_pickle=False) as npz:
             for key in npz.files:
                 kind, _, name = key.partition(":")
@@ -363,6 +376,8 @@ def load_checkpoint(path: str | Path, *, verify: bool = True) -> Snapshot:
         raise _unread(path, "cannot load", exc) from None
     except (ValueError, KeyError, zipfile.BadZipFile) as exc:
         raise CheckpointError(f"{path}: cannot load ({exc})") from None
+    except MemoryError as exc:  # (an array's header that declares more than its file holds: damaged)
+        raise CheckpointError(f"{path}: cannot load: an array larger than memory ({exc})") from None
     counters = state.get("sync_counters") or {}
     if not (isinstance(counters, dict) and all(isinstance(counters.get(k), int) for k in SYNC_COUNTERS)):
         counters = {}  # (not what this psctl writes: resumed as from a checkpoint that recorded none)
@@ -466,7 +481,7 @@ def export_arrays(snapshot: Snapshot, out: str | Path) -> Path:
         return out
     out = Path(os.path.realpath(out))  # a link's target is replaced, the link stays
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = private_temporary(out)
     try:
         with open(tmp, "wb") as f:
             np.savez(f, **snapshot.variables)  # type: ignore[arg-type]

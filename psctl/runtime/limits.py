@@ -21,3 +21,7 @@ def grpc_options() -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ]
+
+#: The most data shards a run may read its data in (``training.data_shards``): a push's shard index beyond it is
+#: refused by the PS, whose positions (one per shard, in every GetState) it would otherwise have to hold.
+MAX_DATA_SHARDS = 100_000

@@ -52,6 +52,9 @@ from psctl.runtime.wire import (
 #: Step ids this far below the newest one seen count as applied; older retries are refused as duplicates.
 #: Bounds the memory of the at-most-once check; retries are never anywhere near this old.
 DEDUPE_WINDOW = 1_000_000
+#: The most bytes of rows one pull may gather (copies made for it; a batch's rows are megabytes): ids of one byte
+#: each could ask a PS to gather 256 times the request's size, many calls at once.
+MAX_PULLED_ROWS_BYTES = 1 << 30
 #: Dense updates of larger shards run in blocks of this many elements, so that the optimizer's temporaries
 #: stay in cache instead of streaming the whole shard through memory several times (measured on a 64 MiB shard:
 #: SGD 6 ms instead of 21, Adam 26 instead of 90; smaller blocks pay more per-call overhead). The rules are
@@ -239,6 +242,7 @@ class VariableStore:
     # -- reads ----------------------------------------------------------------------------------------
     def pull(self, entries: Sequence[Entry], *, include_slots: bool = False) -> list[Entry]:
         out: list[Entry] = []
+        asked = 0  # bytes of rows gathered
         for entry in entries:
             shard = self._shard(entry.name)
             if entry.kind == DENSE:
@@ -251,6 +255,10 @@ class VariableStore:
                 out.append(Entry(entry.name, DENSE, shard.value))
             elif entry.kind == IDS:
                 rows = _check_ids(entry, shard)
+                asked += len(rows) * (shard.value.nbytes // max(1, shard.rows))
+                if asked > MAX_PULLED_ROWS_BYTES:  # (refused before they are gathered: one byte of ids each)
+                    raise WireError(f"the pull asks for {asked} bytes of rows; a pull may ask for at most "
+                                    f"{MAX_PULLED_ROWS_BYTES}")
                 out.append(Entry(entry.name, ROWS, gather_rows(shard.value, rows)))
             else:
                 raise WireError(f"pull of {entry.name!r}: only DENSE names and IDS can be asked for")
@@ -285,6 +293,8 @@ class VariableStore:
             raise NotInitializedError("this PS has no variables yet (the chief has not initialised it)")
         updates = self._validate_update(entries, split or {})
         self._check_pull(request.pull_dense, pull_rows)
+        if request.shard >= limits.MAX_DATA_SHARDS:  # (each shard's position is held, and sent in every GetState)
+            raise WireError(f"data shard {request.shard} is beyond the {limits.MAX_DATA_SHARDS} a run may have")
         with self._lock:
             if request.step_id == 0:
                 raise WireError("step_id must be non-zero")
@@ -689,6 +699,12 @@ def _in_parallel(items: Sequence[X], work: Callable[[Sequence[X]], T], elements:
 #: Who may push (as the task its certificate names): workers, and the chief (benchmarks push as it).
 _PUSHERS = re.compile(r"worker-\d+|chief-0")
 
+
+def _refuse_unless_pusher(context: grpc.ServicerContext, sender: str | None) -> None:
+    """PERMISSION_DENIED unless ``sender`` (a certificate's name; None without TLS) may push at all."""
+    if sender is not None and not _PUSHERS.fullmatch(sender):
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, f"a push is a worker's to send, not {sender}'s")
+
 #: A PS server's threads: its unary calls', and one for each of the workers' sessions.
 SERVER_THREADS = UNARY_THREADS + SESSIONS_PER_PS
 
@@ -815,8 +831,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         shards its pull_dense names and the rows its PULL_IDS entries ask for, as they are after it."""
         self.requests += 1
         if sender is not None:
-            if not _PUSHERS.fullmatch(sender):
-                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"a push is a worker's to send, not {sender}'s")
+            _refuse_unless_pusher(context, sender)
             owner = member_of_task(request.task)  # (its incarnation can fence the task it names: only that task's)
             if sender != owner:
                 context.abort(grpc.StatusCode.PERMISSION_DENIED,
@@ -899,6 +914,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return wire.encode_frame(*self._push(header, entries, context, sender))
 
     def push_framed_stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        _refuse_unless_pusher(context, caller(context))  # (before its stream is read: it may be gigabytes)
         header, entries, split = self._read_stream(
             _framed_parts(requests, pb.PushRequest), _push_header, context, split_dense=True
         )
@@ -915,6 +931,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def push_framed_session(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         sender = caller(context)  # (once a session: its pushes all come over the one connection)
+        _refuse_unless_pusher(context, sender)
         return self.sessions.serve(requests, context, lambda request, ctx: self.push_frame(request, ctx, sender))
 
     def framed_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
@@ -984,6 +1001,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return response
 
     def PushStream(self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext) -> pb.PushResponse:
+        _refuse_unless_pusher(context, caller(context))  # (before its stream is read)
         request, entries, split = self._read_stream(
             _plain_parts(request_iterator), _push_header, context, split_dense=True
         )

@@ -25,6 +25,7 @@ from psctl.home import nearest_existing, psctl_home
 from psctl.runtime.builtin_programs import BUILTIN_PREFIX, BUILTIN_PROGRAMS, arg_expected, data_mismatch
 from psctl.runtime.call_size import AUTO
 from psctl.runtime.data_config import DataConfigError, named_data_shape, parse_data_config
+from psctl.runtime.limits import MAX_DATA_SHARDS
 from psctl.runtime.optimizer_params import LEARNING_RATE, OPTIMIZER_PARAMS, Param, optimizer_config
 from psctl.runtime.partitioners import (
     PARTITIONER_KINDS,
@@ -143,6 +144,9 @@ def normalise_training(
     out["steps"] = _int(c, t, "steps", None, minimum=1, example="1000")
     # Fixed for the cluster's life: workers come and go (psctl scale), the data's split does not.
     out["data_shards"] = _int(c, t, "data_shards", worker_replicas, minimum=1, example=str(worker_replicas))
+    if out["data_shards"] > MAX_DATA_SHARDS:  # (the ps refuse a shard beyond it)
+        c.fail((*T, "data_shards"), f"{out['data_shards']} is more than the {MAX_DATA_SHARDS} data shards a run may "
+               "have", f"write at most {MAX_DATA_SHARDS}")
     train = shape.train_examples if shape is not None else None
     if train is not None and out["batch_size"] > train:  # (each batch would hold every example many times over;
         # 1e8 of digits took a worker's 24 GiB)
