@@ -136,7 +136,11 @@ def progress_line(cdir: ClusterDir, record: ClusterRecord) -> str:
         line += f", train loss {metric_text(prog['loss'])}, {prog.get('steps_per_sec', 0):.1f} steps/s"
     if not record.state.terminal and prog.get("checkpoint_failures"):
         line += f"; {failing_checkpoints_text(prog['checkpoint_failures'])}"
-    return f"{line}; roles: {roles}"
+    line += f"; roles: {roles}"
+    restarting = [r for r in record.roles if r.state == RoleState.RESTARTING]
+    if restarting and not record.state.terminal:  # why (a role in a restart loop showed only its count for minutes)
+        line += f" ({restarting[0].name}: {restarting[0].reason})"
+    return line
 
 
 def status_dict(cdir: ClusterDir, record: ClusterRecord, *, stale: bool) -> dict[str, Any]:

@@ -114,6 +114,10 @@ def test_a_tensorflow_program_s_workers_show_the_step_they_printed_or_none(tmp_p
     console.print(status_view(ClusterDir(tmp_path / "tf"), record, stale=False, now=now))
     assert console.export_text().splitlines()[1] == "global step 300"
     assert "step 300;" in progress_line(ClusterDir(tmp_path / "tf"), record)
+    # a role in a restart loop: why, not only that (minutes of "roles: 2 restarting" before the failure said)
+    roles[2].state, roles[2].reason = RoleState.RESTARTING, "exit code 1: RuntimeError: boom; restart 3 in 4.0s"
+    assert progress_line(ClusterDir(tmp_path / "tf"), record).endswith(
+        "roles: 3 running, 1 restarting (worker-0: exit code 1: RuntimeError: boom; restart 3 in 4.0s)")
 
 
 @pytest.mark.parametrize(("seconds", "shown"), [

@@ -945,7 +945,8 @@ class _Decision:
         live.failures_in_a_row += 1
         live.running_since = None
         live.restart_at = self.now + backoff
-        self.transition(role, R.RESTARTING, f"restart {role.restarts} in {backoff:.1f}s")
+        # (the loss's reason kept: status and up's progress say why it restarts, not only that it does)
+        self.transition(role, R.RESTARTING, f"{role.reason}; restart {role.restarts} in {backoff:.1f}s")
 
     def restart_uncounted(self, role: RoleRecord, why: str) -> None:
         """A role lost through no fault of its own (preempted; a TensorFlow chief whose ps was lost) starts
