@@ -344,3 +344,17 @@ def test_a_gradient_that_is_not_real_numbers_is_refused_naming_its_variable(form
         model.push_plan(grads)  # type: ignore[arg-type]
     plan = model.push_plan({"hid/kernel": np.ones(shape, dtype=np.int64)})
     assert plan[0][0].array.dtype == np.float32 and np.all(plan[0][0].array == 1)
+
+
+def test_a_classifier_on_labels_that_are_not_class_ids_says_so(tmp_path) -> None:
+    """A data file whose labels hold a 1.5: it said mlp "needs args.num_classes: it cannot be inferred from the
+    data config", and with it given, failed again on the labels."""
+    import numpy as np
+    import pytest
+
+    path = tmp_path / "labels.npz"
+    np.savez(path, x=np.ones((20, 3), np.float32), y=np.array([0, 1, 1.5, 2] * 5))
+    with pytest.raises(ValueError) as caught:
+        mlp.build({}, {"path": str(path)}, 0)
+    assert str(caught.value) == ("psctl.models.mlp classifies, and the data's labels are not all whole numbers "
+                                 "(class ids 0 to N-1): fix the labels (data.y, or the label column)")

@@ -32,6 +32,9 @@ def resolve_args(program: str, args: Mapping[str, Any], defaults: Mapping[str, i
     for key, default in defaults.items():
         value = args.get(key, default)
         if value is None:
+            if key == "num_classes":  # (a data file's labels: whole numbers are class ids, others are not)
+                raise ValueError(f"{program} classifies, and the data's labels are not all whole numbers (class ids "
+                                 "0 to N-1): fix the labels (data.y, or the label column)")
             raise ValueError(f"{program} needs args.{key}: it cannot be inferred from the data config")
         expected = arg_expected(program, key, value)
         if expected is not None:

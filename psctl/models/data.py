@@ -215,6 +215,11 @@ def zipf_ids(rng: np.random.Generator, s: float, vocab: int, shape: tuple[int, .
 
 def _read_npz(opts: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     path = opts["path"]
+    try:  # (numpy takes a file that is no zip for one pickled array: it said to load it unsafely)
+        if not zipfile.is_zipfile(Path(path).expanduser()):
+            raise ValueError(f"{path} is not a .npz file (a zip of .npy arrays): write it with numpy.savez")
+    except OSError as e:
+        raise ValueError(f"cannot read {path} as .npz: {_one_line(e)}") from None
     try:
         with np.load(Path(path).expanduser(), allow_pickle=False) as arrays:
             names = list(arrays.files)
