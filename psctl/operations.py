@@ -273,11 +273,14 @@ def _start(
         if spec.backend == "local":
             run_setup_here(spec, cdir)
         record.hosts = prepare_hosts(spec, plan, cdir, runners, reports)
-    except PsctlError as exc:
+    except (PsctlError, KeyboardInterrupt) as exc:
         shutil.rmtree(cdir.tls_dir, ignore_errors=True)
         # recorded as this run's end (status, ls and `down --purge` know the name; an older run's record would
-        # show that run instead, its logs moved to history/)
-        record.state, record.reason = ClusterState.FAILED, exc.format_message()
+        # show that run instead, its logs moved to history/): failed, or stopped by Ctrl-C in its setup
+        if isinstance(exc, KeyboardInterrupt):
+            record.state, record.reason = ClusterState.STOPPED, "interrupted while starting, before any role ran"
+        else:
+            record.state, record.reason = ClusterState.FAILED, exc.format_message()
         save_state(cdir.state_file, record)
         raise
     save_state(cdir.state_file, record)

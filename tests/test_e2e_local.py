@@ -169,6 +169,30 @@ def test_ctrl_c_before_the_cluster_runs_stops_what_had_started(psctl_env, monkey
     assert psctl_env.state("intr")["state"] == "stopped"
 
 
+def test_ctrl_c_in_setup_leaves_this_run_s_record_not_the_last_one_s(psctl_env,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while `setup:` ran (the last run's logs and events moved to history/ already): status showed the last
+    run's `succeeded`, with its result, events said "no events recorded" and logs named a missing log."""
+    from click.testing import CliRunner
+
+    from psctl import operations
+    from psctl.cli import cli
+
+    spec = psctl_env.write_spec("setupintr", steps=50, ps=1, workers=1)
+    check(psctl_env.run("up", str(spec)))
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(operations, "run_setup_here", interrupted)
+    result = CliRunner().invoke(cli, ["up", str(spec)], prog_name="psctl")
+    assert result.exit_code == 130, (result.stdout, result.stderr, result.exception)
+    state = psctl_env.state("setupintr")
+    assert (state["state"], state["reason"]) == ("stopped", "interrupted while starting, before any role ran")
+    assert state["result"] is None and not any(r["pid"] for r in state["roles"])
+    assert (psctl_env.home / "setupintr" / "history" / "1" / "run" / "result.json").is_file()  # (the last run's)
+
+
 def test_up_attached_trains_to_the_end(psctl_env) -> None:
     steps = 300
     spec = psctl_env.write_spec("att", steps=steps, ps=1, workers=2)
