@@ -160,12 +160,14 @@ def run_setup_here(spec: ClusterSpec, cdir: ClusterDir) -> None:
                 code = subprocess.run(command, shell=True, cwd=folder, stdin=subprocess.DEVNULL, stdout=log,
                                       stderr=subprocess.STDOUT, timeout=SETUP_TIMEOUT).returncode
             except subprocess.TimeoutExpired:
-                raise LaunchError(f"setup[{i}] `{command}` did not finish within {SETUP_TIMEOUT:.0f}s; "
+                raise LaunchError(f"{spec.source.where(('setup', i))}: setup[{i}] `{command}` did not finish within "
+                                  f"{SETUP_TIMEOUT:.0f}s; "
                                   f"fix the command under setup: (its output: {log_path})") from None
         if code != 0:
             said = log_path.read_text(encoding="utf-8", errors="replace").splitlines()
             last = said[-1] if said and not said[-1].startswith("$ ") else f"exit code {code}"
-            raise LaunchError(f"{setup_failed(i, command, code, last)} (its output: {log_path})")
+            raise LaunchError(f"{spec.source.where(('setup', i))}: {setup_failed(i, command, code, last)} (its "
+                              f"output: {log_path})")
 
 
 def bring_up(

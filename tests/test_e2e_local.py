@@ -123,8 +123,10 @@ def test_a_failed_setup_command_stops_up_in_one_line_before_anything_starts(psct
     failed = psctl_env.run("up", str(spec), "--detach")
     assert failed.returncode == 1, (failed.stdout, failed.stderr)
     log = psctl_env.home / "setupfail" / "logs" / "setup.log"
-    assert failed.stderr.strip() == (f"error: setup[1] `echo no such wheel >&2; exit 3` failed (exit 3): no such "
-                                     f"wheel; fix the command under setup: (its output: {log})"), failed.stderr
+    line = len(spec.read_text().splitlines())  # (where it is written: the spec's last line)
+    assert failed.stderr.strip() == (f"error: {spec}:{line}: setup[1] `echo no such wheel >&2; exit 3` failed "
+                                     f"(exit 3): no such wheel; fix the command under setup: (its output: {log})"), \
+        failed.stderr
     assert (spec.parent / "ran").read_text() == "first\n"  # the commands after it did not run
     assert psctl_env.processes() == []  # nothing started: no supervisor, agent or role
     # the failed run is the cluster's record: status says why, and down --purge finds the name ("no cluster")
