@@ -633,6 +633,34 @@ def test_a_program_error_in_a_step_fails_the_cluster_saying_which_worker_and_wha
     assert chief["global_step"] >= 5, chief
 
 
+def test_a_variable_no_ps_can_hold_fails_the_cluster_at_once_saying_which(psctl_env) -> None:
+    """A table of 12 GB uncut: the ps refused it in one clear line, which the chief took for a crash (exit 1, an
+    RpcError's first line as the reason) and was restarted ten times over minutes."""
+    program = psctl_env.tmp_path / "big_program.py"
+    program.write_text(textwrap.dedent("""\
+        from psctl.models import mlp
+        from psctl.runtime.program import VariableDef
+
+
+        def build(args, data, seed):
+            model = mlp.build(args, data, seed)
+            declared = model.variables
+
+            def variables():
+                return [*declared(), VariableDef("table", (3_000_000, 1024), initializer="zeros", embedding=True)]
+
+            model.variables = variables
+            return model
+        """), encoding="utf-8")
+    spec = psctl_env.write_spec("big", program=str(program), workers=1, steps=10)
+    done = psctl_env.run("up", str(spec), timeout=120)
+    assert done.returncode == 3, (done.returncode, done.stdout, done.stderr, cluster_logs(psctl_env, "big"))
+    error = flat(done.stderr)
+    assert ("chief-0 failed: exit code 2: the ps refused the model's variables: variable 'table' of shape "
+            "[3000000, 1024] is not one a PS holds") in error and "partition it over more shards" in error, error
+    assert "exit code 2 is permanent" in error and psctl_env.role("big", "chief-0")["restarts"] == 0, error
+
+
 def test_a_step_hung_in_the_program_goes_to_another_worker_and_its_worker_is_restarted(psctl_env) -> None:
     """A step that hangs in the program (its worker's heartbeats go on, from a thread of their own): the chief's
     checkpoints and end waited for it, and held the whole cluster at one step forever. Past its deadline the step

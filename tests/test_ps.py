@@ -1154,3 +1154,22 @@ def test_a_push_of_a_replaced_chiefs_step_is_refused_and_changes_nothing(ps: Ps)
     for chief in (2, 0):  # the current chief's step, and one whose chief is not known, land
         assert ps.client.push(PushHeader(step_id=6 + chief, task="worker:0", incarnation=1, chief_incarnation=chief),
                               {0: [GOOD_W]})[0].applied  # fmt: skip
+
+
+def test_variables_beyond_the_host_s_memory_are_refused_before_any_is_made(ps: Ps) -> None:
+    """Shards each within a PS's limit, together (with Adam's two slots of each) beyond what this host has: the
+    ps allocated them, and the kernel's OOM killer took it (other roles of the host with it) at every restart.
+    Refused RESOURCE_EXHAUSTED, nothing made; the PS serves on, and takes variables it can hold."""
+    available = ps_module._available_memory()
+    assert available is not None and available > 0
+    rows = min(wire.MAX_ARRAY_BYTES, available) // (4 * 1024)  # each shard within the limit on one array
+    shards = max(1, -(-available // (rows * 1024 * 4 * 3)) + 1)  # together (x3: value, m, v) beyond the host
+    huge = [pb.VariableSpec(name=f"t/part_{i}", dtype="float32", shape=[rows, 1024], full_shape=[rows * shards, 1024],
+                            row_offset=i * rows, initializer="zeros") for i in range(shards)]
+    with pytest.raises(grpc.RpcError) as refused:
+        ps.client.init({0: huge}, ADAM, CLUSTER)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+    assert "GiB with the optimizer's slots, this host has" in refused.value.details()  # type: ignore[attr-defined]
+    assert not ps.store.initialized
+    init(ps, optimizer=ADAM)
+    assert ps.store.initialized

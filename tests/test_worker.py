@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
 
 import grpc
+import numpy as np
 import pytest
 from cluster_helpers import wait_until
 from inprocess_cluster import MakeCluster, cluster_factory
@@ -540,3 +542,30 @@ def test_a_step_of_a_replaced_chief_does_not_land_once_the_ps_knows_the_new_one(
     finally:
         old.shutdown()
         new.close()
+
+
+def test_a_program_s_row_ids_are_integers_sorted_and_unique_or_refused_naming_the_variable() -> None:
+    """embedding_ids() of floats were cast (1.7 read row 1), unsorted ones matched the rows pulled to other ids
+    (EmbeddingRows' lookup found the wrong rows): a ValueError naming the variable, in the program's step."""
+    from psctl.runtime.model import row_ids
+
+    assert row_ids("t", np.array([1, 4, 9], np.int32), "embedding_ids()").dtype == np.int64
+    assert row_ids("t", [], "embedding_ids()").shape == (0,)
+    refused = {
+        "must be integer row ids, got dtype float64": np.array([1.7, 4.2]),
+        "must be sorted and unique": np.array([7, 3, 1]),
+        "must be a 1-d array of row ids, got shape (2, 1)": np.array([[1], [2]]),
+    }
+    for said, ids in refused.items():
+        with pytest.raises(ValueError, match=rf"^embedding_ids\(\) for 't' {re.escape(said)}"):
+            row_ids("t", ids, "embedding_ids()")
+    assert row_ids("t", np.array([3, 1]), "a sparse gradient's ids", sorted_unique=False).tolist() == [3, 1]
+
+
+def test_an_embedding_gradient_s_bytes_are_counted() -> None:
+    """A SparseGrad counted 0 bytes: `top` showed an embedding model's worker moving 0.02 MB/s."""
+    from psctl.runtime.program import SparseGrad
+    from psctl.runtime.worker import _nbytes
+
+    grad = SparseGrad(np.arange(500), np.zeros((500, 16), np.float32))
+    assert _nbytes(grad) == 500 * 8 + 500 * 16 * 4

@@ -146,7 +146,7 @@ def _wait_for_stop(stop: threading.Event, training_over: Callable[[], bool], lin
 
 
 def _chief(info: ClusterInfo, stop: threading.Event) -> int:
-    from psctl.runtime.chief import CheckpointMismatch, Chief, Interrupted
+    from psctl.runtime.chief import CheckpointMismatch, Chief, Interrupted, VariablesRefused
     from psctl.runtime.coordinator import CancelledError, StepError
     from psctl.runtime.fencing import ChiefReplaced
     from psctl.runtime.ps_client import PsUnavailable
@@ -160,7 +160,8 @@ def _chief(info: ClusterInfo, stop: threading.Event) -> int:
     except StepError as exc:
         logging.error("training failed: %s", exc)
         return EXIT_TRAINING_FAILED
-    except CheckpointMismatch as exc:  # permanent: a restart would fail alike (or train over the checkpoint)
+    except (CheckpointMismatch, VariablesRefused) as exc:  # permanent: a restart would fail alike (or train over
+        # the checkpoint)
         logging.error("%s", exc)
         return EXIT_CONFIG
     except Interrupted as exc:  # its successor resumes at the global step the ps hold: nothing is lost

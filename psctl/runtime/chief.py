@@ -69,6 +69,11 @@ class CheckpointMismatch(Exception):
     cannot help, and training afresh over it would lose it."""
 
 
+class VariablesRefused(Exception):
+    """A ps refused the model's variables (a shard larger than a ps holds, or than its memory): a configuration
+    error (partition them over more shards, or more ps), which a restart would meet again."""
+
+
 class Chief:
     def __init__(self, info: ClusterInfo, *, stop: threading.Event | None = None, ready_timeout: float = 120.0) -> None:
         self.info = info
@@ -399,7 +404,10 @@ class Chief:
             replies = self.ps.init(specs, cfg.optimizer_proto(), self.info.cluster_id,
                                    replicas_to_aggregate=r, distinct_replicas=distinct)
         except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # type: ignore[attr-defined]
+            code = exc.code()  # type: ignore[attr-defined]
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                raise VariablesRefused(f"the ps refused the model's variables: {exc.details()}") from None  # type: ignore[attr-defined]
+            if code != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
             # another layout of the variables (a chief lost while it resharded for psctl scale): the
             # checkpoint it took at the pause goes onto this layout

@@ -81,7 +81,7 @@ class ShardedModel:
                 ids = (embedding_ids or {}).get(name)
                 if ids is None:
                     continue
-                for shard, _positions, local in route_ids(layout, np.asarray(ids, dtype=np.int64)):
+                for shard, _positions, local in route_ids(layout, row_ids(name, ids, "embedding_ids()")):
                     plan[shard.ps].append(Entry(shard.name, IDS, local.astype(np.int64, copy=False)))
             else:
                 for shard in layout.shards:
@@ -125,7 +125,7 @@ class ShardedModel:
                 raise ValueError(f"the program returned a gradient for unknown variable {name!r}")
             dtype = np.dtype(layout.variable.dtype)
             if isinstance(grad, SparseGrad):
-                ids = np.asarray(grad.ids, dtype=np.int64)
+                ids = row_ids(name, grad.ids, "a sparse gradient's ids", sorted_unique=False)
                 values = real_numbers(name, grad.values, dtype)
                 for shard, local, rows in shard_slices_for_global(layout, ids, values):
                     plan[shard.ps].append(Entry(shard.name, IDS, np.asarray(local, dtype=np.int64)))
@@ -143,6 +143,21 @@ class ShardedModel:
                 for shard, part in zip(layout.shards, parts, strict=True):
                     plan[shard.ps].append(Entry(shard.name, DENSE, np.ascontiguousarray(part)))
         return plan
+
+
+def row_ids(name: str, ids: object, what: str, *, sorted_unique: bool = True) -> np.ndarray:
+    """A program's row ids of embedding ``name`` as int64: a 1-d array of integers (``sorted_unique``: sorted and
+    unique, as ``embedding_ids`` gives them); a ValueError naming ``what`` otherwise. Float ids were cast, 1.7 to
+    row 1; unsorted ones matched the rows pulled to other ids."""
+    array = np.asarray(ids)
+    if array.size and array.dtype.kind not in "iu":
+        raise ValueError(f"{what} for {name!r} must be integer row ids, got dtype {array.dtype}")
+    if array.ndim != 1:
+        raise ValueError(f"{what} for {name!r} must be a 1-d array of row ids, got shape {array.shape}")
+    array = array.astype(np.int64, copy=False)
+    if sorted_unique and len(array) > 1 and not bool(np.all(array[1:] > array[:-1])):
+        raise ValueError(f"{what} for {name!r} must be sorted and unique (np.unique gives them so)")
+    return array
 
 
 def real_numbers(name: str, gradient: object, dtype: np.dtype) -> np.ndarray:

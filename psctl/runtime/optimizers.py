@@ -73,8 +73,9 @@ class Optimizer(ABC):
         for key in self.slot_names:
             if key in self.scalar_slot_names:
                 slots[key] = np.zeros((), dtype=np.int64)
-            else:
-                slots[key] = np.full(var.shape, self._slot_initial_value(key), dtype=var.dtype)
+            else:  # (zeros from np.zeros: pages the OS gives as they are first written, not all at once)
+                initial = self._slot_initial_value(key)
+                slots[key] = np.zeros(var.shape, var.dtype) if initial == 0 else np.full(var.shape, initial, var.dtype)
         return slots
 
     def apply_dense(self, var: np.ndarray, grad: np.ndarray, slots: Slots) -> None:

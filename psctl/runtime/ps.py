@@ -185,13 +185,15 @@ class VariableStore:
                     raise ValueError("this PS already holds different variables; restart it to re-create them")
                 return True
             opt = make_optimizer(optimizer.name, optimizer.learning_rate, dict(optimizer.params))
+            for spec in specs:
+                if spec.dtype not in ("float16", "float32", "float64"):
+                    raise ValueError(f"variable {spec.name!r}: trainable variables must be float, got {spec.dtype}")
+                _check_size(spec)
+            _check_memory(specs, len(opt.slot_names) - len(opt.scalar_slot_names))
             shards: dict[str, Shard] = {}
             for spec in specs:
                 if spec.name in shards:
                     raise ValueError(f"variable {spec.name!r} given twice")
-                if spec.dtype not in ("float16", "float32", "float64"):
-                    raise ValueError(f"variable {spec.name!r}: trainable variables must be float, got {spec.dtype}")
-                _check_size(spec)
                 value = initialize(
                     spec.initializer or "zeros",
                     tuple(spec.shape),
@@ -573,6 +575,34 @@ def _check_size(spec: pb.VariableSpec) -> None:
         raise ValueError(f"variable {spec.name!r} of shape {list(shape)} is not one a PS holds: at most "
                          f"{wire.MAX_RANK} dimensions, none negative, and {wire.MAX_ARRAY_BYTES >> 30} GiB "
                          "(partition it over more shards)")
+
+
+def _check_memory(specs: Sequence[pb.VariableSpec], row_slots: int) -> None:
+    """MemoryError unless this host's available memory holds the variables and their optimizer's slots
+    (``row_slots`` of each one's size): refused before any is made. A table too large for the ps was
+    allocated, and the kernel's OOM killer took the ps, other roles on the host with it, at every restart."""
+    need = sum(math.prod(tuple(s.shape)) * np.dtype(s.dtype).itemsize for s in specs) * (1 + row_slots)
+    available = _available_memory()
+    if available is not None and need > available:
+        raise MemoryError(f"the variables need {need / 2**30:.1f} GiB with the optimizer's slots, this host has "
+                          f"{available / 2**30:.1f} GiB available: partition them over more ps (training.partitioner, "
+                          "roles.ps.replicas)")
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory this host can give without swapping (Linux's MemAvailable; else the free pages), None if
+    it does not say. (Not psutil: a host's roles need only numpy, grpc and protobuf.)"""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
 
 
 def _check_ids(entry: Entry, shard: Shard) -> np.ndarray:

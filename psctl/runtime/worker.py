@@ -53,7 +53,7 @@ from psctl.runtime.fencing import ChiefFence, ChiefReplaced
 from psctl.runtime.heartbeat import PROGRESS, Progress
 from psctl.runtime.limits import UNARY_MAX_BYTES
 from psctl.runtime.model import ShardedModel
-from psctl.runtime.program import Batch, Dataset
+from psctl.runtime.program import Batch, Dataset, LowRankGrad, SparseGrad
 from psctl.runtime.ps_client import PsClient, PsUnavailable, PushHeader
 from psctl.runtime.rpc import CHIEF_MEMBER, caller, refuse_unless_from
 from psctl.runtime.stepstats import StepStats
@@ -600,9 +600,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
 
 def _nbytes(grad: object) -> int:
-    """Bytes of a gradient: an array, or an embedding's (ids, rows)."""
+    """Bytes of a gradient: an array, an embedding's (ids, rows) or SparseGrad, a low-rank one's factors."""
     if isinstance(grad, tuple):
         return sum(_nbytes(part) for part in grad)
+    if isinstance(grad, SparseGrad):  # (counted as 0: `top` showed an embedding model's worker at 0.02 MB/s)
+        return _nbytes(grad.ids) + _nbytes(grad.values)
+    if isinstance(grad, LowRankGrad):
+        return _nbytes(grad.left) + _nbytes(grad.right)
     return int(getattr(grad, "nbytes", 0))
 
 
