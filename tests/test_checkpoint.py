@@ -718,7 +718,9 @@ def _npz(members: dict[str, bytes], compression: int) -> bytes:
 def test_a_checkpoint_that_would_inflate_or_names_other_files_is_damaged_not_loaded(tmp_path: Path) -> None:
     """Whoever can write a checkpoint folder (shared storage; a host `export` copies from): an array whose header
     declares terabytes crashed the chief with a MemoryError on every restart (not set aside as damaged); compressed
-    arrays inflated a thousandfold; a manifest naming ../../etc/hostname had that file read and hashed."""
+    arrays inflated a thousandfold; a manifest naming ../../etc/hostname had that file read and hashed. (An array
+    that holds what it declares, too large for the memory free now, is no damage: that MemoryError is the
+    chief's, restarted, its checkpoints kept.)"""
     import hashlib
     import io
     import zipfile
@@ -730,7 +732,8 @@ def test_a_checkpoint_that_would_inflate_or_names_other_files_is_damaged_not_loa
     outside = tmp_path / "outside"
     outside.write_bytes(b"not a checkpoint's")
     cases: dict[str, tuple[str, bytes, dict[str, Any]]] = {
-        "an array larger than memory": ("arrays.npz", _npz({"var:x.npy": huge}, zipfile.ZIP_STORED), {}),
+        "declares 8796093022288 bytes and holds 144": ("arrays.npz", _npz({"var:x.npy": huge}, zipfile.ZIP_STORED),
+                                                        {}),
         "compressed arrays": ("arrays.npz", _npz({"var:x.npy": plain.getvalue()}, zipfile.ZIP_DEFLATED), {}),
         "the manifest names": ("state.json", b"{}", {"../../../outside": {
             "sha256": hashlib.sha256(outside.read_bytes()).hexdigest(), "bytes": outside.stat().st_size}}),
@@ -763,6 +766,9 @@ def test_export_and_state_writes_follow_no_link_planted_at_a_temporary_name(tmp_
     assert victim.read_bytes() == b"mine"
     with np.load(out) as arrays:
         assert sorted(arrays.files) == sorted(sample_snapshot(10).variables)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~umask  # (as any file the user writes: a server reads it)
     assert json.loads(state.read_text()) == {"x": 1} and stat.S_IMODE(state.stat().st_mode) == 0o600
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".tmp" and not p.is_symlink()) == []
 

@@ -806,16 +806,14 @@ def test_bad_request_is_refused_and_changes_nothing(ps: Ps, case: str) -> None:
     assert pull_dense(ps)["w"].tobytes() != before.values["w"]
 
 
-def test_a_pull_of_more_rows_than_a_pull_may_gather_is_refused_before_they_are_gathered(
-        ps: Ps, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ids of one byte each asked a PS to gather 256 times the request's size (any member may pull)."""
-    init(ps, optimizer=ADAM)
-    row = 2 * 4  # (emb/part_1: rows of 2 float32)
-    monkeypatch.setattr(ps_module, "MAX_PULLED_ROWS_BYTES", 8 * row)
-    pull = _framed("PullFramed", wire.encode_frame(pb.PullRequest(), [Entry(EMB_IDS, IDS, np.zeros(9, np.uint8))]))
+def test_a_pull_of_more_rows_than_the_shard_has_is_refused_before_they_are_gathered(ps: Ps) -> None:
+    """Ids of one byte each asked a PS to gather 256 times the request's size (any member may pull): a pull may
+    ask for as many rows as the shard has (an evaluation asks for every row a test split touches), no more."""
+    init(ps, optimizer=ADAM)  # (emb/part_1: 5 rows)
+    pull = _framed("PullFramed", wire.encode_frame(pb.PullRequest(), [Entry(EMB_IDS, IDS, np.zeros(6, np.uint8))]))
     assert rpc_code(lambda: pull(ps)) == grpc.StatusCode.INVALID_ARGUMENT
-    fits = _framed("PullFramed", wire.encode_frame(pb.PullRequest(), [Entry(EMB_IDS, IDS, np.zeros(8, np.uint8))]))
-    assert len(wire.read_frame(fits(ps), pb.PullResponse)[1][0].array) == 8
+    fits = _framed("PullFramed", wire.encode_frame(pb.PullRequest(), [Entry(EMB_IDS, IDS, np.zeros(5, np.uint8))]))
+    assert len(wire.read_frame(fits(ps), pb.PullResponse)[1][0].array) == 5
 
 
 def test_a_streamed_push_is_refused_at_its_first_non_finite_piece_before_the_rest_is_sent(ps: Ps) -> None:
@@ -1159,8 +1157,9 @@ def test_a_push_of_a_replaced_chiefs_step_is_refused_and_changes_nothing(ps: Ps)
 def test_variables_beyond_the_host_s_memory_are_refused_before_any_is_made(ps: Ps) -> None:
     """Shards each within a PS's limit, together (with Adam's two slots of each) beyond what this host has: the
     ps allocated them, and the kernel's OOM killer took it (other roles of the host with it) at every restart.
-    Refused RESOURCE_EXHAUSTED, nothing made; the PS serves on, and takes variables it can hold."""
-    available = ps_module._available_memory()
+    Refused INVALID_ARGUMENT (a configuration error), nothing made; the PS serves on, and takes variables it can
+    hold."""
+    available = ps_module._host_memory()
     assert available is not None and available > 0
     rows = min(wire.MAX_ARRAY_BYTES, available) // (4 * 1024)  # each shard within the limit on one array
     shards = max(1, -(-available // (rows * 1024 * 4 * 3)) + 1)  # together (x3: value, m, v) beyond the host
@@ -1168,8 +1167,8 @@ def test_variables_beyond_the_host_s_memory_are_refused_before_any_is_made(ps: P
                             row_offset=i * rows, initializer="zeros") for i in range(shards)]
     with pytest.raises(grpc.RpcError) as refused:
         ps.client.init({0: huge}, ADAM, CLUSTER)
-    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
-    assert "GiB with the optimizer's slots, this host has" in refused.value.details()  # type: ignore[attr-defined]
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert "GiB with the optimizer's slots, more than this host's" in refused.value.details()  # type: ignore[attr-defined]
     assert not ps.store.initialized
     init(ps, optimizer=ADAM)
     assert ps.store.initialized

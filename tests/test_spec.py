@@ -550,7 +550,7 @@ MISTAKES = [
         roles: {chief: {}, ps: {}, worker: {}}
         training: {program: psctl.models.mlp, data: {name: digits}, steps: 10, step_timeout: 1000000h}
         """,
-        "cluster.yaml:2: training.step_timeout: expected a duration of at most 7 days (604800s), got 3600000000.0; "
+        "cluster.yaml:2: training.step_timeout: expected a duration of at most 7 days (604800s), got '1000000h'; "
         "write a shorter one",
     ),
     (
@@ -561,7 +561,7 @@ MISTAKES = [
         roles: {chief: {}, ps: {}, worker: {}}
         training: {program: psctl.models.mlp, data: {name: digits}}
         """,
-        "cluster.yaml:1: steps: unknown key here: it belongs under training; move it there (training.steps)",
+        "cluster.yaml:1: steps: unknown key; it belongs elsewhere: training.steps",
     ),
     (
         "a supervision key under training",
@@ -569,8 +569,15 @@ MISTAKES = [
         roles: {chief: {}, ps: {}, worker: {}}
         training: {program: psctl.models.mlp, data: {name: digits}, steps: 10, heartbeat_timeout: 5s}
         """,
-        "cluster.yaml:2: training.heartbeat_timeout: unknown key here: it belongs under supervision; move it there "
-        "(supervision.heartbeat_timeout)",
+        "cluster.yaml:2: training.heartbeat_timeout: unknown key; it belongs elsewhere: supervision.heartbeat_timeout",
+    ),
+    (
+        "a key close to one of its own mapping's",  # (not training.steps: every_steps, as meant)
+        """\
+        roles: {chief: {}, ps: {}, worker: {}}
+        training: {program: psctl.models.mlp, data: {name: digits}, steps: 10, checkpoint: {steps: 5}}
+        """,
+        "cluster.yaml:2: training.checkpoint.steps: unknown key; did you mean 'every_steps'?",
     ),
     (
         "a choice in another case",  # (it said: did you mean 'sync'?)

@@ -11,7 +11,7 @@ from typing import Any
 
 
 def write_json_atomic(path: Path, data: Any, *, compact: bool = False) -> None:
-    """Temporary file (named for this host and process: other hosts may write beside it), fsync, rename;
+    """A new temporary file beside it (``private_temporary``: other hosts may write beside it), fsync, rename;
     owner-only. ``compact``: one line, by json's C encoder (a supervisor of a thousand roles writes its state
     every second; indented output takes the pure-Python encoder, several times slower)."""
     text = json.dumps(data, separators=(",", ":"), default=str) if compact else json.dumps(data, indent=1, default=str)

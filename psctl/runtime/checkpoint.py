@@ -16,6 +16,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -253,7 +254,8 @@ def _write_into(tmp: Path, snapshot: Snapshot) -> None:
         json.dump(state, f)
         f.flush()
         os.fsync(f.fileno())
-    manifest = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
+    manifest = {name: {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
+                for name in CHECKPOINT_FILES}  # (only its own: a file the file system drops in is not one of them)
     with open(tmp / "manifest.json", "w") as f:
         json.dump({"files": manifest, "global_step": snapshot.global_step}, f)
         f.flush()
@@ -336,10 +338,13 @@ def verify_checkpoint(path: Path, *, checksums: bool = True) -> None:
         raise _unread(path, "no readable manifest", exc) from None
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path}: no readable manifest ({exc})") from None
-    if not isinstance(manifest, dict) or set(manifest) != set(CHECKPOINT_FILES):  # (a name such as ../../x: read)
+    # its files at least, each a plain name in the folder (a name such as ../../x had that file read and hashed;
+    # more files than these: a later psctl's, still a checkpoint to this one)
+    if not (isinstance(manifest, dict) and set(CHECKPOINT_FILES) <= set(manifest)
+            and all(isinstance(n, str) and n == PurePath(n).name and n not in (".", "..") for n in manifest)):
         names = sorted(map(str, manifest)) if isinstance(manifest, dict) else manifest
         raise CheckpointError(f"{path}: the manifest names {names!r}, not a checkpoint's files "
-                              f"{list(CHECKPOINT_FILES)}")
+                              f"{list(CHECKPOINT_FILES)} in its folder")
     for name, info in manifest.items():
         file = path / name
         try:
@@ -351,6 +356,27 @@ def verify_checkpoint(path: Path, *, checksums: bool = True) -> None:
             raise _unread(path, f"{name} cannot be read", exc) from None
 
 
+def _check_arrays_file(path: Path) -> None:
+    """CheckpointError unless arrays.npz is as a checkpoint writes it: every array stored (a compressed one could
+    inflate a thousandfold), each holding what its header declares (a header of terabytes over a few bytes was a
+    MemoryError on every restart, not a damaged checkpoint)."""
+    with zipfile.ZipFile(path / "arrays.npz") as archive:
+        for info in archive.infolist():
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise CheckpointError(f"{path}: arrays.npz holds compressed arrays ({info.filename}): not as a "
+                                      "checkpoint is written")
+            with archive.open(info) as member:
+                read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                               (2, 0): np.lib.format.read_array_header_2_0}.get(np.lib.format.read_magic(member))
+                if read_header is None:  # (numpy's load refuses it too, as damaged)
+                    continue
+                shape, _, dtype = read_header(member)
+                declared = member.tell() + math.prod(shape) * dtype.itemsize
+            if declared > info.file_size:
+                raise CheckpointError(f"{path}: arrays.npz's {info.filename} declares {declared} bytes and holds "
+                                      f"{info.file_size}")
+
+
 def load_checkpoint(path: str | Path, *, verify: bool = True) -> Snapshot:
     path = Path(path)
     if verify:
@@ -359,11 +385,7 @@ def load_checkpoint(path: str | Path, *, verify: bool = True) -> Snapshot:
         state = json.loads((path / "state.json").read_text())
         variables: dict[str, np.ndarray] = {}
         slots: dict[str, dict[str, np.ndarray]] = {}
-        with zipfile.ZipFile(path / "arrays.npz") as archive:  # (as written: stored, so no member inflates)
-            packed = [i.filename for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED]
-        if packed:
-            raise CheckpointError(f"{path}: arrays.npz holds compressed arrays ({', '.join(packed[:3])}): not as a "
-                                  "checkpoint is written")
+        _check_arrays_file(path)
         with np.load(path / "arrays.npz", allow_pickle=False) as npz:
             for key in npz.files:
                 kind, _, name = key.partition(":")
@@ -376,8 +398,6 @@ def load_checkpoint(path: str | Path, *, verify: bool = True) -> Snapshot:
         raise _unread(path, "cannot load", exc) from None
     except (ValueError, KeyError, zipfile.BadZipFile) as exc:
         raise CheckpointError(f"{path}: cannot load ({exc})") from None
-    except MemoryError as exc:  # (an array's header that declares more than its file holds: damaged)
-        raise CheckpointError(f"{path}: cannot load: an array larger than memory ({exc})") from None
     counters = state.get("sync_counters") or {}
     if not (isinstance(counters, dict) and all(isinstance(counters.get(k), int) for k in SYNC_COUNTERS)):
         counters = {}  # (not what this psctl writes: resumed as from a checkpoint that recorded none)
@@ -485,11 +505,24 @@ def export_arrays(snapshot: Snapshot, out: str | Path) -> Path:
     try:
         with open(tmp, "wb") as f:
             np.savez(f, **snapshot.variables)  # type: ignore[arg-type]
+        os.chmod(tmp, 0o666 & ~_umask())  # (made 0600: the model is as readable as any file the user writes)
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)  # (a disk that filled up keeps no half-written file)
         raise
     return out
+
+
+def _umask() -> int:
+    """This process's umask (Linux says it in /proc; else the usual 022), without setting it to read it."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 class Checkpointer:

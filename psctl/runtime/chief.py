@@ -70,8 +70,9 @@ class CheckpointMismatch(Exception):
 
 
 class VariablesRefused(Exception):
-    """A ps refused the model's variables (a shard larger than a ps holds, or than its memory): a configuration
-    error (partition them over more shards, or more ps), which a restart would meet again."""
+    """A ps refused the model's variables (a shard larger than a ps holds, or all of them than its host's
+    memory): a configuration error (partition them over more shards, or more ps), which a restart would meet
+    again."""
 
 
 class Chief:
@@ -405,7 +406,7 @@ class Chief:
                                    replicas_to_aggregate=r, distinct_replicas=distinct)
         except grpc.RpcError as exc:
             code = exc.code()  # type: ignore[attr-defined]
-            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+            if code == grpc.StatusCode.INVALID_ARGUMENT:  # (RESOURCE_EXHAUSTED: memory short now, a restart may do)
                 raise VariablesRefused(f"the ps refused the model's variables: {exc.details()}") from None  # type: ignore[attr-defined]
             if code != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
@@ -417,7 +418,7 @@ class Chief:
                                    replicas_to_aggregate=r, distinct_replicas=distinct)
             replies[0].already_initialized = True  # (counted as a restore below)
         kept = [r.already_initialized for r in replies]
-        one_model = len({r.model_id for r in replies}) == 1
+        one_model = len({r.model_id for r in replies if r.model_id}) <= 1  # (0: a ps of an older psctl says none)
         if all(kept) and not one_model:
             log.warning("the ps hold parts of different models (a restore of every ps cut short by the loss of "
                         "the chief doing it): the latest checkpoint goes onto every ps")

@@ -52,9 +52,6 @@ from psctl.runtime.wire import (
 #: Step ids this far below the newest one seen count as applied; older retries are refused as duplicates.
 #: Bounds the memory of the at-most-once check; retries are never anywhere near this old.
 DEDUPE_WINDOW = 1_000_000
-#: The most bytes of rows one pull may gather (copies made for it; a batch's rows are megabytes): ids of one byte
-#: each could ask a PS to gather 256 times the request's size, many calls at once.
-MAX_PULLED_ROWS_BYTES = 1 << 30
 #: Dense updates of larger shards run in blocks of this many elements, so that the optimizer's temporaries
 #: stay in cache instead of streaming the whole shard through memory several times (measured on a 64 MiB shard:
 #: SGD 6 ms instead of 21, Adam 26 instead of 90; smaller blocks pay more per-call overhead). The rules are
@@ -244,7 +241,6 @@ class VariableStore:
     # -- reads ----------------------------------------------------------------------------------------
     def pull(self, entries: Sequence[Entry], *, include_slots: bool = False) -> list[Entry]:
         out: list[Entry] = []
-        asked = 0  # bytes of rows gathered
         for entry in entries:
             shard = self._shard(entry.name)
             if entry.kind == DENSE:
@@ -257,10 +253,9 @@ class VariableStore:
                 out.append(Entry(entry.name, DENSE, shard.value))
             elif entry.kind == IDS:
                 rows = _check_ids(entry, shard)
-                asked += len(rows) * (shard.value.nbytes // max(1, shard.rows))
-                if asked > MAX_PULLED_ROWS_BYTES:  # (refused before they are gathered: one byte of ids each)
-                    raise WireError(f"the pull asks for {asked} bytes of rows; a pull may ask for at most "
-                                    f"{MAX_PULLED_ROWS_BYTES}")
+                if len(rows) > shard.rows:  # (ids of a byte each asked 256 times the request's size in copies)
+                    raise WireError(f"the pull asks for {len(rows)} rows of {entry.name!r}, which has {shard.rows}: "
+                                    "ask for each row once")
                 out.append(Entry(entry.name, ROWS, gather_rows(shard.value, rows)))
             else:
                 raise WireError(f"pull of {entry.name!r}: only DENSE names and IDS can be asked for")
@@ -578,29 +573,24 @@ def _check_size(spec: pb.VariableSpec) -> None:
 
 
 def _check_memory(specs: Sequence[pb.VariableSpec], row_slots: int) -> None:
-    """MemoryError unless this host's available memory holds the variables and their optimizer's slots
-    (``row_slots`` of each one's size): refused before any is made. A table too large for the ps was
-    allocated, and the kernel's OOM killer took the ps, other roles on the host with it, at every restart."""
+    """ValueError unless this host's memory could hold the variables and their optimizer's slots (``row_slots``
+    of each one's size): refused before any is made, as the configuration error it is. A table larger than
+    the host was allocated, and the kernel's OOM killer took the ps (other roles of the host with it) at every
+    restart. (Against the host's whole memory: memory that is short only now is a MemoryError of the allocation,
+    which a restart may not meet.)"""
     need = sum(math.prod(tuple(s.shape)) * np.dtype(s.dtype).itemsize for s in specs) * (1 + row_slots)
-    available = _available_memory()
-    if available is not None and need > available:
-        raise MemoryError(f"the variables need {need / 2**30:.1f} GiB with the optimizer's slots, this host has "
-                          f"{available / 2**30:.1f} GiB available: partition them over more ps (training.partitioner, "
-                          "roles.ps.replicas)")
+    total = _host_memory()
+    if total is not None and need > total:
+        raise ValueError(f"the variables need {need / 2**30:.1f} GiB with the optimizer's slots, more than this "
+                         f"host's {total / 2**30:.1f} GiB: partition them over more ps (training.partitioner, "
+                         "roles.ps.replicas)")
 
 
-def _available_memory() -> int | None:
-    """Bytes of memory this host can give without swapping (Linux's MemAvailable; else the free pages), None if
-    it does not say. (Not psutil: a host's roles need only numpy, grpc and protobuf.)"""
+def _host_memory() -> int | None:
+    """Bytes of memory this host has (its physical pages), None if it does not say. (Not psutil: a host's roles
+    need only numpy, grpc and protobuf.)"""
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return None
 

@@ -108,13 +108,20 @@ class Checker:
         self.string_keys(path, value)
         for key in value:
             if key not in allowed:
-                home = next((name for name, keys in self.sections if key in keys), None)
-                if home is not None:
-                    where = f"under {home}" if home else "at the top level"
-                    self.fail((*path, key), f"unknown key here: it belongs {where}",
-                              f"move it there ({home}.{key})" if home else "move it there", key=True)
-                self.fail((*path, key), "unknown key", suggestion(key, allowed), key=True)
+                self.fail((*path, key), "unknown key", self._unknown_key_fix(key, allowed), key=True)
         return value
+
+    def _unknown_key_fix(self, key: str, allowed: Sequence[str]) -> str:
+        """A key of this mapping it is close to (a typo: `host` for `hosts`, `steps` for `every_steps`), else the
+        sections whose key it is (written in the wrong place: a top-level `steps:` was asked "did you mean
+        'setup'?"), else the nearest key or the list of them."""
+        near = [k for k in allowed if k.endswith(f"_{key}") or k.startswith(f"{key}_")]
+        near = near or difflib.get_close_matches(key, allowed, n=1, cutoff=0.75)
+        homes = [name for name, keys in self.sections if key in keys]
+        if near or not homes:
+            return f"did you mean {near[0]!r}?" if near else suggestion(key, allowed)
+        places = " or ".join(f"{home}.{key}" if home else f"{key} at the top level" for home in homes)
+        return f"it belongs elsewhere: {places}"
 
     def as_written(self, path: KeyPath, value: object) -> object:
         """A plain number at ``path`` as the file wrote it (``0755``, ``1.10``), for keys whose values are text

@@ -186,7 +186,7 @@ def _step_timeout(c: Checker, value: object) -> float | str:
     if seconds < 0:
         c.fail((*T, "step_timeout"), f"expected auto, 0 or a duration such as 10m, got {show(value)}",
                "write auto (a deadline from the steps' durations), 0 (none) or a duration: 90s, 10m")
-    return c.duration((*T, "step_timeout"), seconds, positive=False)  # (its bounds)
+    return c.duration((*T, "step_timeout"), value, positive=False)  # (its bounds, said of what was written)
 
 
 def _int(c: Checker, t: dict[str, Any], key: str, default: int | None, *, minimum: int, example: str = "2") -> int:
@@ -261,11 +261,11 @@ def check_checkpoints_its_own(c: Checker, name: str, training: Mapping[str, Any]
     those checkpoints are that cluster's, and this one would prune them as its own (and that one's resume,
     export and evaluator would read this one's)."""
     folder = (training.get("checkpoint") or {}).get("dir")
-    if folder is None or folder.startswith("~"):
+    if folder is None:
         return
     home = psctl_home().resolve()
     try:
-        owner = Path(folder).resolve().relative_to(home).parts[0]
+        owner = Path(folder).expanduser().resolve().relative_to(home).parts[0]
     except (ValueError, IndexError):
         return
     if owner != name and (home / owner / "state.json").is_file():
@@ -286,8 +286,11 @@ def check_local_program(c: Checker, program: str, base_dir: Path, *, pythonpaths
     must be where each role that imports it will look (installed for this Python; their working folder, the
     spec's; ``pythonpaths``: each such role's entries of its ``env`` PYTHONPATH), else the cluster would start
     only for those roles to fail at import. Found without importing it (nothing of the user's runs here); a .py
-    path was checked already."""
-    if program.endswith(".py") or "/" in program or program in BUILTIN_PROGRAMS:
+    path, found already, is read (``_check_program_text``)."""
+    if program.endswith(".py") or "/" in program:  # (a file this machine's python reads as the roles' will)
+        _check_program_text(c, Path(program).name, Path(program))
+        return
+    if program in BUILTIN_PROGRAMS:
         return
     top = program.split(".")[0]
     try:
@@ -332,14 +335,13 @@ def _program(c: Checker, value: object, base_dir: Path, allowed: tuple[Path, ...
             "give a path relative to the spec's folder, or a module name such as psctl.models.mlp",
         )
     check_confined(c, path, str(resolved), base_dir, allowed, what="program file")
-    _check_program_text(c, text, resolved)
     return str(resolved)
 
 
 def _check_program_text(c: Checker, text: str, resolved: Path) -> None:
-    """A program file parses and binds ``build`` at its top level (a def taking three arguments, or any other
-    binding: an import, an assignment): read, not run (nothing of the user's runs here). It passed, and every
-    role failed at its start."""
+    """A program file of a cluster on this machine (whose roles run this python) parses and binds ``build`` at
+    its top level (a def taking three arguments, or any other binding: an import, an assignment): read, not run
+    (nothing of the user's runs here). It passed, and every role failed at its start."""
     path = (*T, "program")
     try:
         tree = ast.parse(resolved.read_bytes(), filename=str(resolved))

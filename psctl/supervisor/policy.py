@@ -228,6 +228,8 @@ class RoleLive:
     #: The host it was lost with (cut off, down to the supervisor), or its restart waits for (see waits_for_host):
     #: if that host answers with its process still running there, beating, it is taken back (see take_back).
     waits_for: str | None = None
+    #: The error of the program's own text (PROGRAM_ERRORS) its last loss ended with, if it was one.
+    last_program_error: str | None = None
 
 
 @dataclass
@@ -379,18 +381,23 @@ def exit_text(code: int, tail: str) -> str:
     return what + (f"; last log lines: {tail}" if tail else "")
 
 
-#: Exceptions that only a program's own text raises: a role that ends with one would raise it again however
-#: often it was restarted (a TensorFlow program's typo found at step 100 cost ~10 restarts, minutes of them).
+#: Exceptions of a program's own text: a role that ends with the same one twice in a row would raise it again
+#: however often it was restarted (a TensorFlow program's typo met at step 100 cost ~10 restarts, minutes of
+#: them). Twice, not once: an ImportError can be one host's (a file system that failed for a moment).
 PROGRAM_ERRORS = frozenset({"SyntaxError", "IndentationError", "TabError", "NameError", "UnboundLocalError",
                             "ImportError", "ModuleNotFoundError"})
 
 
 def program_error(tail: str) -> str | None:
-    """The exception a log's ``tail`` ends with (its last cause) where it is one of PROGRAM_ERRORS."""
+    """The exception line a log's ``tail`` ends with (its last cause) where it is one of PROGRAM_ERRORS; none
+    where the interpreter reported errors while it shut down (``Exception ignored in``: a NameError of a
+    module's globals gone, not the program's)."""
+    if "Exception ignored in" in tail:
+        return None
     causes = _causes(tail)
     raised = causes[-1].group("raised") if causes else None
     kind = raised.split(":", 1)[0].rsplit(".", 1)[-1] if raised else None
-    return kind if kind in PROGRAM_ERRORS else None
+    return raised if kind in PROGRAM_ERRORS else None
 
 
 def role_of_task(task: str) -> str:
@@ -919,13 +926,15 @@ class _Decision:
             why_not = "restart policy is never"
         elif code is not None and code in policy.permanent_exit_codes:
             why_not = f"exit code {code} is permanent (a configuration or program error)"
-        elif raised is not None:
-            why_not = (f"a {raised} is the program's own error, raised again by every restart; fix the program, "
-                       "then psctl up again")
+        elif raised is not None and raised == live.last_program_error:
+            kind = raised.split(":", 1)[0].rsplit(".", 1)[-1]
+            why_not = (f"a {kind} is the program's own error, raised again by the restart; fix the program, then "
+                       "psctl up again")
         elif live.failures_in_a_row >= policy.max_restarts:
             times = "once" if live.failures_in_a_row == 1 else f"{live.failures_in_a_row} times"
             why_not = (f"restarted {times} in a row, the limit (max_restarts)" if live.failures_in_a_row
                        else "max_restarts is 0")
+        live.last_program_error = raised
         if why_not is not None:
             self.transition(role, R.FAILED, f"{role.reason}; not restarted: {why_not}")
             if role.role in ("chief", "ps"):
