@@ -691,7 +691,7 @@ def test_a_new_supervisor_adopts_the_roles_on_the_hosts_and_training_ends_exactl
 
     import psutil
 
-    steps = 8000  # (h3 cut off stalls training: ps-1 is there; it trains on for seconds after the heal)
+    steps = 4000  # (held from the kill until the new supervisor saw training go on; h3 cut off stalls it)
     spec, _ = write_spec(remote.bed, remote.folder, remote.name, steps=steps)
     # h3's roles outlast its cut (their heartbeats unheard meanwhile); the startup grace is far off
     spec.write_text(spec.read_text().replace("heartbeat_timeout: 10s, startup_grace: 60s",
@@ -743,7 +743,7 @@ def test_an_agent_killed_then_its_successor_hung_on_a_host_are_replaced_and_the_
     (SIGSTOP): at half the heartbeat timeout the supervisor kills it over SSH and starts a third, which adopts
     them again (a hung agent on a host used to be taken for a lost host: its roles restarted at the timeout).
     Nothing restarted, no ps restored from a checkpoint, exact step count."""
-    steps = 12000
+    steps = 4000  # (held while the agents are replaced)
     spec, _ = write_spec(remote.bed, remote.folder, remote.name, steps=steps)
     remote.psctl("up", str(spec), "--detach")
     before = wait_until(lambda: (s := remote.status())["roles"][0]["global_step"] >= 300 and s, timeout=120,
@@ -785,7 +785,7 @@ def test_an_agent_killed_then_its_successor_hung_on_a_host_are_replaced_and_the_
 def test_workers_and_ps_scaled_on_ssh_hosts_start_on_their_pools_and_training_ends_exactly(remote: Remote) -> None:
     """`psctl scale` over SSH: the new worker starts on the next host of its pool (h3, whose key the supervisor
     sends with its start), a third ps on h1; the chief reshards and takes the worker in; exact step count."""
-    steps = 6000
+    steps = 3000  # (held until both scales are seen through)
     roles = textwrap.dedent("""\
           chief: {host: h1, port: 7100}
           ps: {replicas: 2, max_replicas: 3, hosts: [h2, h3, h1], port: 7110}
