@@ -766,9 +766,7 @@ def test_export_and_state_writes_follow_no_link_planted_at_a_temporary_name(tmp_
     assert victim.read_bytes() == b"mine"
     with np.load(out) as arrays:
         assert sorted(arrays.files) == sorted(sample_snapshot(10).variables)
-    umask = os.umask(0)
-    os.umask(umask)
-    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~umask  # (as any file the user writes: a server reads it)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600  # (owner-only, as psctl writes every file: umask 077)
     assert json.loads(state.read_text()) == {"x": 1} and stat.S_IMODE(state.stat().st_mode) == 0o600
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".tmp" and not p.is_symlink()) == []
 

@@ -505,24 +505,11 @@ def export_arrays(snapshot: Snapshot, out: str | Path) -> Path:
     try:
         with open(tmp, "wb") as f:
             np.savez(f, **snapshot.variables)  # type: ignore[arg-type]
-        os.chmod(tmp, 0o666 & ~_umask())  # (made 0600: the model is as readable as any file the user writes)
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)  # (a disk that filled up keeps no half-written file)
         raise
     return out
-
-
-def _umask() -> int:
-    """This process's umask (Linux says it in /proc; else the usual 022), without setting it to read it."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
 
 
 class Checkpointer:
