@@ -143,6 +143,11 @@ LOGGED = "2026-11-27 10:00:0{},000 {} {}"
     (-11, "step 12 | Fatal Python error: Segmentation fault in string_at (ctypes/__init__.py:519), called from "
           "step (/home/me/train.py:42)", "killed by SIGSEGV: Fatal Python error: Segmentation fault in string_at "
                                          "(ctypes/__init__.py:519), called from step (/home/me/train.py:42)"),
+    # a gRPC error: its first line says only that it is one; its status and details are on the lines after it
+    (1, 'Traceback (most recent call last): | grpc._channel._InactiveRpcError: <_InactiveRpcError of RPC that '
+        'terminated with: | \tstatus = StatusCode.UNAVAILABLE | \tdetails = "failed to connect to all addresses" | '
+        '\tdebug_error_string = "UNKNOWN:Error received from peer" | >',
+     "exit code 1: grpc._channel._InactiveRpcError: UNAVAILABLE: failed to connect to all addresses"),
     # nothing that gives a cause: the last lines as they are
     (1, "loading | step 7", "exit code 1; last log lines: loading | step 7"),
     (-9, "", "killed by SIGKILL"),

@@ -236,7 +236,8 @@ def shard_slices_for_global(
     if ids.ndim != 1:
         raise ValueError(f"sparse gradient ids must be 1-d, got shape {ids.shape}")
     if values.shape != (len(ids), *layout.variable.shape[1:]):
-        raise ValueError(f"values of shape {values.shape} do not match {len(ids)} rows of {layout.variable.shape}")
+        raise ValueError(f"values of shape {values.shape} for {layout.variable.name!r} do not match {len(ids)} rows "
+                         f"of {layout.variable.shape}")
     if not bool(np.all(ids[1:] > ids[:-1])) and np.unique(ids).size != ids.size:  # sorted unique: no sort
         raise ValueError(f"sparse gradient ids for {layout.variable.name!r} must be unique")
     return [(info, rows, values[positions]) for info, positions, rows in route_ids(layout, ids)]

@@ -377,8 +377,14 @@ def exit_text(code: int, tail: str) -> str:
     what = describe_exit(code)
     causes = [m.group("logged") or m.group("raised") or m.group("fatal") for m in _causes(tail)]
     if causes:
+        said = _GRPC_DETAILS.search(tail) if causes[-1].endswith("of RPC that terminated with:") else None
+        if said:  # (a gRPC error's first line says only that: its status and details are the lines after it)
+            return f"{what}: {causes[-1].split(':', 1)[0]}: {said['status']}: {said['details']}"
         return f"{what}: {causes[-1]}"
     return what + (f"; last log lines: {tail}" if tail else "")
+
+
+_GRPC_DETAILS = re.compile(r"status = StatusCode\.(?P<status>\w+) \| \s*details = \"(?P<details>.*?)\"(?: \||$)")
 
 
 #: Exceptions of a program's own text: a role that ends with the same one twice in a row would raise it again
