@@ -19,6 +19,7 @@ import json
 import os
 import stat
 import textwrap
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -493,20 +494,27 @@ def test_a_member_acts_only_as_itself_and_only_the_chief_drives_the_ps(servers: 
 def test_a_streamed_push_from_a_member_that_pushes_nothing_is_refused_before_its_stream_is_read(
         servers: Servers, pki: Pki) -> None:
     """A ps checked a streamed push's sender only once it had read the whole stream (up to gigabytes per call,
-    from any member's certificate: an agent's, the evaluator's). It refuses at the first frame."""
+    from any member's certificate: an agent's, the evaluator's). It refuses before reading it: here the stream's
+    second frame comes only once the call has ended (or after 10 s, for a ps that waits to read it)."""
     target = servers.start("ps", pki.c1)
-    read = []
+    read: list[int] = []
+    ended = threading.Event()
 
     def frames() -> Iterator[bytes]:
         for i, frame in enumerate(wire.frames([Entry("w", DENSE, np.ones((64, 64), np.float32))],
                                               pb.PushRequest(step_id=9, task="worker:0", incarnation=1), 1024)):
             read.append(i)
             yield frame
+            if i == 0:
+                ended.wait(timeout=10)
 
     with make_channel(target.address, pki.c1["ps-0"]) as channel:
-        push = channel.stream_unary(f"/{wire.PS_SERVICE}/PushFramedStream")
-        assert denied(lambda: push(frames(), timeout=RPC_TIMEOUT)) == "a push is a worker's to send, not ps-0's"
-    assert len(read) < 16, read  # (16 frames in all; gRPC may have sent a few before the refusal came back)
+        call = channel.stream_unary(f"/{wire.PS_SERVICE}/PushFramedStream").future(frames(), timeout=RPC_TIMEOUT)
+        try:
+            assert denied(call.result) == "a push is a worker's to send, not ps-0's"
+        finally:
+            ended.set()
+    assert len(read) < 16, read  # (16 frames in all: a ps that read the stream had them all before it refused)
 
 
 def test_a_heartbeat_and_a_workers_steps_come_only_from_their_own_members(servers: Servers, pki: Pki) -> None:
