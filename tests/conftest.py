@@ -77,22 +77,36 @@ def spec_text(
     )
 
 
-HELD_PROGRAM = textwrap.dedent("""\
-    import os, time
+WRAPPED_PROGRAM = textwrap.dedent("""\
+    import os, sys, time
     from MODULE import build as build_model
+
+    ROLE = os.environ.get("PSCTL_ROLE")
 
     def build(args, data, seed):
         model = build_model(args, data, seed)
+        calls = [0]
         train = model.loss_and_grads
 
         def loss_and_grads(params, batch):
-            if os.path.exists(MARKER):
-                time.sleep(PAUSE)
+            calls[0] += 1
+            if CONDITION:
+    ACTION
             return train(params, batch)
 
         model.loss_and_grads = loss_and_grads
         return model
     """)
+
+
+def misbehaving_program(path: Path, condition: str, *action: str, module: str = "psctl.models.mlp") -> int:
+    """Write ``path``: ``module``'s program whose training step, while ``condition`` holds (Python over ``calls``,
+    the steps this process computed, ``os`` and ``ROLE``), runs the ``action`` lines first (then the step, unless
+    they return, raise or never end). Returns the line number of the action's first line (where a traceback
+    points)."""
+    text = WRAPPED_PROGRAM.replace("MODULE", module).replace("CONDITION", condition)
+    path.write_text(text.replace("ACTION", "\n".join(" " * 12 + a for a in action)), encoding="utf-8")
+    return WRAPPED_PROGRAM.splitlines().index("ACTION") + 1
 
 
 class Hold:
@@ -105,8 +119,8 @@ class Hold:
         folder.mkdir(parents=True, exist_ok=True)
         self.marker = folder / "held"
         self.program = folder / "held_program.py"
-        text = HELD_PROGRAM.replace("MODULE", module).replace("MARKER", repr(str(self.marker)))
-        self.program.write_text(text.replace("PAUSE", repr(pause)), encoding="utf-8")
+        misbehaving_program(self.program, f"os.path.exists({str(self.marker)!r})", f"time.sleep({pause!r})",
+                            module=module)
 
     def start(self) -> None:
         self.marker.touch()

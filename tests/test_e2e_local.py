@@ -29,7 +29,7 @@ from typing import Any
 import psutil
 import pytest
 from cluster_helpers import REPO_ROOT, wait_until
-from conftest import Hold, psctl_binary, readme_files
+from conftest import Hold, misbehaving_program, psctl_binary, readme_files
 
 from psctl.launch.cpus import allowed_cpus, cpus_for_slot, host_slots
 from psctl.runtime.checkpoint import list_checkpoints, step_of
@@ -571,37 +571,6 @@ def test_failed_start_names_the_role_and_leaves_nothing(psctl_env) -> None:
     wait_until(lambda: not psctl_env.processes(status["cluster_id"]), timeout=15,
                what="every process of 'bad' to exit",
                detail=lambda: psctl_env.describe(psctl_env.processes(status["cluster_id"])))
-
-
-MISBEHAVING = textwrap.dedent("""\
-    import os, sys, time
-    from psctl.models import mlp
-
-    ROLE = os.environ.get("PSCTL_ROLE")
-
-    def build(args, data, seed):
-        model = mlp.build(args, data, seed)
-        calls = [0]
-        train = model.loss_and_grads
-
-        def loss_and_grads(params, batch):
-            calls[0] += 1
-            if CONDITION:
-    ACTION
-            return train(params, batch)
-
-        model.loss_and_grads = loss_and_grads
-        return model
-    """)
-
-
-def misbehaving_program(path: Path, condition: str, *action: str) -> int:
-    """Write ``path``: psctl.models.mlp whose training step, once ``condition`` holds (Python over ``calls``, the
-    steps this process computed, ``os`` and ``ROLE``), runs the ``action`` lines instead. Returns the line
-    number of the action's first line (where a traceback points)."""
-    text = MISBEHAVING.replace("CONDITION", condition).replace("ACTION", "\n".join(" " * 12 + a for a in action))
-    path.write_text(text, encoding="utf-8")
-    return MISBEHAVING.splitlines().index("ACTION") + 1
 
 
 def test_a_program_error_in_a_step_fails_the_cluster_saying_which_worker_and_what(psctl_env) -> None:
