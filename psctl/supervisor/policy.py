@@ -402,8 +402,12 @@ def program_error(tail: str) -> str | None:
         return None
     causes = _causes(tail)
     raised = causes[-1].group("raised") if causes else None
-    kind = raised.split(":", 1)[0].rsplit(".", 1)[-1] if raised else None
-    return raised if kind in PROGRAM_ERRORS else None
+    return raised if raised and exception_kind(raised) in PROGRAM_ERRORS else None
+
+
+def exception_kind(raised: str) -> str:
+    """``NameError`` of ``NameError: name 'x' ...`` (``a.b.UnavailableError: ...``: ``UnavailableError``)."""
+    return raised.split(":", 1)[0].rsplit(".", 1)[-1]
 
 
 def role_of_task(task: str) -> str:
@@ -933,9 +937,8 @@ class _Decision:
         elif code is not None and code in policy.permanent_exit_codes:
             why_not = f"exit code {code} is permanent (a configuration or program error)"
         elif raised is not None and raised == live.last_program_error:
-            kind = raised.split(":", 1)[0].rsplit(".", 1)[-1]
-            why_not = (f"a {kind} is the program's own error, raised again by the restart; fix the program, then "
-                       "psctl up again")
+            why_not = (f"a {exception_kind(raised)} is the program's own error, raised again by the restart; fix "
+                       "the program, then psctl up again")
         elif live.failures_in_a_row >= policy.max_restarts:
             times = "once" if live.failures_in_a_row == 1 else f"{live.failures_in_a_row} times"
             why_not = (f"restarted {times} in a row, the limit (max_restarts)" if live.failures_in_a_row
